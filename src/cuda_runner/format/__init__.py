@@ -1,0 +1,30 @@
+"""The bundle format: one module reads and writes it (bundle.py), one knows the manifest."""
+
+from .bundle import (
+    FORMAT_MAJOR,
+    FORMAT_MINOR,
+    BundleReader,
+    WriteError,
+    open_bundle,
+    read_manifest,
+    segment_digest,
+    write_bundle,
+)
+from .manifest import DeviceSpec, DimSpec, Manifest, MethodSpec, SegmentEntry, TensorSpec
+
+__all__ = [
+    "FORMAT_MAJOR",
+    "FORMAT_MINOR",
+    "BundleReader",
+    "DeviceSpec",
+    "DimSpec",
+    "Manifest",
+    "MethodSpec",
+    "SegmentEntry",
+    "TensorSpec",
+    "WriteError",
+    "open_bundle",
+    "read_manifest",
+    "segment_digest",
+    "write_bundle",
+]

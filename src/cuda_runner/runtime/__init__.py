@@ -1,0 +1,1 @@
+"""The runtime: libtorch's shim, model libraries, containers, devices and streams."""

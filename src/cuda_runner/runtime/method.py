@@ -1,0 +1,176 @@
+"""One loaded method: its library, container, executor and signature."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import numpy as np
+
+from ..dtypes import dtype_name
+from ..errors import BundleError, CudaRunnerError, InputError
+from ..format.bundle import BundleReader
+from ..format.manifest import MethodSpec
+from ..validation import check_inputs
+from .container import Container
+from .devices import Device
+from .host import CpuExecutor
+from .library import ModelLibrary
+from .shim import load_shim
+
+Inputs = Mapping[str, Any] | Sequence[Any]
+
+
+class Method:
+    """A method ready to run. Build it with Method.load; close it when done."""
+
+    def __init__(self, spec: MethodSpec, device: Device, library: ModelLibrary, container: Container, executor: Any, timings: dict[str, float]):
+        self.spec = spec
+        self.device = device
+        self._library = library
+        self._container = container
+        self._executor = executor
+        self.load_timings = timings
+        self._dtypes = [input_spec.dtype for input_spec in spec.inputs]
+
+    @classmethod
+    def load(cls, reader: BundleReader, spec: MethodSpec, device: Device, *, verify_weights: bool = True) -> Method:
+        timings: dict[str, float] = {}
+        started = time.perf_counter()
+        library_bytes = reader.read_verified(spec.library_segment)  # always checked
+        weights = reader.segment(spec.weights_segment, verify=verify_weights) if spec.weights_segment else memoryview(b"")
+        timings["verify"] = time.perf_counter() - started
+        shim = load_shim(device.type)
+        started = time.perf_counter()
+        library = ModelLibrary(library_bytes, f"{spec.name}@{reader.path.name}")
+        timings["load_library"] = time.perf_counter() - started
+        container = executor = None
+        try:
+            executor = _executor(shim, device)
+            started = time.perf_counter()
+            container = Container(library, str(device))
+            _check_counts(spec, container)
+            timings["create_container"] = time.perf_counter() - started
+            started = time.perf_counter()
+            executor.load_weights(container, weights)
+            timings["load_weights"] = time.perf_counter() - started
+        except BaseException:
+            _close_parts(executor, container, library)
+            raise
+        finally:
+            weights.release()
+        return cls(spec, device, library, container, executor, timings)
+
+    @property
+    def stream(self) -> Any:
+        """The CUDA stream every copy and run of this method is ordered on (None on CPU)."""
+        return getattr(self._executor, "stream", None)
+
+    def run(self, inputs: Inputs) -> dict[str, np.ndarray]:
+        """NumPy (or array-like) inputs by name or position; NumPy outputs by name."""
+        arrays = self._host_arrays(inputs)
+        check_inputs(self.spec, {name: (dtype_name(array.dtype), array.shape) for name, array in arrays.items()})
+        ordered = [arrays[input_spec.name] for input_spec in self.spec.inputs]
+        outputs = self._executor.run(self._live_container(), self._dtypes, ordered)
+        return self._named(outputs)
+
+    def run_device(self, inputs: Inputs) -> dict[str, Any]:
+        """CuPy arrays in, CuPy arrays out, no host copies (CUDA only).
+
+        bfloat16 travels as uint16 CuPy arrays holding the bits. Outputs are
+        ordered on `self.stream`: synchronize it, or wait on it, before
+        using them on another stream."""
+        if self.device.type != "cuda":
+            raise InputError("run_device needs a method loaded on a CUDA device")
+        arrays = self._by_name(inputs)
+        given = {}
+        for name, array in arrays.items():
+            if not hasattr(array, "__cuda_array_interface__"):
+                raise InputError(f"input {name!r} is not a CUDA array (CuPy, or anything with __cuda_array_interface__)")
+            declared = self.spec.input(name)
+            given[name] = (_device_dtype_name(array, declared.dtype if declared else None), tuple(array.shape))
+        check_inputs(self.spec, given)
+        cupy = self._executor.cupy
+        ordered = [cupy.asarray(arrays[input_spec.name]) for input_spec in self.spec.inputs]
+        return self._named(self._executor.run_device(self._live_container(), self._dtypes, ordered))
+
+    def _host_arrays(self, inputs: Inputs) -> dict[str, np.ndarray]:
+        arrays = {}
+        for name, value in self._by_name(inputs).items():
+            if hasattr(value, "__cuda_array_interface__"):
+                raise InputError(f"input {name!r} is a device array; use run_device for device-resident inputs")
+            array = np.asarray(value)
+            if array.dtype == object:
+                raise InputError(f"input {name!r} is an object array, which is refused")
+            try:
+                dtype_name(array.dtype)
+            except InputError:
+                raise InputError(f"input {name!r}: dtype {array.dtype} is not supported") from None
+            arrays[name] = array
+        return arrays
+
+    def _by_name(self, inputs: Inputs) -> dict[str, Any]:
+        if isinstance(inputs, Mapping):
+            return dict(inputs)
+        values = list(inputs)
+        names = [input_spec.name for input_spec in self.spec.inputs]
+        if len(values) != len(names):
+            raise InputError(f"method {self.spec.name!r} takes {len(names)} input(s) ({', '.join(names) or 'none'}), got {len(values)}")
+        return dict(zip(names, values))
+
+    def _named(self, outputs: list[Any]) -> dict[str, Any]:
+        return {output_spec.name: output for output_spec, output in zip(self.spec.outputs, outputs)}
+
+    def _live_container(self) -> Container:
+        if self._container is None:
+            raise CudaRunnerError(f"method {self.spec.name!r} is closed")
+        return self._container
+
+    def close(self) -> None:
+        """Release in a safe order: finish queued work, delete the container, unload the library."""
+        executor, container, library = self._executor, self._container, self._library
+        self._executor = self._container = self._library = None
+        _close_parts(executor, container, library)
+
+    def __enter__(self) -> Method:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def _executor(shim: Any, device: Device) -> Any:
+    if device.type == "cpu":
+        return CpuExecutor(shim)
+    from .cuda import CudaExecutor
+
+    return CudaExecutor(shim, device.index)
+
+
+def _check_counts(spec: MethodSpec, container: Container) -> None:
+    # A wrong count given to Run terminates the process, so a manifest that
+    # disagrees with its library is refused here, before any Run.
+    if container.num_inputs != len(spec.inputs) or container.num_outputs != len(spec.outputs):
+        raise BundleError(
+            f"method {spec.name!r}: the manifest lists {len(spec.inputs)} inputs and {len(spec.outputs)} outputs, "
+            f"but the library has {container.num_inputs} and {container.num_outputs}"
+        )
+
+
+def _close_parts(executor: Any, container: Container | None, library: ModelLibrary | None) -> None:
+    if executor is not None:
+        executor.close()
+    if container is not None:
+        container.delete()
+    if library is not None:
+        library.close()
+
+
+def _device_dtype_name(array: Any, expected: str | None) -> str:
+    if expected == "bfloat16" and str(array.dtype) == "uint16":
+        return "bfloat16"
+    try:
+        return dtype_name(np.dtype(str(array.dtype)))
+    except (InputError, TypeError):
+        return str(array.dtype)

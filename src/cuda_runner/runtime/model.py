@@ -1,0 +1,87 @@
+"""A loaded bundle: its methods on one device, sharing one open bundle mapping."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterable
+from typing import Any
+
+import numpy as np
+
+from ..errors import InputError
+from ..format.bundle import BundleReader, open_bundle
+from ..format.manifest import Manifest
+from .devices import Device, choose_device
+from .method import Inputs, Method
+
+
+class Model:
+    def __init__(self, reader: BundleReader, device: Device, methods: dict[str, Method]):
+        self._reader = reader
+        self.device = device
+        self.methods = methods
+
+    @property
+    def manifest(self) -> Manifest:
+        return self._reader.manifest
+
+    @property
+    def path(self) -> os.PathLike:
+        return self._reader.path
+
+    def method(self, name: str | None = None) -> Method:
+        """The named method; with no name, 'forward' or the only one there is."""
+        if name is None:
+            if "forward" in self.methods or len(self.methods) != 1:
+                name = "forward"
+            else:
+                name = next(iter(self.methods))
+        found = self.methods.get(name)
+        if found is None:
+            raise InputError(f"bundle has no loaded method {name!r}; it has: {', '.join(self.methods) or 'none'}")
+        return found
+
+    def run(self, inputs: Inputs, method: str | None = None) -> dict[str, np.ndarray]:
+        return self.method(method).run(inputs)
+
+    def run_device(self, inputs: Inputs, method: str | None = None) -> dict[str, Any]:
+        return self.method(method).run_device(inputs)
+
+    def close(self) -> None:
+        for method in reversed(list(self.methods.values())):
+            method.close()
+        self.methods = {}
+        self._reader.close()
+
+    def __enter__(self) -> Model:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def load_model(path: str | os.PathLike, device: str | None = None, *, verify_weights: bool = True, methods: Iterable[str] | None = None) -> Model:
+    reader = open_bundle(path)
+    loaded: dict[str, Method] = {}
+    try:
+        specs = _selected(reader.manifest, methods)
+        target = choose_device(specs, device)
+        for spec in specs:
+            loaded[spec.name] = Method.load(reader, spec, target, verify_weights=verify_weights)
+        return Model(reader, target, loaded)
+    except BaseException:
+        for method in reversed(list(loaded.values())):
+            method.close()
+        reader.close()
+        raise
+
+
+def _selected(manifest: Manifest, names: Iterable[str] | None) -> list:
+    if names is None:
+        return list(manifest.methods.values())
+    specs = []
+    for name in names:
+        if name not in manifest.methods:
+            raise InputError(f"bundle has no method {name!r}; it has: {', '.join(manifest.methods)}")
+        specs.append(manifest.methods[name])
+    return specs
