@@ -6,9 +6,12 @@ The manifest spells dtypes as torch does without the prefix ("float32",
 
 from __future__ import annotations
 
-import numpy as np
+from typing import TYPE_CHECKING
 
 from .errors import InputError
+
+if TYPE_CHECKING:  # NumPy is imported where arrays are handled, not at CLI start-up
+    import numpy as np
 
 # name -> c10::ScalarType code, as recorded in aoti-abi.md. The runtime
 # re-reads the codes from the shim's aoti_torch_dtype_* functions and checks
@@ -32,6 +35,7 @@ FLOAT_DTYPES = frozenset({"float16", "bfloat16", "float32", "float64"})
 
 def _bfloat16() -> np.dtype:
     import ml_dtypes
+    import numpy as np
 
     return np.dtype(ml_dtypes.bfloat16)
 
@@ -42,11 +46,15 @@ def numpy_dtype(name: str) -> np.dtype:
         return _bfloat16()
     if name not in SCALAR_TYPE_CODES:
         raise InputError(f"unsupported dtype {name!r}; supported: {', '.join(DTYPE_NAMES)}")
+    import numpy as np
+
     return np.dtype(name)
 
 
 def dtype_name(dtype: np.dtype) -> str:
     """The manifest name of a NumPy dtype, or an InputError naming it."""
+    import numpy as np
+
     dtype = np.dtype(dtype)
     if dtype.kind == "V" and dtype.name == "bfloat16":
         return "bfloat16"

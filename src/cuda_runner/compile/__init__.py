@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import platform
+import zipfile
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -97,6 +98,8 @@ def compile_programs(
 def _load_program(torch: Any, path: Path) -> Any:
     if not path.is_file():
         raise InputError(f"program file {path} does not exist")
+    if not zipfile.is_zipfile(path):
+        raise InputError(f"cannot read {path}: not an ExportedProgram archive saved with torch.export.save")
     try:
         return torch.export.load(str(path))
     except Exception as error:

@@ -28,7 +28,7 @@ from typing import BinaryIO, Union
 
 import xxhash
 
-from ..errors import BundleError, CudaRunnerError, ExitCode
+from ..errors import BundleError, CudaRunnerError, ExitCode, InputError
 from .manifest import DIGEST_ALGORITHM, MAX_SEGMENTS, Manifest, SegmentEntry, manifest_from_json
 
 MAGIC = b"\x89CRB\r\n\x1a\n"
@@ -203,9 +203,10 @@ class BundleReader:
             self._file = open(self.path, "rb")
             file_size = os.fstat(self._file.fileno()).st_size
         except IsADirectoryError:
-            raise BundleError(f"{self.path} is a directory, not a bundle") from None
+            raise InputError(f"{self.path} is a directory, not a bundle") from None
         except OSError as error:
-            raise BundleError(f"cannot open bundle {self.path}: {error.strerror}") from None
+            # A path that cannot be opened is a usage error, not a bad bundle.
+            raise InputError(f"cannot open bundle {self.path}: {error.strerror}") from None
         if file_size < HEADER_SIZE:
             raise BundleError(f"file is {file_size} bytes, too short for a bundle header ({HEADER_SIZE} bytes)")
         self._map = mmap.mmap(self._file.fileno(), 0, access=mmap.ACCESS_READ)

@@ -3,7 +3,9 @@ deciding whether a method's library can run here."""
 
 from __future__ import annotations
 
+import ctypes
 import functools
+import platform
 import re
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -44,45 +46,98 @@ def cpu_isa_flags() -> frozenset[str]:
     return frozenset()
 
 
+class _Driver:
+    """The CUDA driver API through ctypes: enough to count devices and read
+    their compute capability without importing CuPy or torch."""
+
+    _CAPABILITY_MAJOR = 75  # CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR
+    _CAPABILITY_MINOR = 76
+
+    def __init__(self) -> None:
+        self.library = ctypes.CDLL("libcuda.so.1")
+        if self.library.cuInit(0) != 0:
+            raise OSError("cuInit failed")
+
+    def count(self) -> int:
+        value = ctypes.c_int()
+        return value.value if self.library.cuDeviceGetCount(ctypes.byref(value)) == 0 else 0
+
+    def _device(self, index: int) -> ctypes.c_int:
+        device = ctypes.c_int()
+        if self.library.cuDeviceGet(ctypes.byref(device), index) != 0:
+            raise DeviceError(f"cannot open CUDA device {index}")
+        return device
+
+    def capability(self, index: int) -> str:
+        device = self._device(index)
+        major, minor = ctypes.c_int(), ctypes.c_int()
+        self.library.cuDeviceGetAttribute(ctypes.byref(major), self._CAPABILITY_MAJOR, device)
+        self.library.cuDeviceGetAttribute(ctypes.byref(minor), self._CAPABILITY_MINOR, device)
+        return f"{major.value}.{minor.value}"
+
+    def name(self, index: int) -> str:
+        buffer = ctypes.create_string_buffer(256)
+        self.library.cuDeviceGetName(buffer, len(buffer), self._device(index))
+        return buffer.value.decode("utf-8", "replace")
+
+
 @functools.lru_cache(maxsize=1)
+def _driver() -> _Driver | None:
+    try:
+        return _Driver()
+    except (OSError, AttributeError):
+        return None
+
+
 def cuda_device_count() -> int:
-    """CUDA devices visible through CuPy; 0 when CuPy or a driver is missing."""
-    try:
-        import cupy
-    except Exception:
-        return 0
-    try:
-        return int(cupy.cuda.runtime.getDeviceCount())
-    except Exception:
-        return 0
+    """CUDA devices the driver can see; 0 with no driver or no GPU."""
+    driver = _driver()
+    return driver.count() if driver else 0
 
 
 def compute_capability(index: int) -> str:
-    import cupy
+    driver = _driver()
+    if driver is None:
+        raise DeviceError("no CUDA driver is available")
+    return driver.capability(index)
 
-    digits = cupy.cuda.Device(index).compute_capability  # e.g. "90"
-    return f"{digits[:-1]}.{digits[-1]}"
+
+def device_name(device: Device) -> str:
+    if device.type == "cpu":
+        return platform.processor() or platform.machine()
+    driver = _driver()
+    return driver.name(device.index) if driver else "unknown"
 
 
 def available_devices() -> list[Device]:
     return [Device("cpu"), *(Device("cuda", index) for index in range(cuda_device_count()))]
 
 
+def missing_device(device: Device) -> DeviceError | None:
+    """Why `device` does not exist on this machine, or None."""
+    if device.type == "cpu":
+        return None
+    count = cuda_device_count()
+    if count == 0:
+        return DeviceError("no CUDA device is available on this machine (no NVIDIA driver or GPU was found)")
+    if device.index >= count:
+        return DeviceError(f"{device} does not exist: this machine has {count} CUDA device(s)")
+    return None
+
+
 def incompatibility(method: MethodSpec, device: Device) -> CudaRunnerError | None:
     """Why `method` cannot run on `device` here (an error to raise), or None if it can."""
+    missing = missing_device(device)
+    if missing is not None:
+        return missing
     built = method.device
     if built.type != device.type:
         return IncompatibleBundleError(f"method {method.name!r} was compiled for {built.type}, not {device.type}")
     if device.type == "cpu":
-        missing = sorted(set(built.cpu_flags) - cpu_isa_flags())
-        if missing:
-            return IncompatibleBundleError(f"method {method.name!r} was compiled for a CPU with {', '.join(missing)}, which this CPU lacks")
+        lacking = sorted(set(built.cpu_flags) - cpu_isa_flags())
+        if lacking:
+            return IncompatibleBundleError(f"method {method.name!r} was compiled for a CPU with {', '.join(lacking)}, which this CPU lacks")
         return None
-    count = cuda_device_count()
-    if count == 0:
-        return DeviceError("no CUDA device is available (CuPy is not installed, or no GPU or driver was found)")
-    if device.index >= count:
-        return DeviceError(f"{device} does not exist: this machine has {count} CUDA device(s)")
     if built.compute_capability:
         return _capability_problem(method.name, built.compute_capability, compute_capability(device.index))
     return None

@@ -60,8 +60,15 @@ class Model:
         self.close()
 
 
-def load_model(path: str | os.PathLike, device: str | None = None, *, verify_weights: bool = True, methods: Iterable[str] | None = None) -> Model:
-    reader = open_bundle(path)
+def load_model(
+    source: str | os.PathLike | BundleReader,
+    device: str | None = None,
+    *,
+    verify_weights: bool = True,
+    methods: Iterable[str] | None = None,
+) -> Model:
+    """Load methods (all by default) onto `device`. The Model takes over an open reader."""
+    reader = source if isinstance(source, BundleReader) else open_bundle(source)
     loaded: dict[str, Method] = {}
     try:
         specs = _selected(reader.manifest, methods)

@@ -1,0 +1,65 @@
+"""Small example models: the demo compiles one, and the tests compile several.
+
+Each builder returns (module, example args, dynamic_shapes)."""
+
+from __future__ import annotations
+
+import torch
+from torch.export import Dim
+
+
+class DictMLP(torch.nn.Module):
+    """float32, dynamic batch, nested dict outputs (named 'logits', 'aux.loss', 'aux.hidden')."""
+
+    def __init__(self, width: int = 32):
+        super().__init__()
+        self.encoder = torch.nn.Linear(16, width)
+        self.head = torch.nn.Linear(width, 8)
+
+    def forward(self, x: torch.Tensor, bias: torch.Tensor):
+        hidden = torch.relu(self.encoder(x))
+        return {"logits": self.head(hidden) + bias, "aux": {"loss": hidden.mean(), "hidden": hidden}}
+
+
+class Embedder(torch.nn.Module):
+    """int64 indices in, several outputs out: a bfloat16 tensor, a transposed
+    (non-contiguous) view, and an int64 passthrough count."""
+
+    def __init__(self):
+        super().__init__()
+        self.table = torch.nn.Embedding(50, 8)
+
+    def forward(self, ids: torch.Tensor, scale: torch.Tensor):
+        vectors = self.table(ids) * scale
+        pooled = vectors.sum(dim=1)
+        return pooled.to(torch.bfloat16), pooled.t(), (ids > 10).sum(dim=1)
+
+
+class Bf16MLP(torch.nn.Module):
+    """bfloat16 weights, input and output."""
+
+    def __init__(self):
+        super().__init__()
+        self.layers = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.GELU(), torch.nn.Linear(64, 16))
+
+    def forward(self, x: torch.Tensor):
+        return self.layers(x)
+
+
+def dict_mlp():
+    torch.manual_seed(0)
+    batch = Dim("batch", min=1, max=64)
+    return DictMLP().eval(), (torch.randn(4, 16), torch.randn(8)), {"x": {0: batch}, "bias": None}
+
+
+def embedder():
+    torch.manual_seed(1)
+    return Embedder().eval(), (torch.randint(0, 50, (3, 6)), torch.tensor(0.5)), None
+
+
+def bf16_mlp():
+    torch.manual_seed(2)
+    return Bf16MLP().to(torch.bfloat16).eval(), (torch.randn(2, 32).to(torch.bfloat16),), None
+
+
+BUILDERS = {"dict_mlp": dict_mlp, "embedder": embedder, "bf16_mlp": bf16_mlp}

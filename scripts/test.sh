@@ -1,0 +1,16 @@
+#!/usr/bin/env bash
+# Set up a virtual environment and run the test suite. CI runs exactly this (.ci/run).
+# torch 2.13.0 is pinned: on CPU machines it is the small CPU build.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+python3 -m venv .venv
+.venv/bin/python -m pip install --quiet "torch==2.13.0" -e ".[test]"
+set +e
+.venv/bin/python -m pytest "$@"
+status=$?
+set -e
+if [ "$status" -eq 5 ]; then
+  echo "pytest collected no tests: failing on purpose" >&2
+  exit 1
+fi
+exit "$status"

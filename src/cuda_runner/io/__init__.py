@@ -1,0 +1,1 @@
+"""Inputs and outputs: .npy/.npz files, inline literals, generated inputs."""

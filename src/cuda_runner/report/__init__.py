@@ -1,0 +1,1 @@
+"""Typed, JSON-ready reports built by the library and rendered by the CLI."""

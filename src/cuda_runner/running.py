@@ -1,0 +1,115 @@
+"""`cuda-runner run` as a library call: resolve inputs, load, run, write outputs."""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from .errors import InputError
+from .format.bundle import BundleReader, open_bundle
+from .format.manifest import MethodSpec
+from .io.inputs import ResolvedInputs, parse_ranges, parse_shapes, random_inputs, resolve_inputs
+from .io.npy import save_archive
+from .io.outputs import write_output_archive, write_output_dir
+from .runtime.model import load_model
+
+
+@dataclass
+class RunRequest:
+    bundle: str | os.PathLike
+    inputs: Sequence[str] = ()
+    method: str | None = None
+    device: str | None = None
+    random_inputs: bool = False
+    seed: int = 0
+    shapes: Sequence[str] = ()
+    ranges: Sequence[str] = ()
+    cast: bool = False
+    save_inputs: str | os.PathLike | None = None
+    out_dir: str | os.PathLike | None = None
+    out_file: str | os.PathLike | None = None
+    verify_weights: bool = True
+
+
+@dataclass
+class RunResult:
+    bundle: Path
+    method: MethodSpec
+    device: str
+    inputs: ResolvedInputs
+    outputs: dict[str, np.ndarray]
+    files: dict[str, Path] = field(default_factory=dict)
+    timings: dict[str, float] = field(default_factory=dict)
+
+
+def select_method(reader: BundleReader, name: str | None) -> MethodSpec:
+    methods = reader.manifest.methods
+    if name is None:
+        if len(methods) == 1:
+            return next(iter(methods.values()))
+        if "forward" in methods:
+            return methods["forward"]
+        raise InputError(f"the bundle has several methods ({', '.join(methods)}); choose one with --method")
+    if name not in methods:
+        raise InputError(f"the bundle has no method {name!r}; it has: {', '.join(methods)}")
+    return methods[name]
+
+
+def gather_inputs(method: MethodSpec, request: RunRequest) -> ResolvedInputs:
+    if request.random_inputs:
+        if request.inputs:
+            raise InputError("give either --inputs or --random-inputs, not both")
+        return random_inputs(method, seed=request.seed, shapes=parse_shapes(request.shapes), ranges=parse_ranges(request.ranges))
+    if request.shapes or request.ranges:
+        raise InputError("--shape and --range apply to --random-inputs")
+    return resolve_inputs(method, request.inputs, cast=request.cast)
+
+
+def run_bundle(request: RunRequest, progress: Callable[[str], None] = lambda _: None) -> RunResult:
+    """Everything is checked before the library is loaded; nothing is written on failure."""
+    _check_request(request)
+    timings: dict[str, float] = {}
+    started = time.perf_counter()
+    reader = open_bundle(request.bundle)
+    try:
+        method = select_method(reader, request.method)
+        inputs = gather_inputs(method, request)
+        timings["prepare"] = time.perf_counter() - started
+        if request.save_inputs is not None:
+            save_archive(Path(request.save_inputs) / "inputs.npz", inputs.arrays)
+        progress(f"loading {method.name!r}")
+    except BaseException:
+        reader.close()
+        raise
+    with load_model(reader, request.device, verify_weights=request.verify_weights, methods=[method.name]) as model:
+        loaded = model.method(method.name)
+        timings.update({f"load.{phase}": seconds for phase, seconds in loaded.load_timings.items()})
+        progress(f"running {method.name!r} on {loaded.device}")
+        started = time.perf_counter()
+        outputs = loaded.run(inputs.arrays)
+        timings["run"] = time.perf_counter() - started
+        device = str(loaded.device)
+    result = RunResult(Path(request.bundle), method, device, inputs, outputs, timings=timings)
+    write_outputs(result, request)
+    return result
+
+
+def _check_request(request: RunRequest) -> None:
+    if request.out_file is not None and Path(request.out_file).suffix != ".npz":
+        raise InputError(f"--out {request.out_file}: the archive must end in .npz")
+    if request.out_dir is not None and Path(request.out_dir).exists() and not Path(request.out_dir).is_dir():
+        raise InputError(f"--out-dir {request.out_dir} exists and is not a directory")
+
+
+def write_outputs(result: RunResult, request: RunRequest) -> None:
+    if request.out_dir is not None:
+        result.files.update(write_output_dir(request.out_dir, result.outputs))
+    if request.out_file is not None:
+        archive = write_output_archive(request.out_file, result.outputs)
+        for name in result.outputs:
+            result.files.setdefault(name, archive)

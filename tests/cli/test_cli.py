@@ -1,0 +1,153 @@
+"""The command line as users and CI scripts call it: exit codes, files, JSON."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from helpers import run_cli
+
+
+def _inputs(tmp_path, batch=3):
+    x = np.random.default_rng(0).standard_normal((batch, 16), dtype=np.float32)
+    bias = np.zeros(8, np.float32)
+    np.save(tmp_path / "x.npy", x)
+    np.save(tmp_path / "bias.npy", bias)
+    return x, bias
+
+
+def test_help_loads_neither_torch_nor_cupy_nor_numpy():
+    code = "import sys; sys.argv=['cuda-runner','--help']\nfrom cuda_runner.cli.main import main\ntry: main()\nexcept SystemExit: pass\nprint(sorted(m for m in ('torch','cupy','numpy') if m in sys.modules))"
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert result.stdout.strip().endswith("[]"), result.stdout
+    assert "Exit codes" in result.stdout
+
+
+def test_run_writes_one_npy_per_output_matching_eager(dict_mlp_bundle, tmp_path):
+    x, bias = _inputs(tmp_path)
+    result = run_cli("run", str(dict_mlp_bundle.path), "--inputs", str(tmp_path / "x.npy"), "--inputs", f"bias={tmp_path / 'bias.npy'}", "--out-dir", str(tmp_path / "out"))
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip().splitlines()[-1] == "VERDICT: PASSED"
+    assert sorted(p.name for p in (tmp_path / "out").iterdir()) == ["aux.hidden.npy", "aux.loss.npy", "logits.npy"]
+    expected = dict_mlp_bundle.eager(x, bias)
+    np.testing.assert_allclose(np.load(tmp_path / "out" / "logits.npy"), expected["logits"].numpy(), rtol=1e-5, atol=1e-5)
+
+
+def test_run_json_is_one_document_on_stdout(dict_mlp_bundle, tmp_path):
+    _inputs(tmp_path, batch=5)
+    result = run_cli("run", str(dict_mlp_bundle.path), "-i", str(tmp_path / "x.npy"), "-i", str(tmp_path / "bias.npy"), "--json", "--out", str(tmp_path / "all.npz"))
+    assert result.returncode == 0, result.stderr
+    document = json.loads(result.stdout)
+    assert document["schema"] == "cuda-runner/run/1"
+    assert document["dims"] == {"batch": 5}
+    assert [output["name"] for output in document["outputs"]] == ["logits", "aux.loss", "aux.hidden"]
+    assert document["outputs"][0]["shape"] == [5, 8]
+    assert "VERDICT: PASSED" in result.stderr
+    with np.load(tmp_path / "all.npz") as archive:
+        assert sorted(archive.files) == ["aux.hidden", "aux.loss", "logits"]
+
+
+def test_inspect_json_schema_fields(dict_mlp_bundle):
+    result = run_cli("inspect", str(dict_mlp_bundle.path), "--json", "--verify")
+    assert result.returncode == 0, result.stderr
+    document = json.loads(result.stdout)
+    method = document["methods"]["forward"]
+    assert method["inputs"] == [{"name": "x", "dtype": "float32", "shape": ["batch", 16]}, {"name": "bias", "dtype": "float32", "shape": [8]}]
+    assert method["dims"]["batch"] == {"min": 1, "max": 64, "example": 4}
+    assert method["outputs"][1] == {"name": "aux.loss", "dtype": "float32", "shape": []}
+    assert method["runnable_here"] is True
+    assert document["metadata"] == {"fixture": "dict_mlp"}
+    assert document["verified"] is True
+
+
+def test_inspect_does_not_import_torch_or_cupy(dict_mlp_bundle):
+    code = f"import sys; sys.argv=['cuda-runner','inspect',{str(dict_mlp_bundle.path)!r}]\nfrom cuda_runner.cli.main import main\ntry: main()\nexcept SystemExit: pass\nprint([m for m in ('torch','cupy') if m in sys.modules])"
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert result.stdout.strip().endswith("[]"), result.stdout + result.stderr
+
+
+@pytest.mark.parametrize(
+    ("args", "code", "message"),
+    [
+        (["run", "{bundle}", "-i", "{tmp}/x64.npy", "-i", "{tmp}/bias.npy"], 2, "expected dtype float32, got float64"),
+        (["run", "{bundle}", "-i", "{tmp}/x.npy"], 2, "missing 'bias'"),
+        (["run", "{bundle}", "-i", "{tmp}/missing.npy", "-i", "{tmp}/bias.npy"], 2, "does not exist"),
+        (["run", "{tmp}/garbage.bundle", "--random-inputs"], 3, "bad magic number"),
+        (["run", "{bundle}", "--random-inputs", "--device", "cuda"], 4, "no CUDA device"),
+        (["run", "{bundle}", "--random-inputs", "--device", "tpu"], 2, "unknown device"),
+        (["inspect", "{tmp}/nothing.bundle"], 2, "No such file"),
+        (["run", "{bundle}", "--random-inputs", "--method", "nope"], 2, "no method 'nope'"),
+    ],
+)
+def test_errors_give_one_line_and_the_documented_exit_code(dict_mlp_bundle, tmp_path, args, code, message):
+    _inputs(tmp_path)
+    np.save(tmp_path / "x64.npy", np.ones((2, 16)))
+    (tmp_path / "garbage.bundle").write_bytes(b"not a bundle at all" * 10)
+    argv = [arg.format(bundle=dict_mlp_bundle.path, tmp=tmp_path) for arg in args]
+    result = run_cli(*argv, "--out-dir", str(tmp_path / "out")) if argv[0] == "run" else run_cli(*argv)
+    assert result.returncode == code, result.stderr
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: ") and message in lines[0], result.stderr
+    assert "Traceback" not in result.stderr
+    assert not (tmp_path / "out").exists()  # nothing written on failure
+
+
+def test_verbose_shows_the_traceback(tmp_path):
+    (tmp_path / "garbage.bundle").write_bytes(b"x" * 100)
+    result = run_cli("-v", "inspect", str(tmp_path / "garbage.bundle"))
+    assert result.returncode == 3
+    assert "Traceback" in result.stderr
+
+
+def test_quiet_and_verbose_work_after_the_command(dict_mlp_bundle):
+    result = run_cli("run", str(dict_mlp_bundle.path), "--random-inputs", "-q")
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == "VERDICT: PASSED"
+
+
+def test_no_colour_escape_codes_off_a_terminal(dict_mlp_bundle):
+    env = dict(os.environ)
+    env.pop("NO_COLOR", None)
+    result = subprocess.run([sys.executable, "-m", "cuda_runner", "inspect", str(dict_mlp_bundle.path)], capture_output=True, text=True, env=env)
+    assert result.returncode == 0
+    assert "\x1b[" not in result.stdout
+
+
+def test_compile_cli_from_saved_program(tmp_path):
+    import torch
+
+    program = torch.export.export(torch.nn.Linear(4, 2).eval(), (torch.randn(3, 4),))
+    torch.export.save(program, tmp_path / "linear.pt2")
+    result = run_cli("compile", str(tmp_path / "linear.pt2"), "-o", str(tmp_path / "linear.bundle"), "--meta", "owner=ci")
+    assert result.returncode == 0, result.stderr
+    inspected = json.loads(run_cli("inspect", str(tmp_path / "linear.bundle"), "--json").stdout)
+    assert inspected["metadata"] == {"owner": "ci"}
+    assert inspected["methods"]["forward"]["inputs"][0]["shape"] == [3, 4]
+    run = run_cli("run", str(tmp_path / "linear.bundle"), "-i", "3x4xf32=1", "--json")
+    assert run.returncode == 0, run.stderr
+    assert json.loads(run.stdout)["outputs"][0]["shape"] == [3, 2]
+
+
+def test_compile_reports_an_unreadable_program(tmp_path):
+    (tmp_path / "bad.pt2").write_bytes(b"junk")
+    result = run_cli("compile", str(tmp_path / "bad.pt2"), "-o", str(tmp_path / "out.bundle"))
+    assert result.returncode == 2
+    assert "cannot read" in result.stderr and "Traceback" not in result.stderr
+    assert not (tmp_path / "out.bundle").exists()
+
+
+def test_compile_for_cuda_without_a_gpu_is_a_clear_error(tmp_path):
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("this machine has a GPU")
+    program = torch.export.export(torch.nn.Linear(4, 2).eval(), (torch.randn(3, 4),))
+    torch.export.save(program, tmp_path / "linear.pt2")
+    result = run_cli("compile", str(tmp_path / "linear.pt2"), "-o", str(tmp_path / "out.bundle"), "--device", "cuda")
+    assert result.returncode == 4
+    assert "needs a CUDA GPU" in result.stderr

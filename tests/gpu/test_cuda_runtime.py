@@ -1,0 +1,166 @@
+"""The CUDA path, on the GPU machine: outputs against eager, several bundles,
+zero-copy device arrays, memory steadiness, and unload safety."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+
+import ml_dtypes
+import numpy as np
+import pytest
+
+import cuda_runner
+from helpers import run_cli, to_tensor
+
+pytestmark = pytest.mark.gpu
+
+
+def _eager_cuda(compiled, *arrays):
+    import torch
+
+    module = compiled.module.to("cuda")
+    with torch.no_grad():
+        return module(*[to_tensor(torch, array).to("cuda") for array in arrays])
+
+
+def test_float32_dynamic_batch_dict_outputs_match_eager(cuda_dict_mlp):
+    with cuda_runner.load(cuda_dict_mlp.path) as model:
+        assert str(model.device) == "cuda:0"
+        for batch in (1, 7, 64):
+            x = np.random.default_rng(batch).standard_normal((batch, 16), dtype=np.float32)
+            bias = np.linspace(-1, 1, 8, dtype=np.float32)
+            outputs = model.run({"x": x, "bias": bias})
+            expected = _eager_cuda(cuda_dict_mlp, x, bias)
+            np.testing.assert_allclose(outputs["logits"], expected["logits"].cpu().numpy(), rtol=1e-4, atol=1e-4)
+            np.testing.assert_allclose(outputs["aux.hidden"], expected["aux"]["hidden"].cpu().numpy(), rtol=1e-4, atol=1e-4)
+            np.testing.assert_allclose(outputs["aux.loss"], expected["aux"]["loss"].cpu().numpy(), rtol=1e-4, atol=1e-5)
+
+
+def test_int64_input_bf16_and_strided_outputs_match_eager(cuda_embedder):
+    ids = np.random.default_rng(0).integers(0, 50, (3, 6))
+    scale = np.array(0.25, np.float32)
+    with cuda_runner.load(cuda_embedder.path) as model:
+        pooled, transposed, count = model.run([ids, scale]).values()
+    eager = _eager_cuda(cuda_embedder, ids, scale)
+    assert pooled.dtype == ml_dtypes.bfloat16
+    np.testing.assert_allclose(pooled.astype(np.float32), eager[0].float().cpu().numpy(), rtol=1e-2, atol=1e-2)
+    np.testing.assert_allclose(transposed, eager[1].cpu().numpy(), rtol=1e-5, atol=1e-5)
+    np.testing.assert_array_equal(count, eager[2].cpu().numpy())
+
+
+def test_bfloat16_model_matches_eager(cuda_bf16):
+    x = np.random.default_rng(3).standard_normal((2, 32)).astype(ml_dtypes.bfloat16)
+    with cuda_runner.load(cuda_bf16.path) as model:
+        (output,) = model.run([x]).values()
+    eager = _eager_cuda(cuda_bf16, x).float().cpu().numpy()
+    np.testing.assert_allclose(output.astype(np.float32), eager, rtol=2e-2, atol=2e-2)
+
+
+def test_two_bundles_loaded_together(cuda_dict_mlp, cuda_embedder):
+    first = cuda_runner.load(cuda_dict_mlp.path)
+    second = cuda_runner.load(cuda_embedder.path)
+    try:
+        assert first.method().stream.ptr != second.method().stream.ptr  # one stream per method
+        x, bias = np.ones((2, 16), np.float32), np.zeros(8, np.float32)
+        a = first.run({"x": x, "bias": bias})["logits"]
+        second.run([np.zeros((3, 6), np.int64), np.array(1.0, np.float32)])
+        b = first.run({"x": x, "bias": bias})["logits"]
+        np.testing.assert_array_equal(a, b)
+    finally:
+        second.close()
+        first.close()
+
+
+def test_device_arrays_in_and_out_without_copies(cuda_dict_mlp):
+    import cupy
+
+    x = np.random.default_rng(1).standard_normal((4, 16), dtype=np.float32)
+    bias = np.zeros(8, np.float32)
+    with cuda_runner.load(cuda_dict_mlp.path) as model:
+        host = model.run({"x": x, "bias": bias})
+        device = model.run_device({"x": cupy.asarray(x), "bias": cupy.asarray(bias)})
+        model.method().stream.synchronize()
+        assert isinstance(device["logits"], cupy.ndarray)
+        np.testing.assert_allclose(cupy.asnumpy(device["logits"]), host["logits"], rtol=1e-6, atol=1e-6)
+
+
+def _used_device_bytes():
+    import cupy
+
+    free, total = cupy.cuda.runtime.memGetInfo()
+    return total - free
+
+
+def test_thousands_of_runs_do_not_grow_gpu_memory(cuda_dict_mlp):
+    import cupy
+
+    x, bias = np.ones((64, 16), np.float32), np.zeros(8, np.float32)
+    with cuda_runner.load(cuda_dict_mlp.path) as model:
+        for _ in range(50):
+            model.run({"x": x, "bias": bias})
+            model.run_device({"x": cupy.asarray(x), "bias": cupy.asarray(bias)})
+        model.method().stream.synchronize()
+        before = _used_device_bytes()
+        for _ in range(3000):
+            model.run({"x": x, "bias": bias})
+            model.run_device({"x": cupy.asarray(x), "bias": cupy.asarray(bias)})
+        model.method().stream.synchronize()
+        after = _used_device_bytes()
+    print(f"device memory used before {before} after {after} bytes")
+    assert after - before < 4 << 20  # allocator slack, not per-run growth (6000 runs)
+
+
+def test_deleting_one_container_keeps_another_models_outputs_alive(cuda_dict_mlp, cuda_embedder):
+    import cupy
+
+    first = cuda_runner.load(cuda_dict_mlp.path)
+    second = cuda_runner.load(cuda_embedder.path)
+    x, bias = cupy.ones((2, 16), cupy.float32), cupy.zeros(8, cupy.float32)
+    outputs = first.run_device({"x": x, "bias": bias})
+    first.method().stream.synchronize()
+    snapshot = cupy.asnumpy(outputs["logits"])
+    second.close()
+    first.close()
+    np.testing.assert_array_equal(cupy.asnumpy(outputs["logits"]), snapshot)
+    del outputs
+
+
+def test_create_run_delete_cycles_in_a_fresh_process(cuda_dict_mlp, cuda_embedder):
+    script = f"""
+import numpy as np, cuda_runner, sys
+for cycle in range(10):
+    a = cuda_runner.load({str(cuda_dict_mlp.path)!r})
+    b = cuda_runner.load({str(cuda_embedder.path)!r})
+    a.run({{"x": np.ones((2, 16), np.float32), "bias": np.zeros(8, np.float32)}})
+    b.run([np.zeros((3, 6), np.int64), np.array(1.0, np.float32)])
+    a.close(); b.close()
+print("cycles ok", "torch" in sys.modules)
+"""
+    result = subprocess.run([sys.executable, "-X", "faulthandler", "-c", script], capture_output=True, text=True, timeout=180)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert result.stdout.split() == ["cycles", "ok", "False"]
+
+
+def test_cli_run_on_gpu_cold_process(cuda_dict_mlp, tmp_path):
+    np.save(tmp_path / "x.npy", np.ones((4, 16), np.float32))
+    np.save(tmp_path / "bias.npy", np.zeros(8, np.float32))
+    started = time.perf_counter()
+    result = run_cli("run", str(cuda_dict_mlp.path), "-i", str(tmp_path / "x.npy"), "-i", str(tmp_path / "bias.npy"), "--json", "--out-dir", str(tmp_path / "out"))
+    elapsed = time.perf_counter() - started
+    assert result.returncode == 0, result.stderr
+    document = json.loads(result.stdout)
+    assert document["device"] == "cuda:0"
+    print(f"cold CLI run on GPU: {elapsed:.3f} s; phases {document['timings_s']}")
+    expected = _eager_cuda(cuda_dict_mlp, np.ones((4, 16), np.float32), np.zeros(8, np.float32))
+    np.testing.assert_allclose(np.load(tmp_path / "out" / "logits.npy"), expected["logits"].cpu().numpy(), rtol=1e-4, atol=1e-4)
+
+
+def test_inspect_reports_cuda_bundle_runnable(cuda_dict_mlp):
+    document = json.loads(run_cli("inspect", str(cuda_dict_mlp.path), "--json").stdout)
+    method = document["methods"]["forward"]
+    assert method["device"]["type"] == "cuda"
+    assert method["runnable_here"] is True, method["not_runnable_reason"]

@@ -1,0 +1,58 @@
+"""Helpers shared by the test packages (fixtures live in the conftest files)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "examples"))  # examples/models.py
+
+
+@dataclass
+class CompiledModel:
+    path: Path
+    module: Any
+    args: tuple
+
+    def eager(self, *arrays: np.ndarray) -> Any:
+        """The eager PyTorch result for NumPy inputs."""
+        import torch
+
+        tensors = [to_tensor(torch, array) for array in arrays]
+        with torch.no_grad():
+            return self.module(*tensors)
+
+
+def to_tensor(torch: Any, array: np.ndarray) -> Any:
+    import ml_dtypes
+
+    array = np.ascontiguousarray(array)
+    if array.dtype == ml_dtypes.bfloat16:  # torch.from_numpy does not know ml_dtypes
+        return torch.from_numpy(array.view(np.int16)).view(torch.bfloat16)
+    return torch.from_numpy(array)
+
+
+def compile_fixture(tmp_path_factory: pytest.TempPathFactory, builder: str, device: str = "cpu") -> CompiledModel:
+    import cuda_runner
+    import models
+
+    module, args, dynamic_shapes = models.BUILDERS[builder]()
+    path = tmp_path_factory.mktemp(builder) / f"{builder}.bundle"
+    cuda_runner.compile_module(module, args, path, device=device, dynamic_shapes=dynamic_shapes, metadata={"fixture": builder})
+    return CompiledModel(path, module, args)
+
+
+def run_cli(*args: str, cwd: Path | None = None, env: dict | None = None) -> subprocess.CompletedProcess:
+    """Run the installed console script, as a user or CI job would."""
+    environment = dict(os.environ, NO_COLOR="1", **(env or {}))
+    return subprocess.run(
+        [sys.executable, "-m", "cuda_runner", *args], cwd=cwd, env=environment, capture_output=True, text=True, timeout=300,
+    )
