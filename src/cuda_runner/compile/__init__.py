@@ -141,7 +141,9 @@ def compile_sources(
 def _compile_method(torch: Any, method: str, source: MethodSource, device: str, progress: Progress) -> tuple[MethodSpec, dict[str, bytes]]:
     program = source.program
     if device != "cpu":
-        program = torch.export.passes.move_to_device_pass(program, device)
+        from torch.export.passes import move_to_device_pass
+
+        program = move_to_device_pass(program, device)
     signature = program_signature(program, source.dim_names)
     args, kwargs = _example_inputs(torch, program, signature, device)
     progress(f"compiling method {method!r} for {device}")
