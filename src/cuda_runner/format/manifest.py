@@ -141,7 +141,7 @@ class Manifest:
 
 def _method_to_json(method: MethodSpec) -> dict[str, Any]:
     data: dict[str, Any] = {
-        "device": {key: value for key, value in dataclasses.asdict(method.device).items() if value not in (None, ())},
+        "device": {key: list(value) if isinstance(value, tuple) else value for key, value in dataclasses.asdict(method.device).items() if value not in (None, ())},
         "library_segment": method.library_segment,
         "weights_segment": method.weights_segment,
         "inputs": [_tensor_to_json(spec) for spec in method.inputs],
