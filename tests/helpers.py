@@ -46,8 +46,18 @@ def compile_fixture(tmp_path_factory: pytest.TempPathFactory, builder: str, devi
 
     module, args, dynamic_shapes = models.BUILDERS[builder]()
     path = tmp_path_factory.mktemp(builder) / f"{builder}.bundle"
-    cuda_runner.compile_module(module, args, path, device=device, dynamic_shapes=dynamic_shapes, metadata={"fixture": builder})
+    samples = SAMPLES.get(builder)
+    cuda_runner.compile_module(
+        module, args, path, device=device, dynamic_shapes=dynamic_shapes, metadata={"fixture": builder},
+        sample_inputs=samples() if samples else None,
+    )
     return CompiledModel(path, module, args)
+
+
+# Sample inputs stored in fixture bundles, for --self-test.
+SAMPLES = {
+    "dict_mlp": lambda: {"x": np.random.default_rng(7).standard_normal((5, 16), dtype=np.float32), "bias": np.ones(8, np.float32)},
+}
 
 
 def run_cli(*args: str, cwd: Path | None = None, env: dict | None = None) -> subprocess.CompletedProcess:

@@ -13,10 +13,12 @@ import numpy as np
 from .errors import InputError
 from .format.bundle import BundleReader, open_bundle
 from .format.manifest import MethodSpec
-from .io.inputs import ResolvedInputs, parse_ranges, parse_shapes, random_inputs, resolve_inputs
+from .io.inputs import InputSource, ResolvedInputs, finish_inputs, parse_ranges, parse_shapes, random_inputs, resolve_inputs
 from .io.npy import save_archive
 from .io.outputs import write_output_archive, write_output_dir
 from .runtime.model import load_model
+from .verify.compare import Comparison, Tolerances, compare_outputs
+from .verify.reference import bundle_samples, load_reference
 
 
 @dataclass
@@ -34,6 +36,9 @@ class RunRequest:
     out_dir: str | os.PathLike | None = None
     out_file: str | os.PathLike | None = None
     verify_weights: bool = True
+    expected: str | os.PathLike | None = None
+    self_test: bool = False
+    tolerances: Tolerances = field(default_factory=Tolerances)
 
 
 @dataclass
@@ -45,6 +50,11 @@ class RunResult:
     outputs: dict[str, np.ndarray]
     files: dict[str, Path] = field(default_factory=dict)
     timings: dict[str, float] = field(default_factory=dict)
+    comparison: Comparison | None = None
+
+    @property
+    def verdict(self) -> str:
+        return "FAILED" if self.comparison is not None and not self.comparison.passed else "PASSED"
 
 
 def select_method(reader: BundleReader, name: str | None) -> MethodSpec:
@@ -60,7 +70,20 @@ def select_method(reader: BundleReader, name: str | None) -> MethodSpec:
     return methods[name]
 
 
-def gather_inputs(method: MethodSpec, request: RunRequest) -> ResolvedInputs:
+def gather_inputs(reader: BundleReader, method: MethodSpec, request: RunRequest) -> tuple[ResolvedInputs, dict[str, np.ndarray] | None]:
+    """The inputs, and the reference outputs if the request compares against any."""
+    if request.self_test:
+        if request.inputs or request.random_inputs or request.expected is not None:
+            raise InputError("--self-test uses the samples stored in the bundle; give no --inputs, --random-inputs or --expected")
+        sample_inputs, sample_outputs = bundle_samples(reader, method)
+        sources = [InputSource(name, "sample", "stored in the bundle") for name in sample_inputs]
+        return finish_inputs(method, sample_inputs, sources), sample_outputs
+    inputs = _fresh_inputs(method, request)
+    expected = None if request.expected is None else load_reference(request.expected, [spec.name for spec in method.outputs])
+    return inputs, expected
+
+
+def _fresh_inputs(method: MethodSpec, request: RunRequest) -> ResolvedInputs:
     if request.random_inputs:
         if request.inputs:
             raise InputError("give either --inputs or --random-inputs, not both")
@@ -78,7 +101,7 @@ def run_bundle(request: RunRequest, progress: Callable[[str], None] = lambda _: 
     reader = open_bundle(request.bundle)
     try:
         method = select_method(reader, request.method)
-        inputs = gather_inputs(method, request)
+        inputs, expected = gather_inputs(reader, method, request)
         timings["prepare"] = time.perf_counter() - started
         if request.save_inputs is not None:
             save_archive(Path(request.save_inputs) / "inputs.npz", inputs.arrays)
@@ -95,6 +118,8 @@ def run_bundle(request: RunRequest, progress: Callable[[str], None] = lambda _: 
         timings["run"] = time.perf_counter() - started
         device = str(loaded.device)
     result = RunResult(Path(request.bundle), method, device, inputs, outputs, timings=timings)
+    if expected is not None:
+        result.comparison = compare_outputs(outputs, expected, request.tolerances)
     write_outputs(result, request)
     return result
 

@@ -123,10 +123,13 @@ def test_compile_cli_from_saved_program(tmp_path):
 
     program = torch.export.export(torch.nn.Linear(4, 2).eval(), (torch.randn(3, 4),))
     torch.export.save(program, tmp_path / "linear.pt2")
-    result = run_cli("compile", str(tmp_path / "linear.pt2"), "-o", str(tmp_path / "linear.bundle"), "--meta", "owner=ci")
+    np.savez(tmp_path / "samples.npz", input=np.ones((3, 4), np.float32))
+    result = run_cli("compile", str(tmp_path / "linear.pt2"), "-o", str(tmp_path / "linear.bundle"), "--meta", "owner=ci", "--sample-inputs", str(tmp_path / "samples.npz"))
     assert result.returncode == 0, result.stderr
     inspected = json.loads(run_cli("inspect", str(tmp_path / "linear.bundle"), "--json").stdout)
     assert inspected["metadata"] == {"owner": "ci"}
+    assert inspected["methods"]["forward"]["samples"] is True
+    assert run_cli("run", str(tmp_path / "linear.bundle"), "--self-test").returncode == 0
     assert inspected["methods"]["forward"]["inputs"][0]["shape"] == [3, 4]
     run = run_cli("run", str(tmp_path / "linear.bundle"), "-i", "3x4xf32=1", "--json")
     assert run.returncode == 0, run.stderr

@@ -124,7 +124,7 @@ def compile_command(
     device: Annotated[str, typer.Option(help="cpu, cuda or cuda:N.")] = "cpu",
     method: Annotated[list[str], typer.Option("--method", help="More methods: NAME=PROGRAM.pt2 (repeatable).")] = [],  # noqa: B006
     meta: Annotated[list[str], typer.Option("--meta", help="Free-form metadata KEY=VALUE (repeatable).")] = [],  # noqa: B006
-    sample_inputs: Annotated[Optional[str], typer.Option(help="An .npz of inputs to store with eager reference outputs, for run --self-test.")] = None,
+    sample_inputs: Annotated[list[str], typer.Option("--sample-inputs", help="An .npz of inputs to store with their eager outputs, for run --self-test: FILE for 'forward', or METHOD=FILE (repeatable).")] = [],  # noqa: B006
 ) -> None:
     """Compile ExportedPrograms into a bundle with AOTInductor."""
     programs = {"forward": Path(program)} if program is not None else {}
@@ -138,9 +138,13 @@ def compile_command(
     if not _State.verbose:
         _silence_torch_logs()
 
-    samples = None
-    if sample_inputs is not None:
-        samples = {name: load_archive(sample_inputs) for name in programs}
+    samples = {}
+    for item in sample_inputs:
+        name, sep, path = item.rpartition("=")
+        name = name if sep else "forward"
+        if name not in programs:
+            raise typer.BadParameter(f"{item!r}: there is no method {name!r} to attach samples to", param_hint="--sample-inputs")
+        samples[name] = load_archive(path)
     with _status("compiling") as status:
         def progress(message: str) -> None:
             if status is not None:
@@ -203,26 +207,38 @@ def run_command(
     print_stats: Annotated[bool, typer.Option("--print", help="Show per-output min/max/mean and NaN/Inf counts.")] = False,
     json_output: Annotated[bool, typer.Option("--json", help="Print one JSON document (schema cuda-runner/run/1).")] = False,
     skip_weights_digest: Annotated[bool, typer.Option("--skip-weights-digest", help="Do not re-check the weights digest (faster for huge weights; the library is always checked).")] = False,
+    expected: Annotated[Optional[str], typer.Option("--expected", help="Reference outputs to compare with: an .npz keyed by output name, or a directory of <output>.npy.")] = None,
+    atol: Annotated[list[str], typer.Option("--atol", help="Absolute tolerance, for all outputs or NAME=VALUE for one (default by dtype: float32 1e-4, float16 1e-2, bfloat16 2e-2, float64 1e-7; integers and bool exact).")] = [],  # noqa: B006
+    rtol: Annotated[list[str], typer.Option("--rtol", help="Relative tolerance, like --atol. An element passes when |actual-expected| <= atol + rtol*|expected|. Reported relative error is |actual-expected| / (|expected| + 1e-12), so a zero reference gives no NaN.")] = [],  # noqa: B006
+    exact: Annotated[bool, typer.Option("--exact", help="Require exact equality for every output.")] = False,
+    self_test: Annotated[bool, typer.Option("--self-test", help="Run the sample inputs stored in the bundle and compare with the eager outputs stored with them.")] = False,
 ) -> None:
-    """Run a method of a bundle on inputs and write its outputs."""
+    """Run a method of a bundle on inputs, write its outputs, and optionally compare them with a reference (exit 1 if they differ)."""
     from ..running import RunRequest, run_bundle
+    from ..verify.compare import parse_tolerances
 
     request = RunRequest(
         bundle=bundle, inputs=inputs, method=method, device=device, random_inputs=random_inputs, seed=seed,
         shapes=shape, ranges=value_range, cast=cast, save_inputs=save_inputs, out_dir=out_dir, out_file=out,
-        verify_weights=not skip_weights_digest,
+        verify_weights=not skip_weights_digest, expected=expected, self_test=self_test,
+        tolerances=parse_tolerances(atol, rtol, exact),
     )
     with _status("loading") as status:
         result = run_bundle(request, progress=(status.update if status is not None else _progress))
     from ..report.documents import run_document
-    from .render import print_json, render_run, stdout
+    from .render import print_json, render_comparison, render_run
 
     document = run_document(result)
     if json_output:
         print_json(document)
-    elif not _State.quiet:
-        render_run(document, show_stats=print_stats)
+    else:
+        if not _State.quiet:
+            render_run(document, show_stats=print_stats)
+        if document["comparison"] is not None:
+            render_comparison(document["comparison"])
     _verdict(document["verdict"], json_output)
+    if document["verdict"] != "PASSED":
+        raise typer.Exit(int(ExitCode.VERIFICATION_FAILED))
 
 
 def _verdict(verdict: str, json_output: bool) -> None:

@@ -127,3 +127,23 @@ def render_run(document: dict[str, Any], show_stats: bool) -> None:
 
 def _number(value: float | None) -> str:
     return "-" if value is None else f"{value:.6g}"
+
+
+def render_comparison(comparison: dict[str, Any]) -> None:
+    """One PASSED/FAILED line per output, with its error statistics."""
+    for output in comparison["outputs"]:
+        line = f"{output['verdict']} {output['name']}"
+        if output["max_abs_error"] is not None:
+            line += (f"  max_abs={output['max_abs_error']:.3g} mean_abs={output['mean_abs_error']:.3g} "
+                     f"median_abs={output['median_abs_error']:.3g} max_rel={output['max_rel_error']:.3g}")
+        line += f"  (atol={output['atol']:g}, rtol={output['rtol']:g})"
+        if not output["passed"]:
+            line += f": {output['reason']}"
+            if output["worst_index"] is not None:
+                line += f"; worst at {output['worst_index']}: got {output['worst_actual']}, expected {output['worst_expected']}"
+        nans = (output["nan_actual"], output["nan_expected"], output["inf_actual"], output["inf_expected"])
+        if any(nans):
+            line += f"  [NaN {nans[0]}/{nans[1]}, Inf {nans[2]}/{nans[3]} actual/expected]"
+        stdout.print(text(line), style=None if output["passed"] else "red")
+    for name in comparison["not_compared"]:
+        stdout.print(text(f"SKIPPED {name}: no reference given"))

@@ -59,7 +59,9 @@ def _require_file(path: Path) -> None:
 
 
 def write_npy(handle: BinaryIO, array: np.ndarray) -> None:
-    array = np.ascontiguousarray(array)
+    array = np.asarray(array)
+    if not array.flags.c_contiguous:
+        array = array.copy(order="C")  # not ascontiguousarray: it turns 0-d arrays into 1-d
     if array.dtype == np.dtype(ml_dtypes.bfloat16):
         header = {"descr": "bfloat16", "fortran_order": False, "shape": array.shape}
         np.lib.format.write_array_header_1_0(handle, header)

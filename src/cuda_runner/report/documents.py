@@ -66,7 +66,7 @@ def inspect_document(reader: BundleReader, problems: dict[str, str | None], veri
     }
 
 
-def run_document(result: Any, *, with_stats: bool = True, verdict: str = "PASSED") -> dict[str, Any]:
+def run_document(result: Any, *, with_stats: bool = True) -> dict[str, Any]:
     """The `run` JSON document (schema cuda-runner/run/1) for a running.RunResult."""
     from .stats import array_stats
 
@@ -91,7 +91,8 @@ def run_document(result: Any, *, with_stats: bool = True, verdict: str = "PASSED
         "inputs": inputs,
         "outputs": outputs,
         "timings_s": {key: round(value, 6) for key, value in result.timings.items()},
-        "verdict": verdict,
+        "comparison": None if result.comparison is None else result.comparison.to_json(),
+        "verdict": result.verdict,
     }
 
 
