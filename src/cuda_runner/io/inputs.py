@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import json
 import re
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -22,7 +22,7 @@ import numpy as np
 
 from ..dtypes import FLOAT_DTYPES, dtype_name, numpy_dtype
 from ..errors import InputError
-from ..format.manifest import MethodSpec
+from ..format.manifest import MethodSpec, TensorSpec
 from ..validation import check_inputs, evaluate_shape_entry
 from .npy import load_archive, load_array
 
@@ -52,17 +52,29 @@ class ResolvedInputs:
 
 
 def resolve_inputs(method: MethodSpec, specs: Sequence[str], *, cast: bool = False, base: Path | None = None) -> ResolvedInputs:
-    """Parse --inputs arguments for `method`, then validate them against its signature."""
+    """Parse --inputs arguments for `method`, then validate them against its signature.
+
+    Positional entries fill, in order, the inputs that no entry names."""
+    entries = [entry for text in specs for entry in _parse_one(method, text, base)]
+    named = {entry.name for entry in entries if entry.name is not None}
+    positional = iter(spec.name for spec in method.inputs if spec.name not in named)
     arrays: dict[str, np.ndarray] = {}
     sources: list[InputSource] = []
-    positional = iter(spec.name for spec in method.inputs)
-    for text in specs:
-        for name, array, source in _parse_one(method, text, positional, base):
-            if name in arrays:
-                raise InputError(f"input {name!r} is given twice")
-            arrays[name] = array
-            sources.append(source)
+    for entry in entries:
+        name = entry.name or _next_positional(method, positional)
+        if name in arrays:
+            raise InputError(f"input {name!r} is given twice")
+        arrays[name] = entry.load(name)
+        sources.append(InputSource(name, entry.origin, entry.detail))
     return finish_inputs(method, arrays, sources, cast=cast)
+
+
+@dataclass(frozen=True)
+class _Entry:
+    name: str | None  # None: positional
+    load: Callable[[str], np.ndarray]
+    origin: str
+    detail: str
 
 
 def finish_inputs(method: MethodSpec, arrays: dict[str, np.ndarray], sources: list[InputSource], *, cast: bool = False) -> ResolvedInputs:
@@ -83,30 +95,41 @@ def _dtype_label(array: np.ndarray) -> str:
         return str(array.dtype)
 
 
-def _parse_one(method: MethodSpec, text: str, positional, base: Path | None):
+def _parse_one(method: MethodSpec, text: str, base: Path | None) -> list[_Entry]:
     name, value = _split_name(text)
     if value.startswith("@"):
         value = value[1:]
     elif name is None and _IREE_LITERAL.match(value):
-        name = _next_positional(method, positional)  # IREE's unnamed '2x2xf32=1 2 3 4'
+        return [_Entry(None, lambda target: _literal(method, target, value), "literal", _short(value))]  # IREE's unnamed form
     if name is not None and _looks_literal(value):
-        declared = method.input(name)
-        if declared is None:
-            raise InputError(f"input {name!r} is not an input of method {method.name!r}; it takes: {', '.join(s.name for s in method.inputs)}")
-        yield name, parse_literal(name, value, declared.dtype), InputSource(name, "literal", value if len(value) <= 40 else value[:37] + "...")
-        return
+        _literal_target(method, name)
+        return [_Entry(name, lambda target: _literal(method, target, value), "literal", _short(value))]
     path = Path(value) if base is None or Path(value).is_absolute() else base / value
     if path.suffix == ".npz":
         if name is not None:
             raise InputError(f"{text!r}: an .npz archive supplies inputs by its keys; give it without a NAME=")
+        entries = []
         for key, array in load_archive(path).items():
             if method.input(key) is None:
                 raise InputError(f"archive {path} has key {key!r}, which is not an input of method {method.name!r} ({', '.join(s.name for s in method.inputs)})")
-            yield key, array, InputSource(key, "archive", str(path))
-        return
-    if name is None:
-        name = _next_positional(method, positional)
-    yield name, load_array(path), InputSource(name, "file", str(path))
+            entries.append(_Entry(key, lambda _, array=array: array, "archive", str(path)))
+        return entries
+    return [_Entry(name, lambda _: load_array(path), "file", str(path))]
+
+
+def _short(text: str) -> str:
+    return text if len(text) <= 40 else text[:37] + "..."
+
+
+def _literal_target(method: MethodSpec, name: str) -> TensorSpec:
+    declared = method.input(name)
+    if declared is None:
+        raise InputError(f"input {name!r} is not an input of method {method.name!r}; it takes: {', '.join(s.name for s in method.inputs)}")
+    return declared
+
+
+def _literal(method: MethodSpec, name: str, value: str) -> np.ndarray:
+    return parse_literal(name, value, _literal_target(method, name).dtype)
 
 
 def _next_positional(method: MethodSpec, positional) -> str:
@@ -186,10 +209,17 @@ def _conform(name: str, array: np.ndarray, declared: str, cast: bool) -> np.ndar
         return array
     if not cast:
         raise InputError(f"input {name!r}: expected dtype {declared}, got {given} (use --cast for a same-kind conversion)")
-    target = numpy_dtype(declared)
-    if not np.can_cast(array.dtype, target, casting="same_kind"):
+    if _kind(given) != _kind(declared):
         raise InputError(f"input {name!r}: cannot cast {given} to {declared}; --cast only converts within a kind (e.g. float64 to float32)")
-    return array.astype(target)
+    return array.astype(numpy_dtype(declared))
+
+
+def _kind(dtype: str) -> str:
+    if dtype in FLOAT_DTYPES:
+        return "float"
+    if dtype.startswith("int"):
+        return "signed"
+    return dtype  # uint8 and bool convert to nothing else
 
 
 # --------------------------------------------------------------------------
