@@ -51,8 +51,18 @@ def numpy_dtype(name: str) -> np.dtype:
     return np.dtype(name)
 
 
+_NAMES_BY_DTYPE: dict = {}  # np.dtype.name is slow, and this sits on the per-call path
+
+
 def dtype_name(dtype: np.dtype) -> str:
     """The manifest name of a NumPy dtype, or an InputError naming it."""
+    name = _NAMES_BY_DTYPE.get(dtype)
+    if name is None:
+        name = _NAMES_BY_DTYPE[dtype] = _dtype_name_uncached(dtype)
+    return name
+
+
+def _dtype_name_uncached(dtype: np.dtype) -> str:
     import numpy as np
 
     dtype = np.dtype(dtype)

@@ -250,6 +250,66 @@ def _verdict(verdict: str, json_output: bool) -> None:
         print(line)
 
 
+@app.command("bench")
+@handles_errors
+def bench_command(
+    bundle: Annotated[str, typer.Argument(help="The bundle to benchmark.")],
+    inputs: Annotated[list[str], typer.Option("--inputs", "-i", help="Inputs as for run (default: --random-inputs).")] = [],  # noqa: B006
+    method: Annotated[Optional[str], typer.Option(help="Method to run.")] = None,
+    device: Annotated[Optional[str], typer.Option(help="cpu, cuda or cuda:N.")] = None,
+    random_inputs: Annotated[bool, typer.Option("--random-inputs", help="Generate inputs from the signature (the default when no --inputs).")] = False,
+    seed: Annotated[int, typer.Option(help="Seed for random inputs.")] = 0,
+    shape: Annotated[list[str], typer.Option("--shape", help="Sizes for dynamic dims, NAME=4x128.")] = [],  # noqa: B006
+    value_range: Annotated[list[str], typer.Option("--range", help="Value range NAME=LO:HI for random inputs.")] = [],  # noqa: B006
+    warmup: Annotated[int, typer.Option(help="Untimed runs before measuring.")] = 10,
+    iterations: Annotated[int, typer.Option(help="Timed runs.")] = 100,
+    duration: Annotated[Optional[float], typer.Option(help="Measure for this many seconds instead of --iterations.")] = None,
+    skip_weights_digest: Annotated[bool, typer.Option("--skip-weights-digest", help="Leave the weights digest unchecked while loading.")] = False,
+    json_output: Annotated[bool, typer.Option("--json", help="Print one JSON document (schema cuda-runner/bench/1).")] = False,
+) -> None:
+    """Measure load time, first run and steady-state latency, split into copies and compute."""
+    from ..bench import BenchRequest, benchmark
+    from ..running import RunRequest
+    from .render import print_json, render_bench
+
+    if warmup < 0 or iterations < 1 or (duration is not None and duration <= 0):
+        raise typer.BadParameter("--warmup must be >= 0, --iterations >= 1 and --duration > 0")
+    run = RunRequest(
+        bundle=bundle, inputs=inputs, method=method, device=device, random_inputs=random_inputs or not inputs,
+        seed=seed, shapes=shape, ranges=value_range, verify_weights=not skip_weights_digest,
+    )
+    with _progress_bar("measuring") as advance:
+        result = benchmark(BenchRequest(run, warmup=warmup, iterations=iterations, duration=duration), progress=advance)
+    document = result.to_json()
+    if json_output:
+        print_json(document)
+    else:
+        render_bench(document)
+    from .render import stderr, text
+
+    for warning in result.warnings:
+        stderr.print(text(f"warning: {warning}"), style="yellow")
+
+
+def _progress_bar(label: str):
+    """A progress bar on a terminal; a no-op callback elsewhere."""
+    import contextlib
+
+    if _State.quiet or not sys.stderr.isatty():
+        return contextlib.nullcontext(lambda done, total: None)
+    from rich.progress import Progress
+
+    from .render import stderr
+
+    @contextlib.contextmanager
+    def bar():
+        with Progress(console=stderr, transient=True) as progress:
+            task = progress.add_task(label, total=None)
+            yield lambda done, total: progress.update(task, completed=done, total=total)
+
+    return bar()
+
+
 @app.command("devices")
 @handles_errors
 def devices_command(

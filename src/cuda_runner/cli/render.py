@@ -147,3 +147,30 @@ def render_comparison(comparison: dict[str, Any]) -> None:
         stdout.print(text(line), style=None if output["passed"] else "red")
     for name in comparison["not_compared"]:
         stdout.print(text(f"SKIPPED {name}: no reference given"))
+
+
+def _ms(seconds: float) -> str:
+    return f"{seconds * 1e3:.3f}"
+
+
+def render_bench(document: dict[str, Any]) -> None:
+    out = stdout
+    out.print(text(f"{document['method']} on {document['device']}  ({human_bytes(document['input_bytes'])} in, {human_bytes(document['output_bytes'])} out)"))
+    load = Table(title="load (ms)", title_justify="left", show_edge=False, pad_edge=False)
+    for name in document["load_s"]:
+        load.add_column(name)
+    load.add_column("first run")
+    load.add_row(*[_ms(value) for value in document["load_s"].values()], _ms(document["first_run_s"]))
+    out.print(load)
+    table = Table(title="steady state (ms per run)", title_justify="left", show_edge=False, pad_edge=False)
+    for column in ("what", "n", "min", "median", "mean", "p90", "p95", "p99", "max", "cv"):
+        table.add_column(column)
+    rows = [("host to host", document["steady_s"])]
+    rows += [(f"  {name.replace('_', ' ')}", stats) for name, stats in document["split_s"].items()]
+    if document["device_resident_s"] is not None:
+        rows.append(("device arrays", document["device_resident_s"]))
+    for label, stats in rows:
+        table.add_row(label, str(stats["count"]), *[_ms(stats[key]) for key in ("min", "median", "mean", "p90", "p95", "p99", "max")], f"{stats['cv']:.1%}")
+    out.print(table)
+    out.print(text(f"throughput: {document['throughput_per_s']:.1f} runs/s (host to host, at the median)"))
+    out.print(text("split: CUDA-event device time per phase on a GPU, host timers on CPU; see --json 'definitions'"))

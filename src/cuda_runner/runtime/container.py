@@ -27,6 +27,9 @@ class Container:
         self.num_inputs = self._count(self._get_num_inputs)
         self.num_outputs = self._count(self._get_num_outputs)
         self._weights_loaded = False
+        # Reused by every Run: the library steals the inputs and writes the outputs.
+        self._input_array = (Handle * max(1, self.num_inputs))()
+        self._output_array = (Handle * max(1, self.num_outputs))()
 
     def _bind(self) -> None:
         lib = self.library
@@ -88,13 +91,12 @@ class Container:
             raise ModelRuntimeError("weights must be loaded before Run")
         if len(inputs) != self.num_inputs:
             raise ModelRuntimeError(f"internal error: {len(inputs)} input handles for {self.num_inputs} inputs")
-        input_array = (Handle * max(1, self.num_inputs))(*inputs)
-        output_array = (Handle * max(1, self.num_outputs))()
-        self._check(
-            self._run(self._handle, input_array, self.num_inputs, output_array, self.num_outputs, stream, None),
-            "run the model",
-        )
-        return [output_array[index] or 0 for index in range(self.num_outputs)]
+        input_array, output_array = self._input_array, self._output_array
+        input_array[:self.num_inputs] = inputs
+        status = self._run(self._handle, input_array, self.num_inputs, output_array, self.num_outputs, stream, None)
+        if status != 0:
+            self._check(status, "run the model")
+        return [handle or 0 for handle in output_array[:self.num_outputs]]
 
     def delete(self) -> None:
         if self._handle:

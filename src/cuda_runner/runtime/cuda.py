@@ -19,7 +19,7 @@ from ..errors import DeviceError
 from .container import Container
 from .host import buffer_address
 from .shim import Shim
-from .tensors import OwnedHandles, TensorView, describe, wrap_memory
+from .tensors import Describer, OwnedHandles, TensorView, wrap_memory
 
 _HOST_TO_DEVICE = 1
 _DEVICE_TO_HOST = 2
@@ -63,6 +63,7 @@ class CudaExecutor:
         with self.cupy.cuda.Device(device_index):
             self.stream = self.cupy.cuda.Stream(non_blocking=True)
         self.pinned = PinnedBuffers(self.cupy)
+        self._describe = Describer(shim)
 
     @contextlib.contextmanager
     def _on_stream(self):
@@ -93,14 +94,23 @@ class CudaExecutor:
 
     # -- host arrays in, host arrays out --------------------------------------
 
-    def run(self, container: Container, dtypes: list[str], arrays: list[np.ndarray]) -> list[np.ndarray]:
+    def run(self, container: Container, dtypes: list[str], arrays: list[np.ndarray], phases: dict[str, float] | None = None) -> list[np.ndarray]:
+        """Host arrays in and out. With `phases`, CUDA events time the host-to-device
+        copies, the model and the device-to-host copies (GPU time, in seconds)."""
+        events = _PhaseEvents(self.cupy, self.stream) if phases is not None else None
         with self._on_stream():
+            _mark(events, "start")
             device_inputs = [self._upload(index, array) for index, array in enumerate(arrays)]
+            _mark(events, "uploaded")
             owned = self._run(container, dtypes, [(buffer.data.ptr, array.shape) for buffer, array in zip(device_inputs, arrays)])
             try:
-                views = [describe(self.shim, handle) for handle in owned.handles]
+                _mark(events, "computed")
+                views = [self._describe(handle) for handle in owned.handles]
                 staged = [self._download(index, view) for index, view in enumerate(views)]
+                _mark(events, "downloaded")
                 self.stream.synchronize()
+                if events is not None:
+                    phases.update(events.phases())
                 return [_host_copy(buffer, view) for buffer, view in zip(staged, views)]
             finally:
                 self.stream.synchronize()
@@ -155,7 +165,7 @@ class CudaExecutor:
         with self._on_stream():
             inputs = [self.cupy.ascontiguousarray(array) for array in arrays]
             owned = self._run(container, dtypes, [(array.data.ptr, array.shape) for array in inputs])
-        views = [describe(self.shim, handle) for handle in owned.handles]
+        views = [self._describe(handle) for handle in owned.handles]
         keepers = {handle: _HandleKeeper(self.shim, handle, inputs) for handle in owned.transfer()}
         return [self._device_array(view, keepers[handle]) for handle, view in zip(owned.handles, views)]
 
@@ -163,6 +173,34 @@ class CudaExecutor:
         with contextlib.suppress(Exception):
             self.stream.synchronize()
         self.pinned.clear()
+
+
+class _PhaseEvents:
+    """CUDA events recorded on the method's stream between the phases of a run."""
+
+    NAMES = ("start", "uploaded", "computed", "downloaded")
+
+    def __init__(self, cupy: Any, stream: Any):
+        self._stream = stream
+        self._events = {name: cupy.cuda.Event() for name in self.NAMES}
+
+    def mark(self, name: str) -> None:
+        self._events[name].record(self._stream)
+
+    def phases(self) -> dict[str, float]:
+        from cupy.cuda import get_elapsed_time
+
+        events = self._events
+        return {
+            "copy_in": get_elapsed_time(events["start"], events["uploaded"]) / 1e3,
+            "compute": get_elapsed_time(events["uploaded"], events["computed"]) / 1e3,
+            "copy_out": get_elapsed_time(events["computed"], events["downloaded"]) / 1e3,
+        }
+
+
+def _mark(events: _PhaseEvents | None, name: str) -> None:
+    if events is not None:
+        events.mark(name)
 
 
 class _HandleKeeper:

@@ -67,13 +67,16 @@ class Method:
         """The CUDA stream every copy and run of this method is ordered on (None on CPU)."""
         return getattr(self._executor, "stream", None)
 
-    def run(self, inputs: Inputs) -> dict[str, np.ndarray]:
-        """NumPy (or array-like) inputs by name or position; NumPy outputs by name."""
+    def run(self, inputs: Inputs, *, phases: dict[str, float] | None = None) -> dict[str, np.ndarray]:
+        """NumPy (or array-like) inputs by name or position; NumPy outputs by name.
+
+        Pass a dict as `phases` to have it filled with the time of the input
+        copies, the model and the output copies (CUDA events on a GPU)."""
         arrays = self._host_arrays(inputs)
         check_inputs(self.spec, {name: (dtype_name(array.dtype), array.shape) for name, array in arrays.items()})
         ordered = [arrays[input_spec.name] for input_spec in self.spec.inputs]
-        outputs = self._executor.run(self._live_container(), self._dtypes, ordered)
-        return self._named(outputs)
+        container = self._live_container()
+        return self._named(self._executor.run(container, self._dtypes, ordered, phases))
 
     def run_device(self, inputs: Inputs) -> dict[str, Any]:
         """CuPy arrays in, CuPy arrays out, no host copies (CUDA only).
@@ -91,9 +94,10 @@ class Method:
             declared = self.spec.input(name)
             given[name] = (_device_dtype_name(array, declared.dtype if declared else None), tuple(array.shape))
         check_inputs(self.spec, given)
+        container = self._live_container()
         cupy = self._executor.cupy
         ordered = [cupy.asarray(arrays[input_spec.name]) for input_spec in self.spec.inputs]
-        return self._named(self._executor.run_device(self._live_container(), self._dtypes, ordered))
+        return self._named(self._executor.run_device(container, self._dtypes, ordered))
 
     def _host_arrays(self, inputs: Inputs) -> dict[str, np.ndarray]:
         arrays = {}

@@ -49,37 +49,42 @@ def wrap_memory(shim: Shim, address: int, dtype: str, shape: tuple[int, ...], st
     sizes = (ctypes.c_int64 * max(1, ndim))(*shape)
     element_strides = (ctypes.c_int64 * max(1, ndim))(*strides)
     handle = Handle()
-    shim.check(
-        shim.create_tensor_from_blob_v2(
-            ctypes.c_void_p(address), ndim, sizes, element_strides, 0, shim.dtype_codes[dtype],
-            device_type, device_index, ctypes.byref(handle), shim.layout_strided, None, 0,
-        ),
-        "create an input tensor handle",
+    status = shim.create_tensor_from_blob_v2(
+        address, ndim, sizes, element_strides, 0, shim.dtype_codes[dtype],
+        device_type, device_index, ctypes.byref(handle), shim.layout_strided, None, 0,
     )
+    if status != 0:
+        shim.check(status, "create an input tensor handle")
     return handle.value
 
 
-def describe(shim: Shim, handle: int) -> TensorView:
-    address = ctypes.c_void_p()
-    ndim = ctypes.c_int64()
-    sizes = _I64P()
-    strides = _I64P()
-    dtype = ctypes.c_int32()
-    device_type = ctypes.c_int32()
-    shim.check(shim.get_data_ptr(handle, ctypes.byref(address)), "read an output's data pointer")
-    shim.check(shim.get_dim(handle, ctypes.byref(ndim)), "read an output's rank")
-    shim.check(shim.get_sizes(handle, ctypes.byref(sizes)), "read an output's sizes")
-    shim.check(shim.get_strides(handle, ctypes.byref(strides)), "read an output's strides")
-    shim.check(shim.get_dtype(handle, ctypes.byref(dtype)), "read an output's dtype")
-    shim.check(shim.get_device_type(handle, ctypes.byref(device_type)), "read an output's device")
-    rank = ndim.value
-    return TensorView(
-        address=address.value or 0,
-        dtype=shim.dtype_names.get(dtype.value, f"code {dtype.value}"),
-        shape=tuple(sizes[index] for index in range(rank)),
-        strides=tuple(strides[index] for index in range(rank)),
-        device_type=device_type.value,
-    )
+class Describer:
+    """Reads output handles. The ctypes out-parameters are made once and reused:
+    this runs for every output of every call."""
+
+    def __init__(self, shim: Shim):
+        self._shim = shim
+        self._address = ctypes.c_void_p()
+        self._ndim = ctypes.c_int64()
+        self._sizes = _I64P()
+        self._strides = _I64P()
+        self._dtype = ctypes.c_int32()
+        self._device = ctypes.c_int32()
+        self._refs = [ctypes.byref(value) for value in (self._address, self._ndim, self._sizes, self._strides, self._dtype, self._device)]
+        self._calls = (shim.get_data_ptr, shim.get_dim, shim.get_sizes, shim.get_strides, shim.get_dtype, shim.get_device_type)
+
+    def __call__(self, handle: int) -> TensorView:
+        for call, ref in zip(self._calls, self._refs):
+            if call(handle, ref) != 0:
+                self._shim.check(1, "read an output tensor's metadata")
+        rank = self._ndim.value
+        return TensorView(
+            address=self._address.value or 0,
+            dtype=self._shim.dtype_names.get(self._dtype.value, f"code {self._dtype.value}"),
+            shape=tuple(self._sizes[:rank]),
+            strides=tuple(self._strides[:rank]),
+            device_type=self._device.value,
+        )
 
 
 class OwnedHandles:
