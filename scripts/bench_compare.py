@@ -94,8 +94,8 @@ def cli_cold(bundle: Path, input_file: Path, repeats: int) -> dict[str, Any]:
     return spread(samples)
 
 
-def api(bundle: Path, input_file: Path, device: str, iterations: int) -> dict[str, Any]:
-    request = BenchRequest(RunRequest(bundle=bundle, inputs=[str(input_file)], device=device), warmup=20, iterations=iterations)
+def api(bundle: Path, input_file: Path, device: str, iterations: int, cuda_graph: bool = False) -> dict[str, Any]:
+    request = BenchRequest(RunRequest(bundle=bundle, inputs=[str(input_file)], device=device, cuda_graph=cuda_graph), warmup=20, iterations=iterations)
     return benchmark(request).to_json()
 
 
@@ -218,6 +218,25 @@ def pinned_bandwidth(nbytes: int) -> dict[str, float]:
     return results
 
 
+def staging_costs(nbytes: int) -> dict[str, Any]:
+    """Host-side cost of getting a pageable array to the DMA engine: a copy into
+    pinned staging (what the runtime does) against registering the array itself."""
+    import cupy
+
+    array = np.ones(nbytes, np.uint8)
+    staging = np.frombuffer(cupy.cuda.alloc_pinned_memory(nbytes), np.uint8, nbytes)
+    copies, registrations = [], []
+    for _ in range(8):
+        started = time.perf_counter()
+        np.copyto(staging, array)
+        copies.append(time.perf_counter() - started)
+        started = time.perf_counter()
+        cupy.cuda.runtime.hostRegister(array.ctypes.data, nbytes, 0)
+        cupy.cuda.runtime.hostUnregister(array.ctypes.data)
+        registrations.append(time.perf_counter() - started)
+    return {"copy_into_pinned_s": spread(copies[2:]), "register_and_unregister_s": spread(registrations[2:])}
+
+
 def copy_efficiency(api_result: dict[str, Any]) -> dict[str, Any]:
     pinned = pinned_bandwidth(api_result["input_bytes"])
     split = api_result["split_s"]
@@ -230,6 +249,8 @@ def copy_efficiency(api_result: dict[str, Any]) -> dict[str, Any]:
         "pinned_gb_s": pinned,
         "cuda_runner_gb_s": ours,
         "fraction_of_pinned": {key: ours[key] / pinned[key] for key in ours},
+        "end_to_end_gb_s": (api_result["input_bytes"] + api_result["output_bytes"]) / api_result["steady_s"]["median"] / 1e9,
+        "staging": staging_costs(api_result["input_bytes"]),
     }
 
 
@@ -377,6 +398,9 @@ def main() -> int:
             entry["api"] = api(bundle, work / f"{name}-x.npy", device, iterations)
             log(f"{name}: eager")
             entry["eager_s"] = eager(torch, module, array, device, iterations)
+            if name == "mlp" and device == "cuda":
+                log(f"{name}: in-process API with a CUDA graph")
+                entry["api_cuda_graph"] = api(bundle, work / f"{name}-x.npy", device, iterations, cuda_graph=True)
             if name == "mlp":
                 log(f"{name}: C floor")
                 entry["c_floor_s"] = c_floor(bundle, device, array, work, 5000)
@@ -439,6 +463,9 @@ def render_markdown(report: dict[str, Any]) -> str:
             lines.append(f"| torch `aoti_load_package` script, cold process | import torch, load package, run once | {loader_cell} |")
         steady = api_result["steady_s"]
         lines.append(f"| cuda-runner API, host arrays | one run, copies included, {steady['count']} runs | {_ms(steady['median'])} ({_ms(steady['min'])}-{_ms(steady['max'])}) |")
+        if entry.get("api_cuda_graph"):
+            graph = entry["api_cuda_graph"]["steady_s"]
+            lines.append(f"| cuda-runner API, host arrays, `--cuda-graph` | one replay, copies included, {graph['count']} runs | {_ms(graph['median'])} ({_ms(graph['min'])}-{_ms(graph['max'])}) |")
         if api_result.get("device_resident_s"):
             resident = api_result["device_resident_s"]
             lines.append(f"| cuda-runner API, device arrays | run_device + synchronize, {resident['count']} runs | {_ms(resident['median'])} ({_ms(resident['min'])}-{_ms(resident['max'])}) |")
@@ -458,7 +485,10 @@ def render_markdown(report: dict[str, Any]) -> str:
                 f"Copies of {copies['bytes'] / (1 << 20):.0f} MiB: host to device {copies['cuda_runner_gb_s']['host_to_device']:.1f} GB/s "
                 f"against {copies['pinned_gb_s']['host_to_device']:.1f} GB/s for a plain pinned copy "
                 f"({copies['fraction_of_pinned']['host_to_device']:.0%}); device to host {copies['cuda_runner_gb_s']['device_to_host']:.1f} GB/s "
-                f"against {copies['pinned_gb_s']['device_to_host']:.1f} GB/s ({copies['fraction_of_pinned']['device_to_host']:.0%}).",
+                f"against {copies['pinned_gb_s']['device_to_host']:.1f} GB/s ({copies['fraction_of_pinned']['device_to_host']:.0%}). "
+                f"End to end (host array in, host array out, both directions counted): {copies['end_to_end_gb_s']:.1f} GB/s. "
+                f"Host-side staging of one input: copy into pinned {_cell(copies['staging']['copy_into_pinned_s'])} ms, "
+                f"register + unregister the array instead {_cell(copies['staging']['register_and_unregister_s'])} ms.",
                 "",
             ]
     if "weights" in report:

@@ -33,11 +33,13 @@ if TYPE_CHECKING:
     from .runtime.model import Model
 
 
-def load(path: Any, device: str | None = None, *, verify_weights: bool = True, methods: Any = None) -> Model:
-    """Load a bundle's methods onto a device ("cpu", "cuda", "cuda:1"; None picks the bundle's)."""
+def load(path: Any, device: str | None = None, *, verify_weights: bool = True, methods: Any = None, cuda_graph: bool = False) -> Model:
+    """Load a bundle's methods onto a device ("cpu", "cuda", "cuda:1"; None picks the bundle's).
+
+    cuda_graph=True captures each (static-shape) method into a CUDA graph and replays it."""
     from .runtime.model import load_model
 
-    return load_model(path, device=device, verify_weights=verify_weights, methods=methods)
+    return load_model(path, device=device, verify_weights=verify_weights, methods=methods, cuda_graph=cuda_graph)
 
 
 def compile_module(*args: Any, **kwargs: Any) -> Any:

@@ -133,11 +133,11 @@ def benchmark(request: BenchRequest, progress: Progress = lambda done, total: No
         inputs, _ = gather_inputs(reader, spec, request.run)
         device = choose_device([spec], request.run.device)
         _, load["libtorch"] = _timed(lambda: load_shim(device.type))
-        method = Method.load(reader, spec, device, verify_weights=request.run.verify_weights)
+        method = Method.load(reader, spec, device, verify_weights=request.run.verify_weights, cuda_graph=request.run.cuda_graph)
     except BaseException:
         reader.close()
         raise
-    renamed = {"verify": "verify", "load_library": "library", "create_container": "container", "load_weights": "weights"}
+    renamed = {"verify": "verify", "load_library": "library", "create_container": "container", "load_weights": "weights", "capture_graph": "capture_graph"}
     load.update({renamed[key]: value for key, value in method.load_timings.items()})
     try:
         return _measure(request, method, inputs.arrays, load, progress)
@@ -151,8 +151,8 @@ def _measure(request: BenchRequest, method: Method, arrays: dict, load: dict[str
     for _ in range(request.warmup):
         method.run(arrays)
     steady = _steady(request, lambda: method.run(arrays), progress)
-    split = _split(method, arrays, min(len(steady), SPLIT_RUNS))
-    resident = _device_resident(method, arrays, min(len(steady), 1000)) if method.device.type == "cuda" else None
+    split = {} if request.run.cuda_graph else _split(method, arrays, min(len(steady), SPLIT_RUNS))
+    resident = _device_resident(method, arrays, min(len(steady), 1000)) if method.device.type == "cuda" and not request.run.cuda_graph else None
     stats = LatencyStats.of(steady)
     result = BenchResult(
         bundle=str(request.run.bundle), method=method.spec.name, device=str(method.device), load=load, first_run=first_run,

@@ -39,6 +39,7 @@ class RunRequest:
     expected: str | os.PathLike | None = None
     self_test: bool = False
     tolerances: Tolerances = field(default_factory=Tolerances)
+    cuda_graph: bool = False
 
 
 @dataclass
@@ -109,7 +110,7 @@ def run_bundle(request: RunRequest, progress: Callable[[str], None] = lambda _: 
     except BaseException:
         reader.close()
         raise
-    with load_model(reader, request.device, verify_weights=request.verify_weights, methods=[method.name]) as model:
+    with load_model(reader, request.device, verify_weights=request.verify_weights, methods=[method.name], cuda_graph=request.cuda_graph) as model:
         loaded = model.method(method.name)
         timings.update({f"load.{phase}": seconds for phase, seconds in loaded.load_timings.items()})
         progress(f"running {method.name!r} on {loaded.device}")

@@ -164,3 +164,19 @@ def test_inspect_reports_cuda_bundle_runnable(cuda_dict_mlp):
     method = document["methods"]["forward"]
     assert method["device"]["type"] == "cuda"
     assert method["runnable_here"] is True, method["not_runnable_reason"]
+
+
+def test_cuda_graph_replay_matches_plain_runs_and_follows_new_inputs(cuda_bf16):
+    rng = np.random.default_rng(5)
+    with cuda_runner.load(cuda_bf16.path) as plain, cuda_runner.load(cuda_bf16.path, cuda_graph=True) as graphed:
+        assert "capture_graph" in graphed.method().load_timings
+        for _ in range(3):
+            x = rng.standard_normal((2, 32)).astype(ml_dtypes.bfloat16)
+            (expected,) = plain.run([x]).values()
+            (replayed,) = graphed.run([x]).values()
+            np.testing.assert_array_equal(replayed.view(np.uint16), expected.view(np.uint16))
+
+
+def test_cuda_graph_refuses_dynamic_shapes(cuda_dict_mlp):
+    with pytest.raises(cuda_runner.InputError, match="static shapes"):
+        cuda_runner.load(cuda_dict_mlp.path, cuda_graph=True)

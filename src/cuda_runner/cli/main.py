@@ -212,6 +212,7 @@ def run_command(
     rtol: Annotated[list[str], typer.Option("--rtol", help="Relative tolerance, like --atol. An element passes when |actual-expected| <= atol + rtol*|expected|. Reported relative error is |actual-expected| / (|expected| + 1e-12), so a zero reference gives no NaN.")] = [],  # noqa: B006
     exact: Annotated[bool, typer.Option("--exact", help="Require exact equality for every output.")] = False,
     self_test: Annotated[bool, typer.Option("--self-test", help="Run the sample inputs stored in the bundle and compare with the eager outputs stored with them.")] = False,
+    cuda_graph: Annotated[bool, typer.Option("--cuda-graph", help="Capture the (static-shape) method into a CUDA graph and replay it; imports torch.")] = False,
 ) -> None:
     """Run a method of a bundle on inputs, write its outputs, and optionally compare them with a reference (exit 1 if they differ)."""
     from ..running import RunRequest, run_bundle
@@ -221,7 +222,7 @@ def run_command(
         bundle=bundle, inputs=inputs, method=method, device=device, random_inputs=random_inputs, seed=seed,
         shapes=shape, ranges=value_range, cast=cast, save_inputs=save_inputs, out_dir=out_dir, out_file=out,
         verify_weights=not skip_weights_digest, expected=expected, self_test=self_test,
-        tolerances=parse_tolerances(atol, rtol, exact),
+        tolerances=parse_tolerances(atol, rtol, exact), cuda_graph=cuda_graph,
     )
     with _status("loading") as status:
         result = run_bundle(request, progress=(status.update if status is not None else _progress))
@@ -266,6 +267,7 @@ def bench_command(
     duration: Annotated[Optional[float], typer.Option(help="Measure for this many seconds instead of --iterations.")] = None,
     skip_weights_digest: Annotated[bool, typer.Option("--skip-weights-digest", help="Leave the weights digest unchecked while loading.")] = False,
     json_output: Annotated[bool, typer.Option("--json", help="Print one JSON document (schema cuda-runner/bench/1).")] = False,
+    cuda_graph: Annotated[bool, typer.Option("--cuda-graph", help="Capture the (static-shape) method into a CUDA graph and replay it; imports torch.")] = False,
 ) -> None:
     """Measure load time, first run and steady-state latency, split into copies and compute."""
     from ..bench import BenchRequest, benchmark
@@ -276,7 +278,7 @@ def bench_command(
         raise typer.BadParameter("--warmup must be >= 0, --iterations >= 1 and --duration > 0")
     run = RunRequest(
         bundle=bundle, inputs=inputs, method=method, device=device, random_inputs=random_inputs or not inputs,
-        seed=seed, shapes=shape, ranges=value_range, verify_weights=not skip_weights_digest,
+        seed=seed, shapes=shape, ranges=value_range, verify_weights=not skip_weights_digest, cuda_graph=cuda_graph,
     )
     with _progress_bar("measuring") as advance:
         result = benchmark(BenchRequest(run, warmup=warmup, iterations=iterations, duration=duration), progress=advance)

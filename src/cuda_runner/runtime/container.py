@@ -37,6 +37,8 @@ class Container:
         self._delete = lib.function(f"{_PREFIX}Delete", (Handle,))
         run_argtypes = (Handle, ctypes.POINTER(Handle), ctypes.c_size_t, ctypes.POINTER(Handle), ctypes.c_size_t, ctypes.c_void_p, ctypes.c_void_p)
         self._run = lib.function(f"{_PREFIX}Run", run_argtypes)
+        # No model pool and no event: what a CUDA graph capture wants.
+        self._run_single_threaded = lib.function(f"{_PREFIX}RunSingleThreaded", run_argtypes, required=False)
         self._get_num_inputs = lib.function(f"{_PREFIX}GetNumInputs", (Handle, _SIZE_P))
         self._get_num_outputs = lib.function(f"{_PREFIX}GetNumOutputs", (Handle, _SIZE_P))
         self._get_num_constants = lib.function(f"{_PREFIX}GetNumConstants", (Handle, _SIZE_P))
@@ -85,15 +87,18 @@ class Container:
         self._check(self._update_from_blob(self._handle, ctypes.c_void_p(blob_address)), "load the weights")
         self._weights_loaded = True
 
-    def run(self, inputs: list[int], stream: int | None) -> list[int]:
+    def run(self, inputs: list[int], stream: int | None, *, single_threaded: bool = False) -> list[int]:
         """Run; input handles are stolen by the library, output handles are new and ours."""
+        if single_threaded and self._run_single_threaded is None:
+            raise ModelRuntimeError("this model library has no RunSingleThreaded entry point")
         if not self._weights_loaded:
             raise ModelRuntimeError("weights must be loaded before Run")
         if len(inputs) != self.num_inputs:
             raise ModelRuntimeError(f"internal error: {len(inputs)} input handles for {self.num_inputs} inputs")
         input_array, output_array = self._input_array, self._output_array
         input_array[:self.num_inputs] = inputs
-        status = self._run(self._handle, input_array, self.num_inputs, output_array, self.num_outputs, stream, None)
+        run = self._run_single_threaded if single_threaded else self._run
+        status = run(self._handle, input_array, self.num_inputs, output_array, self.num_outputs, stream, None)
         if status != 0:
             self._check(status, "run the model")
         return [handle or 0 for handle in output_array[:self.num_outputs]]

@@ -35,7 +35,7 @@ class Method:
         self._dtypes = [input_spec.dtype for input_spec in spec.inputs]
 
     @classmethod
-    def load(cls, reader: BundleReader, spec: MethodSpec, device: Device, *, verify_weights: bool = True) -> Method:
+    def load(cls, reader: BundleReader, spec: MethodSpec, device: Device, *, verify_weights: bool = True, cuda_graph: bool = False) -> Method:
         timings: dict[str, float] = {}
         started = time.perf_counter()
         library_bytes = reader.read_verified(spec.library_segment)  # always checked
@@ -55,6 +55,8 @@ class Method:
             started = time.perf_counter()
             executor.load_weights(container, weights)
             timings["load_weights"] = time.perf_counter() - started
+            if cuda_graph:
+                executor = _graph_executor(executor, container, spec, timings)
         except BaseException:
             _close_parts(executor, container, library)
             raise
@@ -84,8 +86,8 @@ class Method:
         bfloat16 travels as uint16 CuPy arrays holding the bits. Outputs are
         ordered on `self.stream`: synchronize it, or wait on it, before
         using them on another stream."""
-        if self.device.type != "cuda":
-            raise InputError("run_device needs a method loaded on a CUDA device")
+        if not hasattr(self._executor, "run_device"):
+            raise InputError("run_device needs a method loaded on a CUDA device, without --cuda-graph")
         arrays = self._by_name(inputs)
         given = {}
         for name, array in arrays.items():
@@ -150,6 +152,17 @@ def _executor(shim: Any, device: Device) -> Any:
     from .cuda import CudaExecutor
 
     return CudaExecutor(shim, device.index)
+
+
+def _graph_executor(executor: Any, container: Container, spec: MethodSpec, timings: dict[str, float]) -> Any:
+    if not hasattr(executor, "cupy"):
+        raise InputError("--cuda-graph needs a CUDA device")
+    from .graphs import CudaGraphExecutor
+
+    started = time.perf_counter()
+    graph = CudaGraphExecutor(executor, container, spec)
+    timings["capture_graph"] = time.perf_counter() - started
+    return graph
 
 
 def _check_counts(spec: MethodSpec, container: Container) -> None:

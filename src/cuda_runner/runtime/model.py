@@ -66,6 +66,7 @@ def load_model(
     *,
     verify_weights: bool = True,
     methods: Iterable[str] | None = None,
+    cuda_graph: bool = False,
 ) -> Model:
     """Load methods (all by default) onto `device`. The Model takes over an open reader."""
     reader = source if isinstance(source, BundleReader) else open_bundle(source)
@@ -74,7 +75,7 @@ def load_model(
         specs = _selected(reader.manifest, methods)
         target = choose_device(specs, device)
         for spec in specs:
-            loaded[spec.name] = Method.load(reader, spec, target, verify_weights=verify_weights)
+            loaded[spec.name] = Method.load(reader, spec, target, verify_weights=verify_weights, cuda_graph=cuda_graph)
         return Model(reader, target, loaded)
     except BaseException:
         for method in reversed(list(loaded.values())):
