@@ -256,8 +256,6 @@ def copy_efficiency(api_result: dict[str, Any]) -> dict[str, Any]:
 
 def weights_loading(torch: Any, work: Path, gib: float) -> dict[str, Any]:
     """Load a GiB-scale weights segment: registered as pinned (the runtime's path) vs the mapped blob passed directly."""
-    import cupy
-
     width = int((gib * (1 << 30) / 4) ** 0.5) // 256 * 256
     module = torch.nn.Linear(width, width, bias=False).eval()
     bundle = compile_bundle(torch, "weights", module, (torch.randn(2, width),), "cuda", work)
@@ -276,21 +274,18 @@ def weights_loading(torch: Any, work: Path, gib: float) -> dict[str, Any]:
         with cuda_runner.load(bundle, verify_weights=False) as model:
             return model.method().load_timings["load_weights"]
 
-    real_register = cupy.cuda.runtime.hostRegister
-
-    def refuse(*_args: Any) -> None:
-        raise cupy.cuda.runtime.CUDARuntimeError(1)
+    from cuda_runner.runtime.cuda import CudaExecutor
 
     results: dict[str, Any] = {"bytes": size}
-    for label, register in (("registered_pinned", real_register), ("mapped_direct", refuse)):
-        cupy.cuda.runtime.hostRegister = register
+    for label, pin in (("registered_pinned", True), ("mapped_direct", False)):
+        CudaExecutor.pin_weights = pin
         try:
             load_seconds(cold=False)  # warm the page cache and the CUDA context
             for cache in ("warm", "cold"):
                 samples = [load_seconds(cold=cache == "cold") for _ in range(3)]
                 results[f"{label}_{cache}"] = {"seconds": spread(samples), "gb_s": size / statistics.median(samples) / 1e9}
         finally:
-            cupy.cuda.runtime.hostRegister = real_register
+            CudaExecutor.pin_weights = True
     with open_bundle(bundle) as reader:
         spec = reader.manifest.methods["forward"]
         view = reader.segment(spec.weights_segment, verify=False)

@@ -67,6 +67,11 @@ static uint8_t *read_file(const char *path) {
     return data;
 }
 
+static int fail(const char *what) {
+    fprintf(stderr, "could not %s\n", what);
+    return 3;
+}
+
 static double now(void) {
     struct timespec t;
     clock_gettime(CLOCK_MONOTONIC, &t);
@@ -108,18 +113,22 @@ int main(int argc, char **argv) {
     delete_fn delete_tensor = need(torch_cpu, "aoti_torch_delete_tensor_object");
 
     Handle container = NULL;
-    if (create(&container, 1, cuda ? "cuda" : "cpu", NULL)) return 3;
+    if (create(&container, 1, cuda ? "cuda" : "cpu", NULL)) return fail("create the container");
     if (cuda) {
         void *driver = dlopen("libcuda.so.1", RTLD_NOW);
         stream_create_fn stream_create = need(driver, "cuStreamCreate");
-        if (stream_create(&stream, 1 /* CU_STREAM_NON_BLOCKING */)) return 3;
+        int status = stream_create(&stream, 1 /* CU_STREAM_NON_BLOCKING */);
+        if (status) {
+            fprintf(stderr, "cuStreamCreate: %d\n", status);
+            return 3;
+        }
     }
     size_t constants = 0, outputs = 0;
     num_constants(container, &constants);
     num_outputs(container, &outputs);
     if (constants) {
         uint8_t *blob = read_file(argv[3]);
-        if (!blob || load_blob(container, blob)) return 3;
+        if (!blob || load_blob(container, blob)) return fail("load the weights");
         free(blob);
     }
     int inputs = argc - 6;
@@ -139,7 +148,7 @@ int main(int argc, char **argv) {
             stride *= sizes[i][d] > 0 ? sizes[i][d] : 1;
         }
         Handle owner;  /* owns the memory for the whole run; each Run gets a fresh view */
-        if (empty(ranks[i], sizes[i], strides[i], dtypes[i], cuda ? 1 : 0, 0, &owner)) return 3;
+        if (empty(ranks[i], sizes[i], strides[i], dtypes[i], cuda ? 1 : 0, 0, &owner)) return fail("allocate an input");
         data_ptr(owner, &data[i]);
     }
     Handle in[MAX_INPUTS], out[64];
@@ -152,7 +161,7 @@ int main(int argc, char **argv) {
         for (int i = 0; i < inputs; i++) {
             from_blob(data[i], ranks[i], sizes[i], strides[i], 0, dtypes[i], cuda ? 1 : 0, 0, &in[i], 0, NULL, 0);
         }
-        if (run(container, in, inputs, out, outputs, stream, NULL)) return 4;
+        if (run(container, in, inputs, out, outputs, stream, NULL)) return fail("run");
         for (size_t o = 0; o < outputs; o++) {
             int seen = 0;  /* aliased outputs share a handle: delete it once */
             for (size_t p = 0; p < o; p++) seen |= out[p] == out[o];

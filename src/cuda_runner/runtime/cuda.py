@@ -1,14 +1,19 @@
-"""The CUDA executor: CuPy memory, one stream per method, pinned staging.
+"""The CUDA executor: one stream per method, pinned staging, CuPy arrays on request.
 
 Pageable host<->device copies run at 6-9 GB/s on the H200 machine against
 54 GB/s pinned (aoti-abi.md §4), so every host copy goes through pinned
 staging buffers that belong to the method and grow as needed, and every copy
 and the Run itself are ordered on the method's own stream.
+
+The host path drives the CUDA runtime through `cupy_backends` (CuPy's thin
+runtime bindings, 3 ms to import) rather than `import cupy` (0.5 s), which
+only `run_device` needs, for its CuPy arrays.
 """
 
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import weakref
 from typing import Any
 
@@ -24,70 +29,156 @@ from .tensors import Describer, OwnedHandles, TensorView, wrap_memory
 _HOST_TO_DEVICE = 1
 _DEVICE_TO_HOST = 2
 _HOST_REGISTER_READ_ONLY = 8  # cudaHostRegisterReadOnly
+_STREAM_NON_BLOCKING = 1
+_CUPY_MISSING = "running on CUDA needs CuPy; install it with: pip install 'cuda-runner[cuda12]' (or [cuda13])"
+
+
+def cuda_runtime() -> Any:
+    try:
+        from cupy_backends.cuda.api import runtime
+    except ImportError:
+        raise DeviceError(_CUPY_MISSING) from None
+    return runtime
 
 
 def _cupy() -> Any:
     try:
         import cupy
     except ImportError:
-        raise DeviceError("running on CUDA needs CuPy; install it with: pip install 'cuda-runner[cuda12]' (or [cuda13])") from None
+        raise DeviceError(_CUPY_MISSING) from None
     return cupy
+
+
+def _capacity(nbytes: int) -> int:
+    return 1 << max(12, (max(nbytes, 1) - 1).bit_length())
+
+
+class Stream:
+    """A non-blocking CUDA stream owned by one method."""
+
+    def __init__(self, runtime: Any, device_index: int):
+        self._runtime = runtime
+        self.device_index = device_index
+        self.ptr = runtime.streamCreateWithFlags(_STREAM_NON_BLOCKING)
+
+    def synchronize(self) -> None:
+        self._runtime.streamSynchronize(self.ptr)
+
+    def as_cupy(self) -> Any:
+        """The same stream as a CuPy stream object, for `with stream:` blocks."""
+        return _cupy().cuda.ExternalStream(self.ptr, self.device_index)
+
+    def destroy(self) -> None:
+        if self.ptr:
+            self._runtime.streamDestroy(self.ptr)
+            self.ptr = 0
 
 
 class PinnedBuffers:
     """Reusable page-locked host buffers, one per slot, grown to powers of two."""
 
-    def __init__(self, cupy: Any):
-        self._cupy = cupy
-        self._buffers: dict[Any, np.ndarray] = {}
+    def __init__(self, runtime: Any):
+        self._runtime = runtime
+        self._buffers: dict[Any, tuple[int, np.ndarray]] = {}
+        # Outgrown buffers stay allocated until clear(): arrays handed out by
+        # pinned_input() may still view them.
+        self._retired: list[tuple[int, np.ndarray]] = []
 
     def get(self, slot: Any, nbytes: int) -> np.ndarray:
-        buffer = self._buffers.get(slot)
-        if buffer is None or buffer.nbytes < nbytes:
-            capacity = 1 << max(12, (nbytes - 1).bit_length())
-            memory = self._cupy.cuda.alloc_pinned_memory(capacity)
-            buffer = np.frombuffer(memory, dtype=np.uint8, count=capacity)
-            self._buffers[slot] = buffer
-        return buffer[:nbytes]
+        entry = self._buffers.get(slot)
+        if entry is None or entry[1].nbytes < nbytes:
+            if entry is not None:
+                self._retired.append(entry)
+            capacity = _capacity(nbytes)
+            pointer = self._runtime.hostAlloc(capacity, 0)
+            entry = (pointer, np.frombuffer((ctypes.c_uint8 * capacity).from_address(pointer), np.uint8))
+            self._buffers[slot] = entry
+        return entry[1][:nbytes]
+
+    def owns(self, array: np.ndarray) -> bool:
+        """Whether `array` lies inside one of these buffers (then no staging copy is needed)."""
+        start = array.ctypes.data
+        entries = [*self._buffers.values(), *self._retired]
+        return any(pointer <= start and start + array.nbytes <= pointer + buffer.nbytes for pointer, buffer in entries)
 
     def clear(self) -> None:
+        for pointer, _ in [*self._buffers.values(), *self._retired]:
+            self._runtime.freeHost(pointer)
+        self._buffers.clear()
+        self._retired.clear()
+
+
+class DeviceBuffers:
+    """Reusable device buffers for inputs, one per slot, grown to powers of two.
+
+    Reuse is safe because every run synchronizes its stream before returning."""
+
+    def __init__(self, runtime: Any):
+        self._runtime = runtime
+        self._buffers: dict[Any, tuple[int, int]] = {}
+
+    def get(self, slot: Any, nbytes: int) -> int:
+        pointer, capacity = self._buffers.get(slot, (0, 0))
+        if capacity < nbytes or not pointer:
+            if pointer:
+                self._runtime.free(pointer)
+            capacity = _capacity(nbytes)
+            pointer = self._runtime.malloc(capacity)
+            self._buffers[slot] = (pointer, capacity)
+        return pointer
+
+    def clear(self) -> None:
+        for pointer, _ in self._buffers.values():
+            self._runtime.free(pointer)
         self._buffers.clear()
 
 
 class CudaExecutor:
+    # Register the bundle's weights mapping as pinned memory before feeding it
+    # (about 2.5x faster on the H200 machine). bench_compare turns it off to
+    # measure the alternative in the same run.
+    pin_weights = True
+
     def __init__(self, shim: Shim, device_index: int):
-        self.cupy = _cupy()
+        self.runtime = cuda_runtime()
         self.shim = shim
         self.device_index = device_index
         self.device_label = f"cuda:{device_index}"
-        with self.cupy.cuda.Device(device_index):
-            self.stream = self.cupy.cuda.Stream(non_blocking=True)
-        self.pinned = PinnedBuffers(self.cupy)
+        self._use_device()
+        self.stream = Stream(self.runtime, device_index)
+        self.pinned = PinnedBuffers(self.runtime)
+        self.device_buffers = DeviceBuffers(self.runtime)
         self._describe = Describer(shim)
+        self._cupy_module = None
 
-    @contextlib.contextmanager
-    def _on_stream(self):
-        with self.cupy.cuda.Device(self.device_index), self.stream:
-            yield
+    @property
+    def cupy(self) -> Any:
+        if self._cupy_module is None:
+            self._cupy_module = _cupy()
+        return self._cupy_module
+
+    def _use_device(self) -> None:
+        if self.runtime.getDevice() != self.device_index:
+            self.runtime.setDevice(self.device_index)
 
     # -- weights ------------------------------------------------------------
 
     def load_weights(self, container: Container, weights: memoryview) -> None:
         """Feed the blob straight from the bundle mapping, registered read-only
-        as pinned memory when the driver allows it (about 3x faster to copy)."""
+        as pinned memory when the driver allows it."""
         address, size = buffer_address(weights), weights.nbytes
-        runtime = self.cupy.cuda.runtime
+        runtime = self.runtime
         registered = False
-        if size:
+        if size and self.pin_weights:
             try:
                 runtime.hostRegister(address, size, _HOST_REGISTER_READ_ONLY)
                 registered = True
-            except self.cupy.cuda.runtime.CUDARuntimeError:
-                pass  # plain pageable copy; slower but correct
+            except runtime.CUDARuntimeError:
+                pass  # a plain pageable copy: slower but correct
         try:
-            with self.cupy.cuda.Device(self.device_index):
-                container.load_weights(address, size)
-                runtime.deviceSynchronize()
+            self._use_device()
+            container.load_weights(address, size)
+            runtime.deviceSynchronize()
         finally:
             if registered:
                 runtime.hostUnregister(address)
@@ -95,35 +186,47 @@ class CudaExecutor:
     # -- host arrays in, host arrays out --------------------------------------
 
     def run(self, container: Container, dtypes: list[str], arrays: list[np.ndarray], phases: dict[str, float] | None = None) -> list[np.ndarray]:
-        """Host arrays in and out. With `phases`, CUDA events time the host-to-device
-        copies, the model and the device-to-host copies (GPU time, in seconds)."""
-        events = _PhaseEvents(self.cupy, self.stream) if phases is not None else None
-        with self._on_stream():
-            _mark(events, "start")
-            device_inputs = [self._upload(index, array) for index, array in enumerate(arrays)]
-            _mark(events, "uploaded")
-            owned = self._run(container, dtypes, [(buffer.data.ptr, array.shape) for buffer, array in zip(device_inputs, arrays)])
-            try:
-                _mark(events, "computed")
-                views = [self._describe(handle) for handle in owned.handles]
-                staged = [self._download(index, view) for index, view in enumerate(views)]
-                _mark(events, "downloaded")
-                self.stream.synchronize()
-                if events is not None:
-                    phases.update(events.phases())
-                return [_host_copy(buffer, view) for buffer, view in zip(staged, views)]
-            finally:
-                self.stream.synchronize()
-                owned.release()
-                del device_inputs
+        """Host arrays in and out. With `phases`, CUDA events time the copies in
+        (host staging included), the model and the copies out."""
+        self._use_device()
+        events = _PhaseEvents(self.runtime, self.stream) if phases is not None else None
+        _mark(events, "start")
+        addresses = [self._upload(index, array) for index, array in enumerate(arrays)]
+        _mark(events, "uploaded")
+        owned = self._run(container, dtypes, [(address, array.shape) for address, array in zip(addresses, arrays)])
+        try:
+            _mark(events, "computed")
+            views = [self._describe(handle) for handle in owned.handles]
+            staged = [self._download(index, view) for index, view in enumerate(views)]
+            _mark(events, "downloaded")
+            self.stream.synchronize()
+            if events is not None:
+                phases.update(events.phases())
+            return [_host_copy(buffer, view) for buffer, view in zip(staged, views)]
+        finally:
+            self.stream.synchronize()
+            owned.release()
+            if events is not None:
+                events.destroy()
 
-    def _upload(self, index: int, array: np.ndarray) -> Any:
+    def pinned_input(self, index: int, shape: tuple[int, ...], dtype: str) -> np.ndarray:
+        """The pinned staging buffer of input `index` as an array. Filling it and
+        passing it to run() skips the host-side staging copy."""
+        dtype_ = numpy_dtype(dtype)
+        nbytes = int(np.prod(shape, dtype=np.int64)) * dtype_.itemsize
+        return self.pinned.get(("in", index), nbytes).view(dtype_).reshape(shape)
+
+    def _upload(self, index: int, array: np.ndarray) -> int:
         nbytes = array.nbytes
-        device = self.cupy.empty(max(nbytes, 1), dtype=self.cupy.uint8)
+        device = self.device_buffers.get(index, nbytes)
         if nbytes:
-            staging = self.pinned.get(("in", index), nbytes)
-            np.copyto(staging.reshape(-1), np.ascontiguousarray(array).reshape(-1).view(np.uint8))
-            self.cupy.cuda.runtime.memcpyAsync(device.data.ptr, staging.ctypes.data, nbytes, _HOST_TO_DEVICE, self.stream.ptr)
+            if array.flags.c_contiguous and self.pinned.owns(array):
+                source = array.ctypes.data  # already pinned: the DMA engine reads it directly
+            else:
+                staging = self.pinned.get(("in", index), nbytes)
+                np.copyto(staging.reshape(-1), np.ascontiguousarray(array).reshape(-1).view(np.uint8))
+                source = staging.ctypes.data
+            self.runtime.memcpyAsync(device, source, nbytes, _HOST_TO_DEVICE, self.stream.ptr)
         return device
 
     def _run(self, container: Container, dtypes: list[str], inputs: list[tuple[int, tuple[int, ...]]]) -> OwnedHandles:
@@ -134,45 +237,45 @@ class CudaExecutor:
         return OwnedHandles(self.shim, container.run(handles, self.stream.ptr))
 
     def _download(self, index: int, view: TensorView) -> np.ndarray:
-        itemsize = numpy_dtype(view.dtype).itemsize
-        nbytes = view.numel * itemsize
+        """Copy an output's whole span into pinned memory; _host_copy gathers strided views."""
+        nbytes = view.span_elements() * numpy_dtype(view.dtype).itemsize
         staging = self.pinned.get(("out", index), nbytes)
-        if nbytes == 0:
-            return staging
-        source = view.address
-        if not view.is_contiguous:
-            # Packed on the stream; its memory returns to CuPy's stream-ordered
-            # pool only after the copy below has been enqueued behind it.
-            source = self._device_array(view).copy().data.ptr
-        self.cupy.cuda.runtime.memcpyAsync(staging.ctypes.data, source, nbytes, _DEVICE_TO_HOST, self.stream.ptr)
+        if nbytes:
+            self.runtime.memcpyAsync(staging.ctypes.data, view.address, nbytes, _DEVICE_TO_HOST, self.stream.ptr)
         return staging
-
-    def _device_array(self, view: TensorView, owner: Any = None) -> Any:
-        """A CuPy array over an output's memory (bfloat16 as its uint16 bits)."""
-        dtype = _cupy_dtype(view.dtype)
-        itemsize = np.dtype(dtype).itemsize
-        memory = self.cupy.cuda.UnownedMemory(view.address, view.span_elements() * itemsize, owner, self.device_index)
-        pointer = self.cupy.cuda.MemoryPointer(memory, 0)
-        strides = tuple(stride * itemsize for stride in view.strides)
-        return self.cupy.ndarray(view.shape, dtype=dtype, memptr=pointer, strides=strides)
 
     # -- device arrays in, device arrays out ------------------------------------
 
+    def _device_array(self, view: TensorView, owner: Any) -> Any:
+        """A CuPy array over an output's memory (bfloat16 as its uint16 bits)."""
+        cupy = self.cupy
+        dtype = _cupy_dtype(view.dtype)
+        itemsize = dtype.itemsize
+        memory = cupy.cuda.UnownedMemory(view.address, view.span_elements() * itemsize, owner, self.device_index)
+        strides = tuple(stride * itemsize for stride in view.strides)
+        return cupy.ndarray(view.shape, dtype=dtype, memptr=cupy.cuda.MemoryPointer(memory, 0), strides=strides)
+
     def run_device(self, container: Container, dtypes: list[str], arrays: list[Any]) -> list[Any]:
         """CuPy in, CuPy out, no copies. Outputs own their handles: releasing the
-        last array that views a handle frees it. Outputs are ordered on this
-        method's stream."""
-        with self._on_stream():
-            inputs = [self.cupy.ascontiguousarray(array) for array in arrays]
-            owned = self._run(container, dtypes, [(array.data.ptr, array.shape) for array in inputs])
+        last array that views a handle frees it. Work is ordered on this method's
+        stream; inputs must be ready on it (synchronize the producer's stream)."""
+        self._use_device()
+        inputs = [array if array.flags.c_contiguous else self._contiguous(array) for array in arrays]
+        owned = self._run(container, dtypes, [(array.data.ptr, array.shape) for array in inputs])
         views = [self._describe(handle) for handle in owned.handles]
         keepers = {handle: _HandleKeeper(self.shim, handle, inputs) for handle in owned.transfer()}
         return [self._device_array(view, keepers[handle]) for handle, view in zip(owned.handles, views)]
+
+    def _contiguous(self, array: Any) -> Any:
+        with self.stream.as_cupy():
+            return self.cupy.ascontiguousarray(array)
 
     def close(self) -> None:
         with contextlib.suppress(Exception):
             self.stream.synchronize()
         self.pinned.clear()
+        self.device_buffers.clear()
+        self.stream.destroy()
 
 
 class _PhaseEvents:
@@ -180,22 +283,26 @@ class _PhaseEvents:
 
     NAMES = ("start", "uploaded", "computed", "downloaded")
 
-    def __init__(self, cupy: Any, stream: Any):
+    def __init__(self, runtime: Any, stream: Stream):
+        self._runtime = runtime
         self._stream = stream
-        self._events = {name: cupy.cuda.Event() for name in self.NAMES}
+        self._events = {name: runtime.eventCreate() for name in self.NAMES}
 
     def mark(self, name: str) -> None:
-        self._events[name].record(self._stream)
+        self._runtime.eventRecord(self._events[name], self._stream.ptr)
 
     def phases(self) -> dict[str, float]:
-        from cupy.cuda import get_elapsed_time
-
+        elapsed = self._runtime.eventElapsedTime
         events = self._events
         return {
-            "copy_in": get_elapsed_time(events["start"], events["uploaded"]) / 1e3,
-            "compute": get_elapsed_time(events["uploaded"], events["computed"]) / 1e3,
-            "copy_out": get_elapsed_time(events["computed"], events["downloaded"]) / 1e3,
+            "copy_in": elapsed(events["start"], events["uploaded"]) / 1e3,
+            "compute": elapsed(events["uploaded"], events["computed"]) / 1e3,
+            "copy_out": elapsed(events["computed"], events["downloaded"]) / 1e3,
         }
+
+    def destroy(self) -> None:
+        for event in self._events.values():
+            self._runtime.eventDestroy(event)
 
 
 def _mark(events: _PhaseEvents | None, name: str) -> None:
@@ -227,5 +334,12 @@ def _cupy_dtype(name: str) -> np.dtype:
 
 
 def _host_copy(staging: np.ndarray, view: TensorView) -> np.ndarray:
+    """A fresh C-contiguous array from an output's span staged in pinned memory."""
     dtype = numpy_dtype(view.dtype)
-    return staging.view(dtype).reshape(view.shape).copy()
+    if view.numel == 0:
+        return np.empty(view.shape, dtype)
+    base = staging.view(dtype)
+    if view.is_contiguous:
+        return base.reshape(view.shape).copy()
+    strided = np.lib.stride_tricks.as_strided(base, view.shape, tuple(stride * dtype.itemsize for stride in view.strides))
+    return np.array(strided, copy=True, order="C")

@@ -37,9 +37,9 @@ class CudaGraphExecutor:
         self._container = container
         self._dtypes = [tensor.dtype for tensor in spec.inputs]
         self._shapes = [tuple(tensor.shape) for tensor in spec.inputs]
-        cupy = executor.cupy
-        with cupy.cuda.Device(executor.device_index):
-            self._inputs = [cupy.zeros(max(1, int(np.prod(shape)) * numpy_dtype(dtype).itemsize), cupy.uint8) for dtype, shape in zip(self._dtypes, self._shapes)]
+        self._nbytes = [int(np.prod(shape, dtype=np.int64)) * numpy_dtype(dtype).itemsize for dtype, shape in zip(self._dtypes, self._shapes)]
+        # Static input buffers: the captured kernels read these addresses on every replay.
+        self._inputs = [executor.device_buffers.get(("graph", index), nbytes) for index, nbytes in enumerate(self._nbytes)]
         self._stream = torch.cuda.ExternalStream(executor.stream.ptr, device=torch.device("cuda", executor.device_index))
         self._graph = torch.cuda.CUDAGraph()
         self._outputs = self._capture()
@@ -48,8 +48,8 @@ class CudaGraphExecutor:
     def _handles(self) -> list[int]:
         shim, executor = self._executor.shim, self._executor
         return [
-            wrap_memory(shim, buffer.data.ptr, dtype, shape, _contiguous_strides(shape), shim.device_cuda, executor.device_index)
-            for buffer, dtype, shape in zip(self._inputs, self._dtypes, self._shapes)
+            wrap_memory(shim, address, dtype, shape, _contiguous_strides(shape), shim.device_cuda, executor.device_index)
+            for address, dtype, shape in zip(self._inputs, self._dtypes, self._shapes)
         ]
 
     def _capture(self) -> OwnedHandles:
@@ -68,16 +68,15 @@ class CudaGraphExecutor:
 
     def run(self, container: Container, dtypes: list[str], arrays: list[np.ndarray], phases: dict[str, float] | None = None) -> list[np.ndarray]:
         executor = self._executor
-        runtime = executor.cupy.cuda.runtime
-        with executor._on_stream():
-            for index, (buffer, array) in enumerate(zip(self._inputs, arrays)):
-                staging = executor.pinned.get(("in", index), array.nbytes)
-                np.copyto(staging.reshape(-1), np.ascontiguousarray(array).reshape(-1).view(np.uint8))
-                runtime.memcpyAsync(buffer.data.ptr, staging.ctypes.data, array.nbytes, 1, executor.stream.ptr)
-            with self._torch.cuda.stream(self._stream):
-                self._graph.replay()
-            staged = [executor._download(index, view) for index, view in enumerate(self._views)]
-            executor.stream.synchronize()
+        executor._use_device()
+        for index, (address, array) in enumerate(zip(self._inputs, arrays)):
+            staging = executor.pinned.get(("in", index), array.nbytes)
+            np.copyto(staging.reshape(-1), np.ascontiguousarray(array).reshape(-1).view(np.uint8))
+            executor.runtime.memcpyAsync(address, staging.ctypes.data, array.nbytes, 1, executor.stream.ptr)
+        with self._torch.cuda.stream(self._stream):
+            self._graph.replay()
+        staged = [executor._download(index, view) for index, view in enumerate(self._views)]
+        executor.stream.synchronize()
         return [_host_copy(buffer, view) for buffer, view in zip(staged, self._views)]
 
     @property

@@ -50,10 +50,12 @@ def copy_from_address(view: TensorView) -> np.ndarray:
     dtype = numpy_dtype(view.dtype)
     if view.numel == 0:
         return np.empty(view.shape, dtype=dtype)
+    if view.is_contiguous:
+        result = np.empty(view.shape, dtype)
+        ctypes.memmove(result.ctypes.data, view.address, result.nbytes)
+        return result
     raw = (ctypes.c_uint8 * (view.span_elements() * dtype.itemsize)).from_address(view.address)
     base = np.frombuffer(raw, dtype=dtype)
-    if view.is_contiguous:
-        return base.reshape(view.shape).copy()
     strided = np.lib.stride_tricks.as_strided(base, view.shape, tuple(stride * dtype.itemsize for stride in view.strides))
     return np.array(strided, copy=True, order="C")
 

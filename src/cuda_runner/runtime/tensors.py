@@ -18,7 +18,6 @@ class TensorView:
     dtype: str
     shape: tuple[int, ...]
     strides: tuple[int, ...]
-    device_type: int
 
     @property
     def numel(self) -> int:
@@ -43,14 +42,26 @@ class TensorView:
         return 1 + sum((size - 1) * stride for size, stride in zip(self.shape, self.strides))
 
 
+_DIMS_CACHE: dict[tuple[int, ...], ctypes.Array] = {}
+_DIMS_CACHE_LIMIT = 1024
+
+
+def _dims_array(values: tuple[int, ...]) -> ctypes.Array:
+    """A C int64 array for sizes or strides, cached: the same shapes recur every call,
+    and the shim copies them, so sharing one array between calls is safe."""
+    array = _DIMS_CACHE.get(values)
+    if array is None:
+        if len(_DIMS_CACHE) >= _DIMS_CACHE_LIMIT:
+            _DIMS_CACHE.clear()
+        array = _DIMS_CACHE[values] = (ctypes.c_int64 * max(1, len(values)))(*values)
+    return array
+
+
 def wrap_memory(shim: Shim, address: int, dtype: str, shape: tuple[int, ...], strides: tuple[int, ...], device_type: int, device_index: int) -> int:
     """A handle viewing memory we own; the library steals the handle, not the memory."""
-    ndim = len(shape)
-    sizes = (ctypes.c_int64 * max(1, ndim))(*shape)
-    element_strides = (ctypes.c_int64 * max(1, ndim))(*strides)
     handle = Handle()
     status = shim.create_tensor_from_blob_v2(
-        address, ndim, sizes, element_strides, 0, shim.dtype_codes[dtype],
+        address, len(shape), _dims_array(shape), _dims_array(strides), 0, shim.dtype_codes[dtype],
         device_type, device_index, ctypes.byref(handle), shim.layout_strided, None, 0,
     )
     if status != 0:
@@ -69,9 +80,8 @@ class Describer:
         self._sizes = _I64P()
         self._strides = _I64P()
         self._dtype = ctypes.c_int32()
-        self._device = ctypes.c_int32()
-        self._refs = [ctypes.byref(value) for value in (self._address, self._ndim, self._sizes, self._strides, self._dtype, self._device)]
-        self._calls = (shim.get_data_ptr, shim.get_dim, shim.get_sizes, shim.get_strides, shim.get_dtype, shim.get_device_type)
+        self._refs = [ctypes.byref(value) for value in (self._address, self._ndim, self._sizes, self._strides, self._dtype)]
+        self._calls = (shim.get_data_ptr, shim.get_dim, shim.get_sizes, shim.get_strides, shim.get_dtype)
 
     def __call__(self, handle: int) -> TensorView:
         for call, ref in zip(self._calls, self._refs):
@@ -83,7 +93,6 @@ class Describer:
             dtype=self._shim.dtype_names.get(self._dtype.value, f"code {self._dtype.value}"),
             shape=tuple(self._sizes[:rank]),
             strides=tuple(self._strides[:rank]),
-            device_type=self._device.value,
         )
 
 
