@@ -115,7 +115,12 @@ int main(int argc, char **argv) {
     Handle container = NULL;
     if (create(&container, 1, cuda ? "cuda" : "cpu", NULL)) return fail("create the container");
     if (cuda) {
+        /* The container initialised the runtime; make its primary context
+           current on this thread for the driver API calls below. */
         void *driver = dlopen("libcuda.so.1", RTLD_NOW);
+        void *context = NULL;
+        ((int (*)(void **, int))need(driver, "cuDevicePrimaryCtxRetain"))(&context, 0);
+        ((int (*)(void *))need(driver, "cuCtxSetCurrent"))(context);
         stream_create_fn stream_create = need(driver, "cuStreamCreate");
         int status = stream_create(&stream, 1 /* CU_STREAM_NON_BLOCKING */);
         if (status) {

@@ -15,6 +15,23 @@ status=${PIPESTATUS[0]}
   for module in numpy typer rich cupy cupy_backends.cuda.api.runtime; do
     python3 -c "import time; t=time.perf_counter(); import $module; print('$module', round(time.perf_counter()-t, 3))"
   done
+  echo "== a cold CLI run, slowest imports (cumulative microseconds)"
+  python3 -m cuda_runner compile --help >/dev/null
+  python3 - <<'PY'
+import numpy as np, subprocess, sys, tempfile, pathlib
+sys.path.insert(0, "examples")
+import cuda_runner, models
+work = pathlib.Path(tempfile.mkdtemp())
+module, args, dynamic = models.dict_mlp()
+cuda_runner.compile_module(module, args, work / "m.bundle", device="cuda", dynamic_shapes=dynamic)
+np.savez(work / "in.npz", x=args[0].numpy(), bias=args[1].numpy())
+run = [sys.executable, "-X", "importtime", "-m", "cuda_runner", "run", str(work / "m.bundle"), "-i", str(work / "in.npz"), "-q"]
+result = subprocess.run(run, capture_output=True, text=True)
+rows = [line.split("|") for line in result.stderr.splitlines() if line.startswith("import time:") and "|" in line]
+rows = sorted(((int(row[1]), row[2].rstrip()) for row in rows[1:]), reverse=True)[:12]
+for cumulative, name in rows:
+    print(f"{cumulative:>9} {name}")
+PY
 } 2>&1 | tee "$out/coldstart.txt"
 if [ "${GPU_BENCH:-1}" = 1 ]; then
   python3 -X faulthandler scripts/bench_compare.py --device cuda --output "$out/bench-gpu.json" --markdown "$out/bench-gpu.md" ${GPU_BENCH_ARGS:-} 2>&1 | tee "$out/bench-gpu.log"
