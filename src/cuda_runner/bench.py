@@ -3,10 +3,11 @@
 What each number includes:
 - load.open: opening the bundle and checking its header, manifest checksum and layout;
 - load.libtorch: loading libtorch's shim libraries (once per process);
-- load.verify: the library and weights digests (the weights one is skipped with verify_weights=False);
+- load.verify_library: copying the library segment and checking its digest;
 - load.library: writing the library to a memfd and dlopening it;
 - load.container: creating the AOTInductor container;
-- load.weights: feeding the weights blob to the device;
+- load.weights: feeding the weights blob to the device (its digest is checked on other threads meanwhile);
+- load.verify_weights_wait: waiting, after that, for the weights digest to finish (absent with verify_weights=False);
 - first_run: the first host-to-host run (it also loads the kernels);
 - steady: wall time of one host-to-host run (copy in, model, copy out, synchronize), after warm-up;
 - split: the same run in separate passes with its phases timed: on a GPU by CUDA events (device time of
@@ -137,7 +138,10 @@ def benchmark(request: BenchRequest, progress: Progress = lambda done, total: No
     except BaseException:
         reader.close()
         raise
-    renamed = {"verify": "verify", "load_library": "library", "create_container": "container", "load_weights": "weights", "capture_graph": "capture_graph"}
+    renamed = {
+        "verify": "verify_library", "load_library": "library", "create_container": "container", "load_weights": "weights",
+        "verify_weights_wait": "verify_weights_wait", "capture_graph": "capture_graph",
+    }
     load.update({renamed[key]: value for key, value in method.load_timings.items()})
     try:
         return _measure(request, method, inputs.arrays, load, progress)

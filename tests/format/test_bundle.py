@@ -96,7 +96,7 @@ def test_checksum_mismatch(tmp_path):
 )
 def test_segment_layout_violations(tmp_path, layout, message):
     def entries_for(first):
-        return [{"name": n, "offset": o, "size": z, "digest": "xxh3-128:" + "0" * 32} for n, (o, z) in zip(("m_so", "m_w"), layout(first))]
+        return [{"name": n, "offset": o, "size": z, "digest": "xxh3-128-tree16m:" + "0" * 32} for n, (o, z) in zip(("m_so", "m_w"), layout(first))]
 
     first = 64
     for _ in range(4):  # the offsets' digits change the manifest's length

@@ -9,7 +9,7 @@ from pathlib import Path
 import jsonschema
 import pytest
 
-from cuda_runner.format import bundle, manifest
+from cuda_runner.format import bundle, digest, manifest
 from cuda_runner.format import open_bundle
 from cuda_runner import names
 
@@ -33,7 +33,7 @@ def test_documented_limits_match_the_code():
         "MAX_SEGMENTS": manifest.MAX_SEGMENTS, "MAX_METHODS": manifest.MAX_METHODS, "MAX_NAME_LENGTH": names.MAX_NAME_LENGTH,
         "MAX_RANK": manifest.MAX_RANK, "MAX_TENSORS_PER_SIGNATURE": manifest.MAX_TENSORS_PER_SIGNATURE,
         "MAX_METADATA_ENTRIES": manifest.MAX_METADATA_ENTRIES, "MAX_METADATA_VALUE_LENGTH": manifest.MAX_METADATA_VALUE_LENGTH,
-        "MAX_EXPRESSION_LENGTH": manifest.MAX_EXPRESSION_LENGTH,
+        "MAX_EXPRESSION_LENGTH": manifest.MAX_EXPRESSION_LENGTH, "DIGEST_CHUNK": digest.DIGEST_CHUNK,
     }
     assert limits == code
 
@@ -99,3 +99,8 @@ def test_schema_rejects_what_the_reader_rejects(tmp_path, mutate):
     document["segments"] = []
     with pytest.raises(jsonschema.ValidationError):
         jsonschema.validate(document, SCHEMA)
+
+
+def test_documented_digest_matches_the_code():
+    assert f"`{digest.DIGEST_ALGORITHM}:` followed by 32" in SPEC
+    assert SCHEMA["$defs"]["segment"]["properties"]["digest"]["pattern"] == f"^{digest.DIGEST_ALGORITHM}:[0-9a-f]{{32}}$"

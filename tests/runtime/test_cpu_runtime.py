@@ -135,3 +135,28 @@ def test_closed_method_refuses_to_run(dict_mlp_bundle):
     model.close()
     with pytest.raises(cuda_runner.CudaRunnerError, match="closed"):
         method.run({"x": np.ones((1, 16), np.float32), "bias": np.zeros(8, np.float32)})
+
+
+def _damaged_copy(source, target, segment_name):
+    from cuda_runner.format import open_bundle
+
+    with open_bundle(source) as reader:
+        entry = reader.manifest.segment(segment_name)
+    data = bytearray(source.read_bytes())
+    data[entry.offset + entry.size // 2] ^= 0x01
+    target.write_bytes(bytes(data))
+    return target
+
+
+def test_damaged_weights_are_refused_after_the_overlapped_check(dict_mlp_bundle, tmp_path):
+    damaged = _damaged_copy(dict_mlp_bundle.path, tmp_path / "w.bundle", "forward_weights_blob")
+    with pytest.raises(BundleError, match="'forward_weights_blob' is damaged"):
+        cuda_runner.load(damaged)
+    with cuda_runner.load(damaged, verify_weights=False) as model:  # the documented opt-out
+        model.run({"x": np.ones((1, 16), np.float32), "bias": np.zeros(8, np.float32)})
+
+
+def test_damaged_library_is_refused_even_without_weight_checks(dict_mlp_bundle, tmp_path):
+    damaged = _damaged_copy(dict_mlp_bundle.path, tmp_path / "l.bundle", "forward_so_blob")
+    with pytest.raises(BundleError, match="'forward_so_blob' is damaged"):
+        cuda_runner.load(damaged, verify_weights=False)

@@ -7,9 +7,9 @@ from .bundle import (
     WriteError,
     open_bundle,
     read_manifest,
-    segment_digest,
     write_bundle,
 )
+from .digest import segment_digest
 from .manifest import DeviceSpec, DimSpec, Manifest, MethodSpec, SegmentEntry, TensorSpec
 
 __all__ = [

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+from concurrent.futures import Future, ThreadPoolExecutor
 import mmap
 import os
 import struct
@@ -29,7 +30,8 @@ from typing import BinaryIO, Union
 import xxhash
 
 from ..errors import BundleError, CudaRunnerError, ExitCode, InputError
-from .manifest import DIGEST_ALGORITHM, MAX_SEGMENTS, Manifest, SegmentEntry, manifest_from_json
+from .digest import DIGEST_ALGORITHM, TreeHasher, segment_digest
+from .manifest import MAX_SEGMENTS, Manifest, SegmentEntry, manifest_from_json
 
 MAGIC = b"\x89CRB\r\n\x1a\n"
 FORMAT_MAJOR = 1
@@ -84,8 +86,6 @@ def _checksum(header_prefix: bytes, manifest_bytes: bytes | memoryview) -> bytes
     return hasher.digest()
 
 
-def segment_digest(data: bytes | memoryview) -> str:
-    return f"{DIGEST_ALGORITHM}:{xxhash.xxh3_128_hexdigest(data)}"
 
 
 # --------------------------------------------------------------------------
@@ -254,6 +254,18 @@ class BundleReader:
         self._check_digest(entry, data)
         return data
 
+    def verify_in_background(self, name: str) -> Future:
+        """Check a segment's digest on other threads while the caller goes on
+        (the weights are checked while they are being loaded); the future
+        raises BundleError on a mismatch."""
+        entry = self._entry(name)
+        view = self.segment(name, verify=False)
+        pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="cuda-runner-verify")
+        try:
+            return pool.submit(self._check_digest, entry, view)
+        finally:
+            pool.shutdown(wait=False)
+
     def _check_digest(self, entry: SegmentEntry, data: bytes | memoryview) -> None:
         if segment_digest(data) != entry.digest:
             raise BundleError(f"segment {entry.name!r} is damaged: its digest does not match")
@@ -404,7 +416,7 @@ def _write_segments(handle: BinaryIO, manifest: Manifest, segments: Mapping[str,
     digests = {}
     for entry in manifest.segments:
         handle.seek(entry.offset)
-        hasher = xxhash.xxh3_128()
+        hasher = TreeHasher()
         written = 0
         for chunk in _chunks(segments[entry.name]):
             hasher.update(chunk)
@@ -412,7 +424,7 @@ def _write_segments(handle: BinaryIO, manifest: Manifest, segments: Mapping[str,
             written += len(chunk)
         if written != entry.size:
             raise BundleError(f"segment {entry.name!r} changed size while it was written")
-        digests[entry.name] = f"{DIGEST_ALGORITHM}:{hasher.hexdigest()}"
+        digests[entry.name] = hasher.hexdigest()
     # A trailing empty segment would otherwise leave the file short of its end.
     if manifest.segments:
         last = manifest.segments[-1]

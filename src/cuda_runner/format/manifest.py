@@ -17,6 +17,7 @@ from typing import Any
 from ..dtypes import DTYPE_NAMES
 from ..errors import BundleError
 from ..names import name_problem
+from .digest import DIGEST_ALGORITHM
 
 MAX_METHODS = 64
 MAX_SEGMENTS = 1024
@@ -26,8 +27,7 @@ MAX_METADATA_ENTRIES = 256
 MAX_METADATA_VALUE_LENGTH = 4096
 MAX_EXPRESSION_LENGTH = 256
 
-DIGEST_ALGORITHM = "xxh3-128"
-_DIGEST_PATTERN = re.compile(r"^xxh3-128:[0-9a-f]{32}$")
+_DIGEST_PATTERN = re.compile(rf"^{DIGEST_ALGORITHM}:[0-9a-f]{{32}}$")
 _EXPRESSION_PATTERN = re.compile(r"^[A-Za-z0-9_.+\-*/() ]+$")
 
 # Features a reader must understand to use a bundle that lists them as

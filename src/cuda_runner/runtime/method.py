@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import time
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -39,9 +40,12 @@ class Method:
     def load(cls, reader: BundleReader, spec: MethodSpec, device: Device, *, verify_weights: bool = True, cuda_graph: bool = False) -> Method:
         timings: dict[str, float] = {}
         started = time.perf_counter()
-        library_bytes = reader.read_verified(spec.library_segment)  # always checked
-        weights = reader.segment(spec.weights_segment, verify=verify_weights) if spec.weights_segment else memoryview(b"")
+        library_bytes = reader.read_verified(spec.library_segment)  # always checked, before it is loaded
         timings["verify"] = time.perf_counter() - started
+        weights = reader.segment(spec.weights_segment, verify=False) if spec.weights_segment else memoryview(b"")
+        # Weights are data, not code: they are checked on other threads while
+        # they load, and the method is refused if the check fails.
+        weights_check = reader.verify_in_background(spec.weights_segment) if verify_weights and spec.weights_segment else None
         shim = load_shim(device.type)
         started = time.perf_counter()
         library = ModelLibrary(library_bytes, f"{spec.name}@{reader.path.name}")
@@ -56,9 +60,17 @@ class Method:
             started = time.perf_counter()
             executor.load_weights(container, weights)
             timings["load_weights"] = time.perf_counter() - started
+            if weights_check is not None:
+                started = time.perf_counter()
+                weights_check.result()
+                timings["verify_weights_wait"] = time.perf_counter() - started
             if cuda_graph:
                 executor = _graph_executor(executor, container, spec, timings)
         except BaseException:
+            if weights_check is not None:
+                weights_check.cancel()
+                with contextlib.suppress(BaseException):
+                    weights_check.result()  # no thread may read the mapping once it closes
             _close_parts(executor, container, library)
             raise
         finally:
