@@ -211,3 +211,17 @@ def _device_resident(method: Method, arrays: dict, runs: int) -> LatencyStats:
         stream.synchronize()
         samples.append(time.perf_counter() - started)
     return LatencyStats.of(samples)
+
+
+def device_resident_throughput(method: Method, device_inputs: dict, runs: int) -> float:
+    """Mean seconds per run_device call over `runs` calls with one synchronize at the
+    end: measured like the C floor (scripts/bench_floor.c), so the two compare directly."""
+    stream = method.stream
+    for _ in range(10):
+        method.run_device(device_inputs)
+    stream.synchronize()
+    started = time.perf_counter()
+    for _ in range(runs):
+        method.run_device(device_inputs)
+    stream.synchronize()
+    return (time.perf_counter() - started) / runs

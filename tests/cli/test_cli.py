@@ -154,3 +154,18 @@ def test_compile_for_cuda_without_a_gpu_is_a_clear_error(tmp_path):
     result = run_cli("compile", str(tmp_path / "linear.pt2"), "-o", str(tmp_path / "out.bundle"), "--device", "cuda")
     assert result.returncode == 4
     assert "needs a CUDA GPU" in result.stderr
+
+
+def test_json_documents_are_described_in_docs(dict_mlp_bundle, tmp_path):
+    from pathlib import Path
+
+    documented = (Path(__file__).resolve().parents[2] / "docs" / "json.md").read_text()
+    inspect_doc = json.loads(run_cli("inspect", str(dict_mlp_bundle.path), "--json").stdout)
+    run_doc = json.loads(run_cli("run", str(dict_mlp_bundle.path), "--self-test", "--json").stdout)
+    bench_doc = json.loads(run_cli("bench", str(dict_mlp_bundle.path), "--iterations", "5", "--warmup", "1", "--json").stdout)
+    assert inspect_doc["schema"] in documented and run_doc["schema"] in documented and bench_doc["schema"] in documented
+    fields = [*inspect_doc, *inspect_doc["methods"]["forward"], *run_doc, *run_doc["comparison"], *run_doc["comparison"]["outputs"][0], *bench_doc, *bench_doc["load_s"]]
+    import re
+
+    missing = sorted({field for field in fields if not re.search(rf"(?<!\w){re.escape(field)}(?!\w)", documented)})
+    assert missing == [], f"undocumented JSON fields: {missing}"

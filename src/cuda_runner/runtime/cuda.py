@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
-import weakref
 from typing import Any
 
 import numpy as np
@@ -311,14 +310,21 @@ def _mark(events: _PhaseEvents | None, name: str) -> None:
 
 
 class _HandleKeeper:
-    """Owner of one output handle behind CuPy arrays; deletes it when collected.
+    """Owner of one output handle behind CuPy arrays; deletes it when the last
+    array viewing it is collected (CuPy's UnownedMemory holds this owner).
 
     It also keeps the run's inputs alive, since an output can view an input.
     """
 
+    __slots__ = ("_delete", "_handle", "_inputs")
+
     def __init__(self, shim: Shim, handle: int, inputs: list[Any]):
+        self._delete = shim.delete_tensor_object
+        self._handle = handle
         self._inputs = inputs
-        self._finalizer = weakref.finalize(self, shim.delete_tensor_object, handle)
+
+    def __del__(self) -> None:
+        self._delete(self._handle)
 
 
 def _contiguous_strides(shape: tuple[int, ...]) -> tuple[int, ...]:

@@ -117,17 +117,15 @@ class Method:
         using them on another stream."""
         if not hasattr(self._executor, "run_device"):
             raise InputError("run_device needs a method loaded on a CUDA device, without --cuda-graph")
-        arrays = self._by_name(inputs)
+        cupy = self._executor.cupy
+        arrays = {name: _as_cupy(cupy, name, array) for name, array in self._by_name(inputs).items()}
         given = {}
         for name, array in arrays.items():
-            if not hasattr(array, "__cuda_array_interface__"):
-                raise InputError(f"input {name!r} is not a CUDA array (CuPy, or anything with __cuda_array_interface__)")
             declared = self.spec.input(name)
-            given[name] = (_device_dtype_name(array, declared.dtype if declared else None), tuple(array.shape))
+            given[name] = (_device_dtype_name(array, declared.dtype if declared else None), array.shape)
         self._check(given)
         container = self._live_container()
-        cupy = self._executor.cupy
-        ordered = [cupy.asarray(arrays[input_spec.name]) for input_spec in self.spec.inputs]
+        ordered = [arrays[input_spec.name] for input_spec in self.spec.inputs]
         return self._named(self._executor.run_device(container, self._dtypes, ordered))
 
     def _check(self, given: dict[str, tuple[str, tuple[int, ...]]]) -> None:
@@ -220,6 +218,14 @@ def _close_parts(executor: Any, container: Container | None, library: ModelLibra
         container.delete()
     if library is not None:
         library.close()
+
+
+def _as_cupy(cupy: Any, name: str, array: Any) -> Any:
+    if isinstance(array, cupy.ndarray):
+        return array
+    if not hasattr(array, "__cuda_array_interface__"):
+        raise InputError(f"input {name!r} is not a CUDA array (CuPy, or anything with __cuda_array_interface__)")
+    return cupy.asarray(array)
 
 
 def _device_dtype_name(array: Any, expected: str | None) -> str:
