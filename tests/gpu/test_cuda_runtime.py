@@ -193,3 +193,11 @@ def test_pinned_input_skips_the_staging_copy_and_gives_the_same_result(cuda_dict
         got = method.run({"x": pinned_x, "bias": bias})
     for name in expected:
         np.testing.assert_array_equal(got[name], expected[name])
+
+
+def test_self_test_passes_for_a_cuda_bundle(cuda_dict_mlp):
+    result = run_cli("run", str(cuda_dict_mlp.path), "--self-test", "--json")
+    assert result.returncode == 0, result.stderr
+    document = json.loads(result.stdout)
+    assert document["device"] == "cuda:0" and document["verdict"] == "PASSED"
+    print("self-test on GPU:", [(output["name"], output["max_abs_error"]) for output in document["comparison"]["outputs"]])
