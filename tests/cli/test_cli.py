@@ -169,3 +169,17 @@ def test_json_documents_are_described_in_docs(dict_mlp_bundle, tmp_path):
 
     missing = sorted({field for field in fields if not re.search(rf"(?<!\w){re.escape(field)}(?!\w)", documented)})
     assert missing == [], f"undocumented JSON fields: {missing}"
+
+
+def test_strings_from_a_bundle_cannot_drive_the_terminal_or_rich_markup(tmp_path):
+    import sys
+
+    sys.path.insert(0, str(__import__("pathlib").Path(__file__).resolve().parents[1] / "format"))
+    from forge import forge, method
+
+    hostile = {"note": "\x1b[2J\x1b]0;pwned\x07[bold red]boom[/bold red]\u202e"}
+    (tmp_path / "h.bundle").write_bytes(forge({"methods": {"m": method()}, "metadata": hostile}))
+    result = run_cli("inspect", str(tmp_path / "h.bundle"))
+    assert result.returncode == 0, result.stderr
+    assert "\x1b" not in result.stdout and "\x07" not in result.stdout and "\u202e" not in result.stdout
+    assert "\\x1b[2J" in result.stdout and "[bold red]boom[/bold red]" in result.stdout  # shown, escaped, not styled
