@@ -498,7 +498,7 @@ def render_markdown(report: dict[str, Any]) -> str:
         split = api_result["split_s"]
         lines += ["", "Split of the API run (" + ("CUDA events" if report["device"] == "cuda" else "host timers") + "): "
                   + ", ".join(f"{key} {_ms(stats['median'])} ms" for key, stats in split.items())
-                  + f"; load: " + ", ".join(f"{key} {_ms(value)} ms" for key, value in api_result["load_s"].items())
+                  + "; load: " + ", ".join(f"{key} {_ms(value)} ms" for key, value in api_result["load_s"].items())
                   + f"; first run {_ms(api_result['first_run_s'])} ms.", ""]
         if "copies" in entry:
             copies = entry["copies"]

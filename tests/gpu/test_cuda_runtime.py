@@ -4,7 +4,6 @@ zero-copy device arrays, memory steadiness, and unload safety."""
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 import time

@@ -189,30 +189,42 @@ def inspect_command(
         _fail(f"digest mismatch in segment(s): {', '.join(printable(name) for name in bad)}", int(ExitCode.BAD_BUNDLE))
 
 
+# Options shared by run and bench.
+InputsOption = Annotated[list[str], typer.Option("--inputs", "-i", help="PATH.npy by position, NAME=PATH.npy, @PATH.npy, PATH.npz, or NAME=VALUE inline (repeatable).")]
+MethodOption = Annotated[Optional[str], typer.Option(help="Method to run (default: the only one, or 'forward').")]
+DeviceOption = Annotated[Optional[str], typer.Option(help="cpu, cuda or cuda:N (default: the bundle's device, if present).")]
+RandomOption = Annotated[bool, typer.Option("--random-inputs", help="Generate inputs from the declared signature.")]
+SeedOption = Annotated[int, typer.Option(help="Seed for --random-inputs.")]
+ShapeOption = Annotated[list[str], typer.Option("--shape", help="Sizes for dynamic dims, NAME=4x128 (with --random-inputs).")]
+RangeOption = Annotated[list[str], typer.Option("--range", help="Value range NAME=LO:HI for --random-inputs (default -1:1 for floats, 0:2 for integers).")]
+SkipDigestOption = Annotated[bool, typer.Option("--skip-weights-digest", help="Do not re-check the weights digest (faster for huge weights; the library is always checked).")]
+CudaGraphOption = Annotated[bool, typer.Option("--cuda-graph", help="Capture the (static-shape) method into a CUDA graph and replay it; imports torch.")]
+
+
 @app.command("run")
 @handles_errors
 def run_command(
     bundle: Annotated[str, typer.Argument(help="The bundle to run.")],
-    inputs: Annotated[list[str], typer.Option("--inputs", "-i", help="PATH.npy by position, NAME=PATH.npy, @PATH.npy, PATH.npz, or NAME=VALUE inline (repeatable).")] = [],  # noqa: B006
-    method: Annotated[Optional[str], typer.Option(help="Method to run (default: the only one, or 'forward').")] = None,
-    device: Annotated[Optional[str], typer.Option(help="cpu, cuda or cuda:N (default: the bundle's device, if present).")] = None,
+    inputs: InputsOption = [],  # noqa: B006
+    method: MethodOption = None,
+    device: DeviceOption = None,
     out_dir: Annotated[Optional[str], typer.Option("--out-dir", help="Write one <output>.npy per output here.")] = None,
     out: Annotated[Optional[str], typer.Option("--out", help="Write all outputs into one .npz archive.")] = None,
-    random_inputs: Annotated[bool, typer.Option("--random-inputs", help="Generate inputs from the declared signature.")] = False,
-    seed: Annotated[int, typer.Option(help="Seed for --random-inputs.")] = 0,
-    shape: Annotated[list[str], typer.Option("--shape", help="Sizes for dynamic dims, NAME=4x128 (with --random-inputs).")] = [],  # noqa: B006
-    value_range: Annotated[list[str], typer.Option("--range", help="Value range NAME=LO:HI for --random-inputs (default -1:1 for floats, 0:2 for integers).")] = [],  # noqa: B006
+    random_inputs: RandomOption = False,
+    seed: SeedOption = 0,
+    shape: ShapeOption = [],  # noqa: B006
+    value_range: RangeOption = [],  # noqa: B006
     save_inputs: Annotated[Optional[str], typer.Option("--save-inputs", help="Save the inputs used as DIR/inputs.npz, to replay a run.")] = None,
     cast: Annotated[bool, typer.Option("--cast", help="Allow same-kind dtype conversion of inputs (e.g. float64 to float32).")] = False,
     print_stats: Annotated[bool, typer.Option("--print", help="Show per-output min/max/mean and NaN/Inf counts.")] = False,
     json_output: Annotated[bool, typer.Option("--json", help="Print one JSON document (schema cuda-runner/run/1).")] = False,
-    skip_weights_digest: Annotated[bool, typer.Option("--skip-weights-digest", help="Do not re-check the weights digest (faster for huge weights; the library is always checked).")] = False,
+    skip_weights_digest: SkipDigestOption = False,
     expected: Annotated[Optional[str], typer.Option("--expected", help="Reference outputs to compare with: an .npz keyed by output name, or a directory of <output>.npy.")] = None,
     atol: Annotated[list[str], typer.Option("--atol", help="Absolute tolerance, for all outputs or NAME=VALUE for one (default by dtype: float32 1e-4, float16 1e-2, bfloat16 2e-2, float64 1e-7; integers and bool exact).")] = [],  # noqa: B006
     rtol: Annotated[list[str], typer.Option("--rtol", help="Relative tolerance, like --atol. An element passes when |actual-expected| <= atol + rtol*|expected|. Reported relative error is |actual-expected| / (|expected| + 1e-12), so a zero reference gives no NaN.")] = [],  # noqa: B006
     exact: Annotated[bool, typer.Option("--exact", help="Require exact equality for every output.")] = False,
     self_test: Annotated[bool, typer.Option("--self-test", help="Run the sample inputs stored in the bundle and compare with the eager outputs stored with them.")] = False,
-    cuda_graph: Annotated[bool, typer.Option("--cuda-graph", help="Capture the (static-shape) method into a CUDA graph and replay it; imports torch.")] = False,
+    cuda_graph: CudaGraphOption = False,
 ) -> None:
     """Run a method of a bundle on inputs, write its outputs, and optionally compare them with a reference (exit 1 if they differ)."""
     from ..running import RunRequest, run_bundle
@@ -255,21 +267,21 @@ def _verdict(verdict: str, json_output: bool) -> None:
 @handles_errors
 def bench_command(
     bundle: Annotated[str, typer.Argument(help="The bundle to benchmark.")],
-    inputs: Annotated[list[str], typer.Option("--inputs", "-i", help="Inputs as for run (default: --random-inputs).")] = [],  # noqa: B006
-    method: Annotated[Optional[str], typer.Option(help="Method to run.")] = None,
-    device: Annotated[Optional[str], typer.Option(help="cpu, cuda or cuda:N.")] = None,
-    random_inputs: Annotated[bool, typer.Option("--random-inputs", help="Generate inputs from the signature (the default when no --inputs).")] = False,
-    seed: Annotated[int, typer.Option(help="Seed for random inputs.")] = 0,
-    shape: Annotated[list[str], typer.Option("--shape", help="Sizes for dynamic dims, NAME=4x128.")] = [],  # noqa: B006
-    value_range: Annotated[list[str], typer.Option("--range", help="Value range NAME=LO:HI for random inputs.")] = [],  # noqa: B006
+    inputs: InputsOption = [],  # noqa: B006  (none: --random-inputs)
+    method: MethodOption = None,
+    device: DeviceOption = None,
+    random_inputs: RandomOption = False,
+    seed: SeedOption = 0,
+    shape: ShapeOption = [],  # noqa: B006
+    value_range: RangeOption = [],  # noqa: B006
     warmup: Annotated[int, typer.Option(help="Untimed runs before measuring.")] = 10,
     iterations: Annotated[int, typer.Option(help="Timed runs.")] = 100,
     duration: Annotated[Optional[float], typer.Option(help="Measure for this many seconds instead of --iterations.")] = None,
-    skip_weights_digest: Annotated[bool, typer.Option("--skip-weights-digest", help="Leave the weights digest unchecked while loading.")] = False,
+    skip_weights_digest: SkipDigestOption = False,
     json_output: Annotated[bool, typer.Option("--json", help="Print one JSON document (schema cuda-runner/bench/1).")] = False,
-    cuda_graph: Annotated[bool, typer.Option("--cuda-graph", help="Capture the (static-shape) method into a CUDA graph and replay it; imports torch.")] = False,
+    cuda_graph: CudaGraphOption = False,
 ) -> None:
-    """Measure load time, first run and steady-state latency, split into copies and compute."""
+    """Measure load time, first run and steady-state latency, split into copies and compute (random inputs unless --inputs)."""
     from ..bench import BenchRequest, benchmark
     from ..running import RunRequest
     from .render import print_json, render_bench
