@@ -12,7 +12,7 @@ import numpy as np
 
 from .errors import InputError
 from .format.bundle import BundleReader, open_bundle
-from .format.manifest import MethodSpec
+from .format.manifest import MethodSpec, choose_method
 from .io.inputs import InputSource, ResolvedInputs, finish_inputs, parse_ranges, parse_shapes, random_inputs, resolve_inputs
 from .io.npy import save_archive
 from .io.outputs import write_output_archive, write_output_dir
@@ -60,15 +60,7 @@ class RunResult:
 
 def select_method(reader: BundleReader, name: str | None) -> MethodSpec:
     methods = reader.manifest.methods
-    if name is None:
-        if len(methods) == 1:
-            return next(iter(methods.values()))
-        if "forward" in methods:
-            return methods["forward"]
-        raise InputError(f"the bundle has several methods ({', '.join(methods)}); choose one with --method")
-    if name not in methods:
-        raise InputError(f"the bundle has no method {name!r}; it has: {', '.join(methods)}")
-    return methods[name]
+    return methods[choose_method(list(methods), name)]
 
 
 def gather_inputs(reader: BundleReader, method: MethodSpec, request: RunRequest) -> tuple[ResolvedInputs, dict[str, np.ndarray] | None]:

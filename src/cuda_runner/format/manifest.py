@@ -160,6 +160,21 @@ def _tensor_to_json(spec: TensorSpec) -> dict[str, Any]:
     return {"name": spec.name, "dtype": spec.dtype, "shape": list(spec.shape)}
 
 
+def choose_method(available: list[str], requested: str | None) -> str:
+    """The requested method, or by default the only one there is, or 'forward'."""
+    from ..errors import InputError
+
+    if requested is None:
+        if len(available) == 1:
+            return available[0]
+        if "forward" in available:
+            return "forward"
+        raise InputError(f"the bundle has several methods ({', '.join(available)}); choose one with --method")
+    if requested not in available:
+        raise InputError(f"the bundle has no method {requested!r}; it has: {', '.join(available) or 'none'}")
+    return requested
+
+
 # --------------------------------------------------------------------------
 # Parsing. Each helper raises BundleError naming the offending field.
 

@@ -10,7 +10,7 @@ import numpy as np
 
 from ..errors import InputError
 from ..format.bundle import BundleReader, open_bundle
-from ..format.manifest import Manifest
+from ..format.manifest import Manifest, choose_method
 from .devices import Device, choose_device
 from .method import Inputs, Method
 
@@ -30,16 +30,8 @@ class Model:
         return self._reader.path
 
     def method(self, name: str | None = None) -> Method:
-        """The named method; with no name, 'forward' or the only one there is."""
-        if name is None:
-            if "forward" in self.methods or len(self.methods) != 1:
-                name = "forward"
-            else:
-                name = next(iter(self.methods))
-        found = self.methods.get(name)
-        if found is None:
-            raise InputError(f"bundle has no loaded method {name!r}; it has: {', '.join(self.methods) or 'none'}")
-        return found
+        """The named method; with no name, the only one loaded, or 'forward'."""
+        return self.methods[choose_method(list(self.methods), name)]
 
     def run(self, inputs: Inputs, method: str | None = None) -> dict[str, np.ndarray]:
         return self.method(method).run(inputs)
