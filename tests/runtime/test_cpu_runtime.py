@@ -160,3 +160,18 @@ def test_damaged_library_is_refused_even_without_weight_checks(dict_mlp_bundle, 
     damaged = _damaged_copy(dict_mlp_bundle.path, tmp_path / "l.bundle", "forward_so_blob")
     with pytest.raises(BundleError, match="'forward_so_blob' is damaged"):
         cuda_runner.load(damaged, verify_weights=False)
+
+
+def test_without_memfd_the_library_goes_through_a_private_directory_that_is_removed(dict_mlp_bundle, tmp_path, monkeypatch):
+    import errno
+    import tempfile
+
+    def no_memfd(*_args):
+        raise OSError(errno.ENOSYS, "memfd_create not allowed here")
+
+    monkeypatch.setattr(os, "memfd_create", no_memfd)
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    with cuda_runner.load(dict_mlp_bundle.path) as model:
+        assert list(tmp_path.iterdir()) == []  # loaded, then removed at once
+        outputs = model.run({"x": np.ones((2, 16), np.float32), "bias": np.zeros(8, np.float32)})
+    assert outputs["logits"].shape == (2, 8)
