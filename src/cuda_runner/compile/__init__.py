@@ -145,7 +145,7 @@ def _compile_method(torch: Any, method: str, source: MethodSource, device: str, 
 
         program = move_to_device_pass(program, device)
     signature = program_signature(program, source.dim_names)
-    args, kwargs = _example_inputs(torch, program, signature, device)
+    args, kwargs = _example_inputs(program, device)
     progress(f"compiling method {method!r} for {device}")
     compiled = compile_program(program, args, kwargs, device, progress)
     segments = {f"{method}_so_blob": compiled.library, f"{method}_weights_blob": compiled.weights}
@@ -169,7 +169,7 @@ def _compile_method(torch: Any, method: str, source: MethodSource, device: str, 
     return spec, segments
 
 
-def _example_inputs(torch: Any, program: Any, signature: Any, device: str) -> tuple[tuple, dict]:
+def _example_inputs(program: Any, device: str) -> tuple[tuple, dict]:
     examples = getattr(program, "example_inputs", None)
     if examples:
         args, kwargs = examples

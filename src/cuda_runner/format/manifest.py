@@ -55,10 +55,6 @@ class DimSpec:
     def allows(self, size: int) -> bool:
         return size >= self.min and (self.max is None or size <= self.max)
 
-    def describe(self) -> str:
-        upper = "inf" if self.max is None else str(self.max)
-        return f"{self.name} in [{self.min}, {upper}]"
-
 
 ShapeEntry = int | str  # a static size, a dim name, or an expression of dim names
 

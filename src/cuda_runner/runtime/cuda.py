@@ -142,7 +142,6 @@ class CudaExecutor:
         self.runtime = cuda_runtime()
         self.shim = shim
         self.device_index = device_index
-        self.device_label = f"cuda:{device_index}"
         self._use_device()
         self.stream = Stream(self.runtime, device_index)
         self.pinned = PinnedBuffers(self.runtime)

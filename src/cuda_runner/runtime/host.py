@@ -63,8 +63,6 @@ def copy_from_address(view: TensorView) -> np.ndarray:
 class CpuExecutor:
     """Runs a container on NumPy memory; outputs are copied out and their handles freed."""
 
-    device_label = "cpu"
-
     def __init__(self, shim: Shim):
         self.shim = shim
         self._describe = Describer(shim)
