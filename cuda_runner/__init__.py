@@ -1,0 +1,92 @@
+"""cuda-runner: run AOTInductor-compiled PyTorch models from bundles.
+
+The public API is small on purpose:
+
+    import cuda_runner
+    model = cuda_runner.load("model.bundle")          # device picked from the bundle
+    outputs = model.run({"x": x})                      # NumPy in, NumPy out
+    cuda_runner.compile_module(module, (x,), "model.bundle", device="cuda")
+
+Nothing heavy is imported here: torch and CuPy load only when a function
+that needs them is called.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterable
+from typing import TYPE_CHECKING, Any
+
+__version__ = "0.1.0"
+
+from .errors import (
+    BundleError,
+    ClosedError,
+    CompileError,
+    CudaRunnerError,
+    DeviceError,
+    ExitCode,
+    IncompatibleBundleError,
+    InputError,
+    ModelRuntimeError,
+    WriteError,
+)
+from .format import open_bundle, read_manifest
+
+if TYPE_CHECKING:
+    from .runtime.model import Model
+
+
+def load(
+    path: str | os.PathLike[str],
+    device: str | None = None,
+    *,
+    verify_weights: bool = True,
+    methods: Iterable[str] | None = None,
+    cuda_graph: bool = False,
+    lanes: int = 1,
+    check_inputs: bool = False,
+) -> Model:
+    """Load a bundle's methods onto a device ("cpu", "cuda", "cuda:1"; None picks the bundle's).
+
+    The model is safe to call from any number of threads; `lanes` is how many
+    calls of one method run at once (each lane has its own CUDA stream and
+    staging buffers). `check_inputs` turns on the library's own input checks;
+    `cuda_graph` captures each (static-shape) method into a CUDA graph."""
+    from .runtime.model import load_model
+
+    return load_model(path, device, verify_weights=verify_weights, methods=methods, cuda_graph=cuda_graph, lanes=lanes, check_inputs=check_inputs)
+
+
+def compile_module(*args: Any, **kwargs: Any) -> Any:
+    """Export and AOT-compile an nn.Module into a bundle; see cuda_runner.compile.compile_module."""
+    from .compile import compile_module as _compile_module
+
+    return _compile_module(*args, **kwargs)
+
+
+def compile_programs(*args: Any, **kwargs: Any) -> Any:
+    """AOT-compile saved ExportedPrograms (.pt2) into one bundle; see cuda_runner.compile."""
+    from .compile import compile_programs as _compile_programs
+
+    return _compile_programs(*args, **kwargs)
+
+
+__all__ = [
+    "BundleError",
+    "ClosedError",
+    "CompileError",
+    "CudaRunnerError",
+    "DeviceError",
+    "ExitCode",
+    "IncompatibleBundleError",
+    "InputError",
+    "ModelRuntimeError",
+    "WriteError",
+    "__version__",
+    "compile_module",
+    "compile_programs",
+    "load",
+    "open_bundle",
+    "read_manifest",
+]

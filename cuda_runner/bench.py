@@ -1,0 +1,263 @@
+"""`cuda-runner bench` as a library call: load phases, first run, steady state and its split."""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from .format.bundle import open_bundle
+from .io.inputs import InputPlan, RandomInputs
+from .report.schema import SCHEMAS
+from .running import prepare_inputs, select_method
+from .runtime.method import Method
+from .runtime.model import Model, load_model
+
+# What each number includes; also in `bench --json` as "definitions".
+DEFINITIONS = """\
+load_s: the load phases, as in `run --json`: open (the bundle's header, manifest checksum and layout), libtorch
+(libtorch's shim libraries, once per process), verify_library (copy the library segment and check its digest),
+load_library (memfd and dlopen), create_container, load_weights (feed the weights blob; its digest is checked on
+other threads meanwhile), verify_weights_wait (waiting for that check afterwards), capture_graph (--cuda-graph).
+first_run_s: the first host-to-host run, which also loads the kernels.
+steady_s: wall time of one host-to-host run (copy in, model, copy out, synchronize), after warm-up.
+throughput_per_s: runs completed in the timed phase divided by its wall time.
+split_s: the same run in separate passes with its phases timed: on a GPU by CUDA events (device time of copy_in, the
+host-to-device copies from pinned staging; compute, the model; copy_out, the device-to-host copies), on CPU by host
+timers (copy_in, preparing and wrapping the inputs; compute; copy_out, copying the outputs out and freeing handles).
+device_resident_s: wall time of one run on device arrays with no host copies, synchronized (GPU only).\
+"""
+
+HIGH_SPREAD_CV = 0.10
+SPLIT_RUNS = 200
+
+Progress = Callable[[int, int], None]
+
+
+@dataclass(frozen=True)
+class LatencyStats:
+    """Seconds per iteration."""
+
+    count: int
+    min: float
+    median: float
+    mean: float
+    p90: float
+    p95: float
+    p99: float
+    max: float
+    stdev: float
+
+    @property
+    def cv(self) -> float:
+        return self.stdev / self.mean if self.mean else 0.0
+
+    @classmethod
+    def of(cls, samples: list[float]) -> LatencyStats:
+        ordered = sorted(samples)
+
+        def percentile(fraction: float) -> float:
+            return ordered[min(len(ordered) - 1, round(fraction * (len(ordered) - 1)))]
+
+        return cls(
+            count=len(ordered), min=ordered[0], median=statistics.median(ordered), mean=statistics.fmean(ordered),
+            p90=percentile(0.90), p95=percentile(0.95), p99=percentile(0.99), max=ordered[-1],
+            stdev=statistics.pstdev(ordered) if len(ordered) > 1 else 0.0,
+        )
+
+    def to_json(self) -> dict[str, float]:
+        data = {key: getattr(self, key) for key in ("count", "min", "median", "mean", "p90", "p95", "p99", "max", "stdev")}
+        data["cv"] = self.cv
+        return data
+
+
+@dataclass(frozen=True)
+class Gates:
+    """Performance limits; a missed one makes `bench` exit 5. None: no limit."""
+
+    max_p50_ms: float | None = None
+    max_p99_ms: float | None = None
+    min_throughput: float | None = None
+    max_load_s: float | None = None
+
+
+@dataclass(frozen=True)
+class GateResult:
+    gate: str
+    figure: float
+    limit: float
+    passed: bool
+
+    def describe(self) -> str:
+        relation = "<=" if self.gate.startswith("max") else ">="
+        return f"{self.gate}: {self.figure:.6g} {relation} {self.limit:g}: {'met' if self.passed else 'MISSED'}"
+
+    def to_json(self) -> dict[str, Any]:
+        return {"gate": self.gate, "figure": self.figure, "limit": self.limit, "passed": self.passed}
+
+
+@dataclass(frozen=True)
+class BenchRequest:
+    bundle: Path
+    inputs: InputPlan = field(default_factory=RandomInputs)
+    method: str | None = None
+    device: str | None = None
+    verify_weights: bool = True
+    cuda_graph: bool = False
+    warmup: int = 10
+    iterations: int = 100
+    duration: float | None = None  # seconds; replaces iterations
+    gates: Gates = field(default_factory=Gates)
+
+
+@dataclass
+class BenchResult:
+    bundle: str
+    method: str
+    device: str
+    load: dict[str, float]
+    first_run: float
+    steady: LatencyStats
+    timed_wall: float  # seconds the timed phase took, start to end
+    split: dict[str, LatencyStats]
+    device_resident: LatencyStats | None
+    input_bytes: int
+    output_bytes: int
+    gates: list[GateResult] = field(default_factory=list)
+    warnings: list[str] = field(default_factory=list)
+
+    @property
+    def throughput(self) -> float:
+        """Runs completed per second of the timed phase's wall time."""
+        return self.steady.count / self.timed_wall if self.timed_wall > 0 else 0.0
+
+    @property
+    def verdict(self) -> str:
+        return "PASSED" if all(gate.passed for gate in self.gates) else "FAILED"
+
+    def check_gates(self, gates: Gates) -> None:
+        figures = {
+            "max_p50_ms": self.steady.median * 1e3, "max_p99_ms": self.steady.p99 * 1e3,
+            "min_throughput": self.throughput, "max_load_s": sum(self.load.values()),
+        }
+        for name, figure in figures.items():
+            limit = getattr(gates, name)
+            if limit is not None:
+                passed = figure >= limit if name.startswith("min") else figure <= limit
+                self.gates.append(GateResult(name, figure, limit, passed))
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "schema": SCHEMAS["bench"],
+            "bundle": self.bundle,
+            "method": self.method,
+            "device": self.device,
+            "load_s": self.load,
+            "first_run_s": self.first_run,
+            "steady_s": self.steady.to_json(),
+            "timed_wall_s": self.timed_wall,
+            "throughput_per_s": self.throughput,
+            "split_s": {name: stats.to_json() for name, stats in self.split.items()},
+            "device_resident_s": None if self.device_resident is None else self.device_resident.to_json(),
+            "input_bytes": self.input_bytes,
+            "output_bytes": self.output_bytes,
+            "gates": [gate.to_json() for gate in self.gates],
+            "verdict": self.verdict,
+            "definitions": DEFINITIONS,
+            "warnings": self.warnings,
+        }
+
+
+def _timed(function: Callable[[], Any]) -> tuple[Any, float]:
+    started = time.perf_counter()
+    value = function()
+    return value, time.perf_counter() - started
+
+
+def benchmark(request: BenchRequest, progress: Progress = lambda done, total: None) -> BenchResult:
+    started = time.perf_counter()
+    reader = open_bundle(request.bundle)
+    opened = time.perf_counter() - started
+    try:
+        spec = select_method(reader, request.method)
+        inputs, _ = prepare_inputs(reader, spec, request.inputs)
+    except BaseException:
+        reader.close()
+        raise
+    with load_model(reader, request.device, verify_weights=request.verify_weights, methods=[spec.name], cuda_graph=request.cuda_graph) as model:
+        result = _measure(request, model, spec.name, inputs.arrays, progress)
+        result.load["open"] = opened
+    result.check_gates(request.gates)
+    return result
+
+
+def _measure(request: BenchRequest, model: Model, name: str, arrays: dict[str, np.ndarray], progress: Progress) -> BenchResult:
+    method = model.method(name)
+    outputs, first_run = _timed(lambda: method.run(arrays))
+    for _ in range(request.warmup):
+        method.run(arrays)
+    steady, wall = _steady(request, lambda: method.run(arrays), progress)
+    split = {} if request.cuda_graph else _split(method, arrays, min(len(steady), SPLIT_RUNS))
+    on_gpu = method.device.type == "cuda" and not request.cuda_graph
+    resident = _device_resident(method, arrays, min(len(steady), 1000)) if on_gpu else None
+    stats = LatencyStats.of(steady)
+    result = BenchResult(
+        bundle=str(request.bundle), method=name, device=str(method.device), load=model.load_timings(name), first_run=first_run,
+        steady=stats, timed_wall=wall, split=split, device_resident=resident,
+        input_bytes=sum(array.nbytes for array in arrays.values()), output_bytes=sum(array.nbytes for array in outputs.values()),
+    )
+    if stats.cv > HIGH_SPREAD_CV:
+        result.warnings.append(f"high run-to-run spread (CV {stats.cv:.0%}): other work on this machine may be interfering; measure longer")
+    return result
+
+
+def _steady(request: BenchRequest, run: Callable[[], Any], progress: Progress) -> tuple[list[float], float]:
+    """Per-run seconds, and the wall time of the whole timed phase."""
+    samples: list[float] = []
+    clock = time.perf_counter
+    started = clock()
+    if request.duration is not None:
+        deadline = started + request.duration
+        while clock() < deadline or not samples:
+            samples.append(_timed(run)[1])
+            progress(min(int(clock() - started), int(request.duration)), int(request.duration))
+    else:
+        total = max(1, request.iterations)
+        for index in range(total):
+            samples.append(_timed(run)[1])
+            progress(index + 1, total)
+    return samples, clock() - started
+
+
+def _split(method: Method, arrays: dict[str, np.ndarray], runs: int) -> dict[str, LatencyStats]:
+    collected: dict[str, list[float]] = {}
+    for _ in range(max(1, runs)):
+        phases: dict[str, float] = {}
+        method.run(arrays, phases=phases)
+        for name, seconds in phases.items():
+            collected.setdefault(name, []).append(seconds)
+    return {name: LatencyStats.of(samples) for name, samples in collected.items()}
+
+
+def _device_resident(method: Method, arrays: dict[str, np.ndarray], runs: int) -> LatencyStats:
+    """Per-call cost on device arrays: the number to hold against the C floor."""
+    import cupy
+
+    with cupy.cuda.Device(method.device.index):
+        device_inputs = {name: cupy.asarray(array.view("uint16") if array.dtype.name == "bfloat16" else array) for name, array in arrays.items()}
+    stream = method.stream
+    for _ in range(10):
+        method.run_device(device_inputs)
+    stream.synchronize()
+    samples = []
+    for _ in range(max(1, runs)):
+        started = time.perf_counter()
+        method.run_device(device_inputs)
+        stream.synchronize()
+        samples.append(time.perf_counter() - started)
+    return LatencyStats.of(samples)

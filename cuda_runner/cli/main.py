@@ -1,0 +1,507 @@
+"""cuda-runner's command line. It parses strings into the library's typed
+requests, calls the library and renders its typed results; the library does
+the work and never imports this package. Only typer (and click) load at
+start-up: torch, CuPy, NumPy and rich load inside the commands that need them.
+
+The contract scripts rely on: one `error: ...` line on stderr and a
+documented exit code for every failure (a traceback only with -v), no
+wrapped lines, a final `VERDICT:` line for run and bench, and quiet exits on
+a closed pipe or a signal (128+N).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import os
+import signal
+import sys
+import tempfile
+import traceback
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Annotated, Any, Optional
+
+import typer
+
+from .. import __version__
+from ..errors import CudaRunnerError, ExitCode, Interrupted
+from ..names import printable
+from . import options as parse
+
+# click's UsageError (unknown option, bad value, missing argument). typer 0.28
+# vendors click and older typer re-exports it; BadParameter derives from it in both.
+_ClickUsageError: type[Exception] = typer.BadParameter.__bases__[0]
+
+EXIT_CODES_HELP = (
+    "Exit codes: 0 success; 1 outputs failed verification; 2 usage or input error; "
+    "3 invalid or incompatible bundle; 4 runtime or device error; 5 performance gate not met; "
+    "128+N stopped by signal N."
+)
+
+app = typer.Typer(
+    name="cuda-runner",
+    help=f"Run PyTorch models compiled ahead of time with AOTInductor.\n\n{EXIT_CODES_HELP}",
+    no_args_is_help=True,
+    add_completion=False,
+    pretty_exceptions_enable=False,
+    rich_markup_mode=None,
+)
+
+
+class _State:
+    verbose = False
+    quiet = False
+
+
+def _version(value: bool) -> None:
+    if value:
+        print(f"cuda-runner {__version__}")
+        raise typer.Exit()
+
+
+@app.callback()
+def _global_options(
+    verbose: Annotated[bool, typer.Option("--verbose", "-v", help="Show progress details, warnings and tracebacks.")] = False,
+    quiet: Annotated[bool, typer.Option("--quiet", "-q", help="Print only results and errors.")] = False,
+    version: Annotated[bool, typer.Option("--version", callback=_version, is_eager=True, help="Print the version.")] = False,
+) -> None:
+    _State.verbose, _State.quiet = verbose, quiet
+
+
+# ---------------------------------------------------------------------------
+# Output and errors
+
+
+def _out() -> Any:
+    from .render import Output
+
+    return Output(sys.stdout)
+
+
+def _err() -> Any:
+    from .render import Output
+
+    return Output(_Terminal.stderr())
+
+
+class _Terminal:
+    """stderr as it was when the process started: library code may have fd 2
+    pointed elsewhere (see _native_stderr) while we report."""
+
+    _saved: Any = None
+
+    @classmethod
+    def stderr(cls) -> Any:
+        return cls._saved or sys.stderr
+
+
+def _hint(error: CudaRunnerError) -> str:
+    hint = parse.SUBJECT_HINTS.get(error.subject or "")
+    return f" ({hint})" if hint else ""
+
+
+def handles_errors(command: Callable[..., Any]) -> Callable[..., Any]:
+    """Library errors become one line and the error kind's exit code."""
+
+    @functools.wraps(command)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        try:
+            return command(*args, **kwargs)
+        except CudaRunnerError as error:
+            _report(f"{error}{_hint(error)}", int(error.exit_code))
+        except MemoryError:
+            _report("out of host memory", int(ExitCode.RUNTIME))
+
+    return wrapper
+
+
+def _report(message: str, code: int) -> None:
+    if _State.verbose:
+        traceback.print_exc(file=_Terminal.stderr())
+    _err().line(f"error: {printable(message)}", style="red")
+    raise typer.Exit(code)
+
+
+def _progress(message: str) -> None:
+    if _State.verbose or (not _State.quiet and sys.stderr.isatty()):
+        _err().line(printable(message), style="dim")
+
+
+@contextlib.contextmanager
+def _native_stderr() -> Iterator[None]:
+    """Native code (the model library, libtorch) prints errors and C++ stack
+    frames straight to fd 2. Off -v, send fd 2 to a scratch file while the
+    library works, so that the user sees one line; with -v, leave it."""
+    if _State.verbose:
+        yield
+        return
+    sys.stderr.flush()
+    saved = os.dup(2)
+    _Terminal._saved = os.fdopen(os.dup(saved), "w", buffering=1)
+    with tempfile.TemporaryFile() as scratch:
+        os.dup2(scratch.fileno(), 2)
+        try:
+            yield
+        finally:
+            sys.stderr.flush()
+            os.dup2(saved, 2)
+            os.close(saved)
+            _Terminal._saved.close()
+            _Terminal._saved = None
+
+
+def _quiet_warnings() -> None:
+    """NumPy, torch and inductor warnings are for -v; the user gets one line."""
+    if _State.verbose:
+        return
+    import logging
+    import warnings
+
+    warnings.simplefilter("ignore")
+    logging.getLogger("torch").setLevel(logging.CRITICAL)
+
+
+def _verdict(verdict: str, json_output: bool) -> None:
+    """The stable last line scripts can grep for (stderr with --json)."""
+    line = f"VERDICT: {verdict}"
+    if json_output:
+        _err().line(line)
+    else:
+        _out().line(line)
+
+
+def _path(value: str | None) -> Path | None:
+    return None if value is None else Path(value)
+
+
+# ---------------------------------------------------------------------------
+# Paths are declared as str: typer converts Path parameters through pydantic
+# in newer versions, whose import alone costs about 0.3 s of every start-up.
+
+
+@app.command("compile")
+@handles_errors
+def compile_command(
+    program: Annotated[Optional[str], typer.Argument(metavar="[PROGRAM.pt2]", help="An ExportedProgram saved with torch.export.save (method 'forward').")] = None,
+    output: Annotated[str, typer.Option("--output", "-o", metavar="BUNDLE", help="The bundle to write.")] = "model.bundle",
+    device: Annotated[str, typer.Option(metavar="DEVICE", help="cpu, cuda or cuda:N.")] = "cpu",
+    method: Annotated[list[str], typer.Option("--method", metavar="NAME=PROGRAM.pt2", help="More methods (repeatable).")] = [],  # noqa: B006
+    meta: Annotated[list[str], typer.Option("--meta", metavar="KEY=VALUE", help="Free-form metadata (repeatable).")] = [],  # noqa: B006
+    sample_inputs: Annotated[list[str], typer.Option(
+        "--sample-inputs", metavar="[METHOD=]FILE.npz", help="Inputs to store with their eager outputs, for run --self-test (repeatable).")] = [],  # noqa: B006
+) -> None:
+    """Compile ExportedPrograms into a bundle with AOTInductor."""
+    from ..runtime.devices import parse_device
+
+    programs = {"forward": Path(program)} if program is not None else {}
+    for name, path in parse.key_values(method, "--method").items():
+        programs[name] = Path(path)
+    if not programs:
+        raise parse.UsageError("give a PROGRAM.pt2 or at least one --method NAME=PROGRAM.pt2")
+    metadata = parse.key_values(meta, "--meta")
+    parse_device(device)
+    samples = {}
+    for item in sample_inputs:
+        name, sep, path = item.rpartition("=")
+        name = name if sep else "forward"
+        if name not in programs:
+            raise parse.UsageError(f"--sample-inputs {item!r}: there is no method {name!r} to attach samples to")
+        if not path.endswith(".npz"):
+            raise parse.UsageError(f"--sample-inputs {item!r}: samples are an .npz archive keyed by input names")
+        samples[name] = Path(path)
+    from ..compile import compile_programs
+    from ..io.npy import load_archive
+
+    _quiet_warnings()
+    arrays = {name: load_archive(path) for name, path in samples.items()}
+    with _native_stderr():
+        manifest = compile_programs(programs, output, device=device, metadata=metadata, sample_inputs=arrays, progress=_progress)
+    if not _State.quiet:
+        _out().line(printable(f"wrote {output}: {', '.join(manifest.methods)} for {device}"))
+
+
+@app.command("inspect")
+@handles_errors
+def inspect_command(
+    bundle: Annotated[str, typer.Argument(metavar="BUNDLE", help="The bundle to describe.")],
+    json_output: Annotated[bool, typer.Option("--json", help="Print one JSON document (docs/json.md).")] = False,
+    verify: Annotated[bool, typer.Option("--verify", help="Re-check every digest, and run each method once with the library's own input checks.")] = False,
+) -> None:
+    """Show a bundle's methods, signatures, build info and whether this machine can run it."""
+    from ..inspection import inspect_bundle
+    from .render import inspect_lines, json_text
+
+    with _native_stderr():
+        result = inspect_bundle(bundle, verify=verify)
+    if json_output:
+        _out().line(json_text(result.to_json()))
+    else:
+        _out().lines(inspect_lines(result))
+    if verify and not result.verified:
+        bad = [name for name, ok in (result.segment_digests_ok or {}).items() if not ok]
+        failed = [f"{name}: {report.library_check}" for name, report in result.methods.items() if (report.library_check or "").startswith("failed")]
+        detail = f"digest mismatch in segment(s): {', '.join(bad)}" if bad else "; ".join(failed)
+        _report(f"verification failed: {detail}", int(ExitCode.BAD_BUNDLE))
+
+
+# Options shared by run and bench.
+BundleArgument = Annotated[str, typer.Argument(metavar="BUNDLE", help="The bundle.")]
+InputsOption = Annotated[list[str], typer.Option(
+    "--inputs", "-i", metavar="INPUT", help="PATH.npy by position, NAME=PATH.npy, @PATH.npy, PATH.npz, or NAME=VALUE inline (repeatable).")]
+MethodOption = Annotated[Optional[str], typer.Option(metavar="NAME", help="Method to run (default: the only one, or 'forward').")]
+DeviceOption = Annotated[Optional[str], typer.Option(metavar="DEVICE", help="cpu, cuda or cuda:N (default: the bundle's device).")]
+RandomOption = Annotated[bool, typer.Option("--random-inputs", help="Generate inputs from the declared signature.")]
+SeedOption = Annotated[int, typer.Option(min=0, metavar="INT", help="Seed for --random-inputs.")]
+ShapeOption = Annotated[list[str], typer.Option("--shape", metavar="INPUT=DIMS", help="Sizes of an input for --random-inputs, e.g. x=4x128 (repeatable).")]
+RangeOption = Annotated[list[str], typer.Option(
+    "--range", metavar="INPUT=LO:HI", help="Value range for --random-inputs (default -1:1 for floats, 0:2 for integers).")]
+SkipDigestOption = Annotated[bool, typer.Option("--skip-weights-digest", help="Do not re-check the weights digest (the library is always checked).")]
+CudaGraphOption = Annotated[bool, typer.Option("--cuda-graph", help="Capture the (static-shape) method into a CUDA graph and replay it; imports torch.")]
+
+
+def _input_plan(inputs: list[str], random_inputs: bool, seed: int, shape: list[str], value_range: list[str], cast: bool = False) -> Any:
+    from ..io.inputs import GivenInputs, RandomInputs
+
+    parse.exclusive(inputs=inputs, random_inputs=random_inputs)
+    if not random_inputs and (shape or value_range):
+        raise parse.UsageError("--shape and --range apply to --random-inputs")
+    if random_inputs:
+        return RandomInputs(seed, parse.shapes(shape), parse.ranges(value_range))
+    return GivenInputs(tuple(parse.input_entry(text) for text in inputs), cast)
+
+
+@app.command("run")
+@handles_errors
+def run_command(
+    bundle: BundleArgument,
+    inputs: InputsOption = [],  # noqa: B006
+    method: MethodOption = None,
+    device: DeviceOption = None,
+    out_dir: Annotated[Optional[str], typer.Option("--out-dir", metavar="DIR", help="Write one <output>.npy per output here.")] = None,
+    out: Annotated[Optional[str], typer.Option("--out", metavar="FILE.npz", help="Write all outputs into one .npz archive.")] = None,
+    bf16_as: Annotated[Optional[str], typer.Option(
+        "--bf16-as", metavar="DTYPE", help="Write bfloat16 outputs as float32 (for readers without ml_dtypes).")] = None,
+    random_inputs: RandomOption = False,
+    seed: SeedOption = 0,
+    shape: ShapeOption = [],  # noqa: B006
+    value_range: RangeOption = [],  # noqa: B006
+    save_inputs: Annotated[Optional[str], typer.Option("--save-inputs", metavar="DIR", help="Save the inputs used as DIR/inputs.npz, to replay a run.")] = None,
+    cast: Annotated[bool, typer.Option("--cast", help="Allow same-kind dtype conversion of inputs (e.g. float64 to float32).")] = False,
+    print_stats: Annotated[bool, typer.Option("--print", help="Show each output's values (summarised) and min/max/mean and NaN/Inf counts.")] = False,
+    print_full: Annotated[bool, typer.Option("--print-full", help="Like --print, with every value.")] = False,
+    json_output: Annotated[bool, typer.Option("--json", help="Print one JSON document (docs/json.md).")] = False,
+    skip_weights_digest: SkipDigestOption = False,
+    expected: Annotated[Optional[str], typer.Option(
+        "--expected", metavar="PATH", help="Reference outputs: an .npz keyed by output name, or a directory of <output>.npy.")] = None,
+    atol: Annotated[list[str], typer.Option("--atol", metavar="[OUTPUT=]NUMBER", help=(
+        "Absolute tolerance, for every output or one (default by dtype: float32 1e-4, float16 1e-2, bfloat16 2e-2, "
+        "float64 1e-7; integers and bool exact)."))] = [],  # noqa: B006
+    rtol: Annotated[list[str], typer.Option("--rtol", metavar="[OUTPUT=]NUMBER", help=(
+        "Relative tolerance, like --atol. An element passes when |actual-expected| <= atol + rtol*|expected|."))] = [],  # noqa: B006
+    exact: Annotated[bool, typer.Option("--exact", help="Require exact equality for every output.")] = False,
+    allow_missing: Annotated[bool, typer.Option("--allow-missing", help="Outputs with no reference value are skipped instead of failing.")] = False,
+    self_test: Annotated[bool, typer.Option("--self-test", help="Run the sample inputs stored in the bundle and compare with their stored eager outputs.")] = False,
+    check_inputs: Annotated[bool, typer.Option("--check-inputs", help="Also run the library's own input checks (on with --self-test).")] = False,
+    cuda_graph: CudaGraphOption = False,
+) -> None:
+    """Run a method of a bundle on inputs, write its outputs, and optionally compare them with a reference (exit 1 if they differ)."""
+    from ..io.inputs import StoredSamples
+    from ..io.outputs import OutputPlan
+    from ..running import RunRequest, run_bundle
+
+    if self_test:
+        parse.exclusive(self_test=True, inputs=inputs, random_inputs=random_inputs, expected=expected)
+        plan: Any = StoredSamples()
+    else:
+        plan = _input_plan(inputs, random_inputs, seed, shape, value_range, cast)
+    if bf16_as not in (None, "float32"):
+        raise parse.UsageError(f"--bf16-as {bf16_as!r}: only float32 is supported")
+    request = RunRequest(
+        bundle=Path(bundle), inputs=plan, method=method, device=device,
+        outputs=OutputPlan(_path(out_dir), _path(out), bf16_as), save_inputs=_path(save_inputs), expected=_path(expected),
+        tolerances=parse.tolerances(atol, rtol, exact), allow_missing=allow_missing,
+        verify_weights=not skip_weights_digest, cuda_graph=cuda_graph, check_inputs=check_inputs or self_test,
+    )
+    _quiet_warnings()
+    with _native_stderr():
+        result = run_bundle(request, progress=_progress)
+    from .render import comparison_lines, json_text, run_lines
+
+    if json_output:
+        _out().line(json_text(result.to_json()))
+    else:
+        if not _State.quiet:
+            show = print_stats or print_full
+            _out().lines(run_lines(result, show_stats=show, show_values=show, full_values=print_full))
+        if result.comparison is not None:
+            for line, style in comparison_lines(result.comparison):
+                _out().line(line, style)
+    _verdict(result.verdict, json_output)
+    if result.verdict != "PASSED":
+        raise typer.Exit(int(ExitCode.VERIFICATION_FAILED))
+
+
+@app.command("bench")
+@handles_errors
+def bench_command(
+    bundle: BundleArgument,
+    inputs: InputsOption = [],  # noqa: B006  (none: --random-inputs)
+    method: MethodOption = None,
+    device: DeviceOption = None,
+    random_inputs: RandomOption = False,
+    seed: SeedOption = 0,
+    shape: ShapeOption = [],  # noqa: B006
+    value_range: RangeOption = [],  # noqa: B006
+    warmup: Annotated[int, typer.Option(min=0, metavar="INT", help="Untimed runs before measuring.")] = 10,
+    iterations: Annotated[int, typer.Option(min=1, metavar="INT", help="Timed runs.")] = 100,
+    duration: Annotated[Optional[float], typer.Option(metavar="SECONDS", help="Measure for this long instead of --iterations.")] = None,
+    max_p50_ms: Annotated[Optional[float], typer.Option("--max-p50-ms", metavar="MS", help="Gate: exit 5 if the median run is slower.")] = None,
+    max_p99_ms: Annotated[Optional[float], typer.Option("--max-p99-ms", metavar="MS", help="Gate: exit 5 if the 99th percentile is slower.")] = None,
+    min_throughput: Annotated[Optional[float], typer.Option("--min-throughput", metavar="RUNS/S", help="Gate: exit 5 below this throughput.")] = None,
+    max_load_s: Annotated[Optional[float], typer.Option("--max-load-s", metavar="SECONDS", help="Gate: exit 5 if loading takes longer.")] = None,
+    skip_weights_digest: SkipDigestOption = False,
+    json_output: Annotated[bool, typer.Option("--json", help="Print one JSON document (docs/json.md).")] = False,
+    cuda_graph: CudaGraphOption = False,
+) -> None:
+    """Measure load time, first run and steady-state latency, split into copies and compute (random inputs unless --inputs)."""
+    from ..bench import BenchRequest, Gates, benchmark
+
+    parse.positive(duration, "--duration")
+    for value, option in ((max_p50_ms, "--max-p50-ms"), (max_p99_ms, "--max-p99-ms"), (min_throughput, "--min-throughput"), (max_load_s, "--max-load-s")):
+        parse.positive(value, option)
+    plan = _input_plan(inputs, random_inputs or not inputs, seed, shape, value_range)
+    request = BenchRequest(
+        bundle=Path(bundle), inputs=plan, method=method, device=device, verify_weights=not skip_weights_digest, cuda_graph=cuda_graph,
+        warmup=warmup, iterations=iterations, duration=duration, gates=Gates(max_p50_ms, max_p99_ms, min_throughput, max_load_s),
+    )
+    _quiet_warnings()
+    with _native_stderr(), _progress_bar("measuring") as advance:
+        result = benchmark(request, progress=advance)
+    from .render import bench_lines, json_text
+
+    if json_output:
+        _out().line(json_text(result.to_json()))
+    else:
+        _out().lines(bench_lines(result))
+    for warning in result.warnings:
+        _err().line(printable(f"warning: {warning}"), style="yellow")
+    missed = [gate for gate in result.gates if not gate.passed]
+    if missed:
+        _err().line("error: performance gate missed: " + "; ".join(gate.describe() for gate in missed), style="red")
+    _verdict(result.verdict, json_output)
+    if missed:
+        raise typer.Exit(int(ExitCode.PERFORMANCE))
+
+
+def _progress_bar(label: str) -> Any:
+    """A progress bar on a terminal; a no-op callback elsewhere."""
+    if _State.quiet or not sys.stderr.isatty():
+        return contextlib.nullcontext(lambda done, total: None)
+    from rich.console import Console
+    from rich.progress import Progress
+
+    @contextlib.contextmanager
+    def bar() -> Iterator[Callable[[int, int], None]]:
+        with Progress(console=Console(file=_Terminal.stderr()), transient=True) as progress:
+            task = progress.add_task(label, total=None)
+            yield lambda done, total: progress.update(task, completed=done, total=total)
+
+    return bar()
+
+
+@app.command("devices")
+@handles_errors
+def devices_command(
+    json_output: Annotated[bool, typer.Option("--json", help="Print one JSON document (docs/json.md).")] = False,
+) -> None:
+    """Show the CPU and GPUs of this machine, the CUDA driver and runtime, and the libtorch found."""
+    from ..runtime.devices import describe_devices
+    from .render import devices_lines, json_text
+
+    result = describe_devices()
+    if json_output:
+        _out().line(json_text(result.to_json()))
+    else:
+        _out().lines(devices_lines(result))
+
+
+# ---------------------------------------------------------------------------
+# The process
+
+
+_GLOBAL_FLAGS = frozenset({"-v", "--verbose", "-q", "--quiet"})
+
+
+def _hoist_global_flags(argv: list[str]) -> list[str]:
+    """Let -v/-q go anywhere on the line, as users of other runners expect."""
+    end = argv.index("--") if "--" in argv else len(argv)
+    flags = [arg for arg in argv[:end] if arg in _GLOBAL_FLAGS]
+    rest = [arg for arg in argv[:end] if arg not in _GLOBAL_FLAGS]
+    return flags + rest + argv[end:]
+
+
+def _raise_interrupted(signal_number: int, _frame: object) -> None:
+    raise Interrupted(signal_number)
+
+
+def _install_signal_handlers() -> None:
+    # SIGTERM and SIGHUP unwind like SIGINT: every `finally` runs, temp files go.
+    for signal_number in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+        with contextlib.suppress(ValueError, OSError):  # not the main thread
+            signal.signal(signal_number, _raise_interrupted)
+
+
+def _quiet_exit(code: int) -> None:
+    """Leave without Python complaining about a closed stdout or stderr."""
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(Exception):
+            devnull = os.open(os.devnull, os.O_WRONLY)
+            os.dup2(devnull, stream.fileno())
+    os._exit(code)
+
+
+def run(argv: list[str]) -> int:
+    """Run the command line; returns the exit code (tests call this in-process)."""
+    _State.verbose = _State.quiet = False
+    try:
+        result = app(args=_hoist_global_flags(argv), prog_name="cuda-runner", standalone_mode=False)
+        return int(result) if isinstance(result, int) else 0
+    except typer.Exit as stop:
+        return int(stop.exit_code)
+    except _ClickUsageError as error:
+        message = error.format_message().replace("\n", " ")  # type: ignore[attr-defined]
+        _err().line(f"error: {printable(message)}", style="red")
+        return int(ExitCode.USAGE)
+    except typer.Abort:
+        _err().line("error: interrupted")
+        return 128 + signal.SIGINT
+    except Interrupted as stop:
+        _err().line(f"error: interrupted by {signal.Signals(stop.signal_number).name}")
+        return 128 + stop.signal_number
+    except KeyboardInterrupt:
+        _err().line("error: interrupted")
+        return 128 + signal.SIGINT
+    except BrokenPipeError:
+        raise
+    except Exception as error:  # a bug: still one line, and a way to report it
+        if _State.verbose:
+            traceback.print_exc(file=_Terminal.stderr())
+        _err().line(printable(f"error: internal error: {type(error).__name__}: {error}; please report it with the output of -v"), style="red")
+        return int(ExitCode.RUNTIME)
+
+
+def main() -> None:
+    _install_signal_handlers()
+    try:
+        code = run(sys.argv[1:])
+        sys.stdout.flush()
+    except BrokenPipeError:
+        _quiet_exit(128 + signal.SIGPIPE)
+    except OSError:  # stdout or stderr closed under us
+        _quiet_exit(int(ExitCode.RUNTIME))
+    sys.exit(code)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,240 @@
+"""Rendering typed results for people, and JSON for scripts.
+
+Every line is built as plain text first: tables are aligned here, with no
+trailing spaces, and never wrapped (a log line stays one line at any width).
+Colour is added only on a terminal, through rich.text.Text, which never
+interprets markup. Every string that came from a file goes through
+`printable`, so no terminal escape inside a bundle reaches the terminal.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from collections.abc import Sequence
+from typing import Any, TextIO
+
+from ..names import printable
+from ..shapes import shape_text
+
+
+class Output:
+    """One stream of lines: plain off a terminal, coloured on one (unless NO_COLOR)."""
+
+    def __init__(self, stream: TextIO):
+        self.stream = stream
+        self._console: Any = None
+        self.colour = stream.isatty() and "NO_COLOR" not in os.environ
+
+    def line(self, text: str = "", style: str | None = None) -> None:
+        if self.colour and style:
+            if self._console is None:
+                from rich.console import Console
+
+                self._console = Console(file=self.stream, highlight=False, soft_wrap=True)
+            from rich.text import Text
+
+            self._console.print(Text(text, style=style))
+        else:
+            self.stream.write(text + "\n")
+        self.stream.flush()
+
+    def lines(self, texts: Sequence[str]) -> None:
+        for text in texts:
+            self.line(text)
+
+
+def clean(value: Any) -> str:
+    return printable(value)
+
+
+def json_text(document: Any) -> str:
+    """One JSON document, ASCII only: any text from a file (lone surrogates
+    from undecodable paths included) is escaped, never written as raw bytes."""
+    return json.dumps(_escape_surrogates(document), indent=2, ensure_ascii=True, allow_nan=False)
+
+
+def _escape_surrogates(value: Any) -> Any:
+    if isinstance(value, str):
+        return value if not any("\ud800" <= char <= "\udfff" for char in value) else printable(value)
+    if isinstance(value, dict):
+        return {_escape_surrogates(key): _escape_surrogates(item) for key, item in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_escape_surrogates(item) for item in value]
+    return value
+
+
+def table(headers: Sequence[str], rows: Sequence[Sequence[str]], indent: str = "") -> list[str]:
+    """Aligned columns, two spaces apart, no trailing spaces."""
+    widths = [max(len(str(row[column])) for row in [headers, *rows]) for column in range(len(headers))]
+    return [(indent + "  ".join(str(cell).ljust(width) for cell, width in zip(row, widths))).rstrip() for row in [headers, *rows]]
+
+
+def human_bytes(size: int) -> str:
+    value = float(size)
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if value < 1024 or unit == "GiB":
+            return f"{value:.0f} {unit}" if unit == "B" else f"{value:.1f} {unit}"
+        value /= 1024
+    return f"{size} B"
+
+
+def number(value: float | None) -> str:
+    return "-" if value is None else f"{value:.6g}"
+
+
+def ms(seconds: float) -> str:
+    return f"{seconds * 1e3:.3f}"
+
+
+# ---------------------------------------------------------------------------
+# inspect
+
+
+def inspect_lines(result: Any) -> list[str]:
+    """`result` is an inspection.InspectResult."""
+    manifest = result.manifest
+    lines = [clean(f"bundle {result.path}  (format {result.format_version}, {human_bytes(result.file_size)})")]
+    build = ", ".join(f"{key} {value}" for key, value in manifest.build.items())
+    if build:
+        lines.append(clean(f"built with {build}"))
+    lines += [clean(f"meta {key} = {value}") for key, value in manifest.metadata.items()]
+    for name, report in result.methods.items():
+        lines += _method_lines(name, report)
+    lines += ["", "segments"]
+    headers = ["name", "offset", "size", "digest"] + (["verified"] if result.segment_digests_ok is not None else [])
+    rows = []
+    for entry in manifest.segments:
+        row = [clean(entry.name), str(entry.offset), human_bytes(entry.size), entry.digest]
+        if result.segment_digests_ok is not None:
+            row.append("ok" if result.segment_digests_ok[entry.name] else "MISMATCH")
+        rows.append(row)
+    lines += table(headers, rows, "  ")
+    if result.verified is not None:
+        lines.append("verified: " + ("yes (digests and library checks)" if result.verified else "NO"))
+    lines.append(f"runnable here: {'yes' if result.runnable_here else 'no'}")
+    return lines
+
+
+def _method_lines(name: str, report: Any) -> list[str]:
+    from ..inspection import isa_name
+
+    spec, device = report.spec, report.spec.device
+    target = device.type
+    if device.compute_capability:
+        target += f" (sm {device.compute_capability})"
+    if device.type == "cpu":
+        target += f" (vector ISA {isa_name(device.cpu_isa) or 'unknown'})"
+    lines = ["", clean(f"method {name}: {target}, torch {spec.torch_version}")]
+    for title, tensors in (("inputs", spec.inputs), ("outputs", spec.outputs)):
+        lines.append(f"  {title}")
+        lines += table(["name", "dtype", "shape"], [[clean(t.name), t.dtype, clean(shape_text(t.shape))] for t in tensors], "    ")
+    for dim_name, dim in spec.dims.items():
+        upper = "unbounded" if dim.max is None else dim.max
+        lines.append(clean(f"  dim {dim_name}: min {dim.min}, max {upper}, example {dim.example}"))
+    for role, entry in (("library", report.library), ("weights", report.weights)):
+        if entry is not None:
+            lines.append(f"  {role}: {human_bytes(entry.size)}  {entry.digest}")
+    if device.type == "cpu" and device.cpu_flags:
+        lines.append(clean(f"  needs CPU flags: {' '.join(device.cpu_flags)}"))
+    lines.append(f"  samples: {'yes' if spec.has_samples else 'no'}")
+    if report.library_check is not None:
+        lines.append(clean(f"  library check: {report.library_check}"))
+    if report.not_runnable_reason:
+        lines.append(clean(f"  not runnable here: {report.not_runnable_reason}"))
+    return lines
+
+
+# ---------------------------------------------------------------------------
+# run
+
+
+def run_lines(result: Any, *, show_stats: bool, show_values: bool, full_values: bool) -> list[str]:
+    """`result` is a running.RunResult."""
+    stats = result.stats()
+    headers = ["output", "dtype", "shape"] + (["min", "max", "mean", "nan", "inf"] if show_stats else []) + ["file"]
+    rows = []
+    for spec in result.method.outputs:
+        array = result.outputs[spec.name]
+        row = [clean(spec.name), spec.dtype, shape_text(array.shape)]
+        if show_stats:
+            summary = stats[spec.name]
+            row += [number(summary.min), number(summary.max), number(summary.mean), str(summary.nan_count), str(summary.inf_count)]
+        row.append(clean(", ".join(str(path) for path in result.files.get(spec.name, [])) or "-"))
+        rows.append(row)
+    lines = [clean(f"{result.method.name} on {result.device}"), *table(headers, rows, "  ")]
+    if show_values:
+        for spec in result.method.outputs:
+            lines += [clean(f"{spec.name} ="), *values_text(result.outputs[spec.name], full_values).splitlines()]
+    return lines
+
+
+def values_text(array: Any, full: bool) -> str:
+    """NumPy's own printing, summarised for large arrays unless `full`."""
+    import numpy as np
+
+    values = array.astype(np.float32) if array.dtype.name == "bfloat16" else array
+    threshold = sys.maxsize if full else 1000
+    return np.array2string(values, threshold=threshold, edgeitems=3, max_line_width=10**6)
+
+
+def comparison_lines(comparison: Any) -> list[tuple[str, str | None]]:
+    """(line, style) per output of a verify.compare.Comparison."""
+    lines = []
+    for output in comparison.outputs:
+        line = f"{output.verdict} {output.name}"
+        if output.max_abs_error is not None:
+            line += (f"  max_abs={output.max_abs_error:.3g} mean_abs={output.mean_abs_error:.3g} "
+                     f"median_abs={output.median_abs_error:.3g} max_rel={output.max_rel_error:.3g}")
+        line += f"  (atol={output.atol:g}, rtol={output.rtol:g})"
+        if not output.passed:
+            line += f": {output.reason}"
+            if output.worst_index is not None:
+                line += f"; worst at {list(output.worst_index)}: got {output.worst_actual}, expected {output.worst_expected}"
+        specials = (output.nan_actual, output.nan_expected, output.inf_actual, output.inf_expected)
+        if any(specials):
+            line += f"  [NaN {specials[0]}/{specials[1]}, Inf {specials[2]}/{specials[3]} actual/expected]"
+        lines.append((clean(line), None if output.passed else "red"))
+    lines += [(clean(f"SKIPPED {name}: no reference given (allowed by --allow-missing)"), None) for name in comparison.not_compared]
+    return lines
+
+
+# ---------------------------------------------------------------------------
+# bench
+
+
+def bench_lines(result: Any) -> list[str]:
+    """`result` is a bench.BenchResult."""
+    lines = [clean(f"{result.method} on {result.device}  ({human_bytes(result.input_bytes)} in, {human_bytes(result.output_bytes)} out)"), "load (ms)"]
+    lines += table([*result.load, "first_run"], [[*(ms(value) for value in result.load.values()), ms(result.first_run)]], "  ")
+    lines.append("steady state (ms per run)")
+    rows = [("host to host", result.steady)]
+    rows += [(f"  {name.replace('_', ' ')}", stats) for name, stats in result.split.items()]
+    if result.device_resident is not None:
+        rows.append(("device arrays", result.device_resident))
+    headers = ["what", "n", "min", "median", "mean", "p90", "p95", "p99", "max", "cv"]
+    body = [[label, str(stats.count), *(ms(getattr(stats, key)) for key in ("min", "median", "mean", "p90", "p95", "p99", "max")), f"{stats.cv:.1%}"]
+            for label, stats in rows]
+    lines += table(headers, body, "  ")
+    lines.append(f"throughput: {result.throughput:.1f} runs/s ({result.steady.count} runs in {result.timed_wall:.3f} s)")
+    lines.append("split: CUDA-event device time per phase on a GPU, host timers on CPU; see --json 'definitions'")
+    lines += [gate.describe() for gate in result.gates]
+    return lines
+
+
+# ---------------------------------------------------------------------------
+# devices
+
+
+def devices_lines(result: Any) -> list[str]:
+    """`result` is a runtime.devices.DevicesResult."""
+    lines = [clean(f"cpu: {result.cpu_model}, {result.cpu_cores} cores"), clean(f"  ISA flags checked for CPU bundles: {' '.join(result.cpu_flags) or 'none found'}")]
+    for gpu in result.gpus:
+        lines.append(clean(f"{gpu.device}: {gpu.name}, compute capability {gpu.compute_capability}, {human_bytes(gpu.memory_bytes)}"))
+    if result.cuda_driver is not None:
+        lines.append(f"CUDA driver supports {result.cuda_driver}; CuPy's CUDA runtime {result.cuda_runtime or 'not installed'}")
+    else:
+        lines.append("no CUDA driver found")
+    lines.append(f"libtorch: {result.libtorch or 'not installed'}")
+    return lines

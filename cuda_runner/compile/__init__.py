@@ -1,0 +1,183 @@
+"""Compile PyTorch programs into a bundle (the ahead-of-time side).
+
+    compile_module(module, (x,), "model.bundle", device="cuda", dynamic_shapes={"x": {0: Dim("batch")}})
+    compile_programs({"forward": "program.pt2"}, "model.bundle", device="cpu")
+"""
+
+from __future__ import annotations
+
+import os
+import platform
+import zipfile
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from .. import __version__
+from ..errors import CompileError, InputError
+from ..format import Manifest, MethodSpec, write_bundle
+from ..format.manifest import method_name_problem
+from .aot import Progress, check_device, compile_program, import_torch
+from .signature import dim_names_from_dynamic_shapes, program_signature
+
+__all__ = ["MethodSource", "compile_module", "compile_programs", "export_module"]
+
+
+@dataclass(frozen=True)
+class MethodSource:
+    """One method to compile: an ExportedProgram, with optional sample inputs for self-tests."""
+
+    program: Any
+    dim_names: Mapping[tuple[str, int], str] | None = None
+    sample_inputs: Mapping[str, Any] | None = None
+
+
+def _quiet(_: str) -> None:
+    pass
+
+
+def export_module(module: Any, args: tuple, kwargs: Mapping[str, Any] | None = None, dynamic_shapes: Any = None) -> MethodSource:
+    """torch.export a module in eval mode, remembering the names of its Dims."""
+    torch = import_torch()
+    try:
+        program = torch.export.export(module.eval(), tuple(args), dict(kwargs or {}), dynamic_shapes=dynamic_shapes, strict=False)
+    except Exception as error:
+        raise CompileError(f"torch.export failed: {type(error).__name__}: {str(error).strip().splitlines()[0] if str(error).strip() else ''}") from error
+    input_names = list(program.graph_signature.user_inputs)
+    return MethodSource(program, dim_names_from_dynamic_shapes(input_names, dynamic_shapes))
+
+
+def compile_module(
+    module: Any,
+    args: tuple,
+    path: str | os.PathLike,
+    *,
+    device: str = "cpu",
+    kwargs: Mapping[str, Any] | None = None,
+    dynamic_shapes: Any = None,
+    method: str = "forward",
+    metadata: Mapping[str, str] | None = None,
+    sample_inputs: Mapping[str, Any] | None = None,
+    progress: Progress = _quiet,
+) -> Manifest:
+    """Export `module` with example `args` and compile it into a one-method bundle."""
+    torch = import_torch()
+    target = check_device(torch, device)
+    if target != "cpu":
+        module = module.to(target)
+        args = tuple(_to_device(arg, target) for arg in args)
+        kwargs = {key: _to_device(value, target) for key, value in (kwargs or {}).items()}
+    progress(f"exporting {method}")
+    source = export_module(module, args, kwargs, dynamic_shapes)
+    source = MethodSource(source.program, source.dim_names, sample_inputs)
+    return compile_sources({method: source}, path, device=target, metadata=metadata, progress=progress)
+
+
+def compile_programs(
+    programs: Mapping[str, str | os.PathLike],
+    path: str | os.PathLike,
+    *,
+    device: str = "cpu",
+    metadata: Mapping[str, str] | None = None,
+    sample_inputs: Mapping[str, Mapping[str, Any]] | None = None,
+    progress: Progress = _quiet,
+) -> Manifest:
+    """Compile saved ExportedPrograms (torch.export.save) into one bundle; keys are method names."""
+    torch = import_torch()
+    target = check_device(torch, device)
+    sources = {}
+    for method, program_path in programs.items():
+        progress(f"loading {program_path}")
+        program = _load_program(torch, Path(program_path))
+        samples = (sample_inputs or {}).get(method)
+        sources[method] = MethodSource(program, None, samples)
+    return compile_sources(sources, path, device=target, metadata=metadata, progress=progress)
+
+
+def _load_program(torch: Any, path: Path) -> Any:
+    if not path.is_file():
+        raise InputError(f"program file {path} does not exist")
+    if not zipfile.is_zipfile(path):
+        raise InputError(f"cannot read {path}: not an ExportedProgram archive saved with torch.export.save")
+    try:
+        return torch.export.load(str(path))
+    except Exception as error:
+        raise InputError(f"cannot read {path} as an ExportedProgram saved with torch.export.save: {type(error).__name__}") from error
+
+
+def compile_sources(
+    sources: Mapping[str, MethodSource],
+    path: str | os.PathLike,
+    *,
+    device: str,
+    metadata: Mapping[str, str] | None = None,
+    progress: Callable[[str], None] = _quiet,
+) -> Manifest:
+    """Compile each method and write the bundle atomically."""
+    torch = import_torch()
+    if not sources:
+        raise InputError("nothing to compile: give at least one method")
+    methods: dict[str, MethodSpec] = {}
+    segments: dict[str, bytes] = {}
+    for method, source in sources.items():
+        problem = method_name_problem(method)
+        if problem:
+            raise InputError(f"method name {method!r} {problem}")
+        spec, method_segments = _compile_method(torch, method, source, device, progress)
+        methods[method] = spec
+        segments.update(method_segments)
+    manifest = Manifest(
+        methods=methods,
+        build={"cuda_runner": __version__, "torch": torch.__version__, "python": platform.python_version(), "machine": platform.machine()},
+        metadata=dict(metadata or {}),
+        optional_features=("samples",) if any(spec.has_samples for spec in methods.values()) else (),
+    )
+    progress(f"writing {path}")
+    write_bundle(path, manifest, segments)
+    return manifest
+
+
+def _compile_method(torch: Any, method: str, source: MethodSource, device: str, progress: Progress) -> tuple[MethodSpec, dict[str, bytes]]:
+    program = source.program
+    if device != "cpu":
+        from torch.export.passes import move_to_device_pass
+
+        program = move_to_device_pass(program, device)
+    signature = program_signature(program, source.dim_names)
+    args, kwargs = _example_inputs(program, device)
+    progress(f"compiling method {method!r} for {device}")
+    compiled = compile_program(program, args, kwargs, device, progress)
+    segments = {f"{method}_so_blob": compiled.library, f"{method}_weights_blob": compiled.weights}
+    spec = MethodSpec(
+        name=method,
+        device=compiled.device,
+        library_segment=f"{method}_so_blob",
+        weights_segment=f"{method}_weights_blob",
+        inputs=signature.inputs,
+        outputs=signature.outputs,
+        dims=signature.dims,
+        torch_version=torch.__version__,
+        compile_options=compiled.options,
+    )
+    if source.sample_inputs is not None:
+        from .samples import sample_segments
+
+        progress(f"computing eager reference outputs for {method!r}'s samples")
+        spec, sample_data = sample_segments(torch, program, spec, source.sample_inputs, device)
+        segments.update(sample_data)
+    return spec, segments
+
+
+def _example_inputs(program: Any, device: str) -> tuple[tuple, dict]:
+    examples = getattr(program, "example_inputs", None)
+    if examples:
+        args, kwargs = examples
+        return tuple(_to_device(arg, device) for arg in args), {key: _to_device(value, device) for key, value in kwargs.items()}
+    raise CompileError("the exported program carries no example inputs; re-export it with torch.export.export and save it again")
+
+
+def _to_device(value: Any, device: str) -> Any:
+    import torch.utils._pytree as pytree
+
+    return pytree.tree_map(lambda leaf: leaf.to(device) if hasattr(leaf, "to") else leaf, value)

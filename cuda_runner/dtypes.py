@@ -1,0 +1,81 @@
+"""Dtype names shared by the manifest, NumPy and the AOTInductor C shim.
+
+The manifest spells dtypes as torch does without the prefix ("float32",
+"bfloat16"). NumPy has no bfloat16, so `ml_dtypes` supplies it.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from .errors import InputError
+
+if TYPE_CHECKING:  # NumPy is imported where arrays are handled, not at CLI start-up
+    import numpy as np
+
+# name -> c10::ScalarType code, as recorded in docs/aoti-abi.md. The runtime
+# re-reads the codes from the shim's aoti_torch_dtype_* functions and checks
+# them against this table before trusting it.
+SCALAR_TYPE_CODES: dict[str, int] = {
+    "uint8": 0,
+    "int8": 1,
+    "int16": 2,
+    "int32": 3,
+    "int64": 4,
+    "float16": 5,
+    "float32": 6,
+    "float64": 7,
+    "bool": 11,
+    "bfloat16": 15,
+}
+
+DTYPE_NAMES = tuple(SCALAR_TYPE_CODES)
+FLOAT_DTYPES = frozenset({"float16", "bfloat16", "float32", "float64"})
+
+
+def _bfloat16() -> np.dtype:
+    import ml_dtypes
+    import numpy as np
+
+    return np.dtype(ml_dtypes.bfloat16)
+
+
+def numpy_dtype(name: str) -> np.dtype:
+    """The NumPy dtype for a manifest dtype name."""
+    if name == "bfloat16":
+        return _bfloat16()
+    if name not in SCALAR_TYPE_CODES:
+        raise InputError(f"unsupported dtype {name!r}; supported: {', '.join(DTYPE_NAMES)}")
+    import numpy as np
+
+    return np.dtype(name)
+
+
+_NAMES_BY_DTYPE: dict = {}  # np.dtype.name is slow, and this sits on the per-call path
+
+
+def dtype_name(dtype: np.dtype) -> str:
+    """The manifest name of a NumPy dtype, or an InputError naming it."""
+    name = _NAMES_BY_DTYPE.get(dtype)
+    if name is None:
+        name = _NAMES_BY_DTYPE[dtype] = _dtype_name_uncached(dtype)
+    return name
+
+
+def _dtype_name_uncached(dtype: np.dtype) -> str:
+    import numpy as np
+
+    dtype = np.dtype(dtype)
+    if dtype.kind == "V" and dtype.name == "bfloat16":
+        return "bfloat16"
+    if dtype.name in SCALAR_TYPE_CODES and dtype.name != "bfloat16":
+        return dtype.name
+    raise InputError(f"unsupported dtype {dtype}; supported: {', '.join(DTYPE_NAMES)}")
+
+
+def torch_dtype_name(torch_dtype: object) -> str:
+    """'torch.float32' -> 'float32', refusing dtypes the runtime cannot wrap."""
+    name = str(torch_dtype).removeprefix("torch.")
+    if name not in SCALAR_TYPE_CODES:
+        raise InputError(f"dtype {torch_dtype} is not supported by cuda-runner")
+    return name

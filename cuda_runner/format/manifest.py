@@ -1,0 +1,373 @@
+"""The manifest: the typed, validated description of what a bundle holds.
+
+A model library cannot tell its real signature (input names are graph
+placeholders, and dtypes and shapes are not exposed at all), so the manifest
+records it at compile time. Everything here is parsed strictly: a bundle is
+input from outside, and any field of the wrong type is a BundleError.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from ..dtypes import DTYPE_NAMES
+from ..errors import BundleError, InputError
+from ..names import MAX_NAME_LENGTH, name_problem
+from ..shapes import shape_text
+from .digest import DIGEST_ALGORITHM
+
+MAX_METHODS = 64
+MAX_SEGMENTS = 1024
+MAX_TENSORS_PER_SIGNATURE = 4096
+MAX_RANK = 32
+MAX_METADATA_ENTRIES = 256
+MAX_METADATA_VALUE_LENGTH = 4096
+MAX_EXPRESSION_LENGTH = 256
+# Segment names are "<method>_<role>" with roles up to 15 characters long
+# ("_sample_outputs"), and every name is at most MAX_NAME_LENGTH.
+MAX_METHOD_NAME_LENGTH = MAX_NAME_LENGTH - len("_sample_outputs")
+
+_DIGEST_PATTERN = re.compile(rf"^{DIGEST_ALGORITHM}:[0-9a-f]{{32}}$")
+_EXPRESSION_PATTERN = re.compile(r"^[A-Za-z0-9_.+\-*/() ]+$")
+
+# Features a reader must understand to use a bundle that lists them as
+# required. A bundle that requires anything else is refused.
+KNOWN_FEATURES = frozenset({"samples"})
+
+
+@dataclass(frozen=True)
+class SegmentEntry:
+    name: str
+    offset: int
+    size: int
+    digest: str
+
+
+@dataclass(frozen=True)
+class DimSpec:
+    """A dynamic dimension: its bounds, and the size used at export time."""
+
+    name: str
+    min: int
+    max: int | None  # None: unbounded
+    example: int | None = None
+
+    def allows(self, size: int) -> bool:
+        return size >= self.min and (self.max is None or size <= self.max)
+
+
+ShapeEntry = int | str  # a static size, a dim name, or an expression of dim names
+
+
+@dataclass(frozen=True)
+class TensorSpec:
+    name: str
+    dtype: str
+    shape: tuple[ShapeEntry, ...]
+
+    @property
+    def rank(self) -> int:
+        return len(self.shape)
+
+    def shape_text(self) -> str:
+        return shape_text(self.shape)
+
+
+@dataclass(frozen=True)
+class DeviceSpec:
+    type: str  # "cpu" or "cuda"
+    compute_capability: str | None = None  # cuda: "9.0"
+    cpu_isa: str | None = None  # cpu: AOTI_CPU_ISA
+    cpu_flags: tuple[str, ...] = ()  # cpu: ISA flags of the build machine (-march=native)
+
+
+@dataclass(frozen=True)
+class MethodSpec:
+    name: str
+    device: DeviceSpec
+    library_segment: str
+    weights_segment: str | None
+    inputs: tuple[TensorSpec, ...]
+    outputs: tuple[TensorSpec, ...]
+    dims: Mapping[str, DimSpec]
+    torch_version: str
+    compile_options: Mapping[str, Any] = field(default_factory=dict)
+    sample_inputs_segment: str | None = None
+    sample_outputs_segment: str | None = None
+
+    def input(self, name: str) -> TensorSpec | None:
+        return next((spec for spec in self.inputs if spec.name == name), None)
+
+    @property
+    def has_samples(self) -> bool:
+        return self.sample_inputs_segment is not None
+
+
+@dataclass(frozen=True)
+class Manifest:
+    methods: Mapping[str, MethodSpec]
+    segments: tuple[SegmentEntry, ...] = ()
+    build: Mapping[str, str] = field(default_factory=dict)
+    metadata: Mapping[str, str] = field(default_factory=dict)
+    required_features: tuple[str, ...] = ()
+    optional_features: tuple[str, ...] = ()
+
+    def segment(self, name: str) -> SegmentEntry | None:
+        return next((entry for entry in self.segments if entry.name == name), None)
+
+    def referenced_segments(self) -> list[str]:
+        names = []
+        for method in self.methods.values():
+            names.append(method.library_segment)
+            for optional in (method.weights_segment, method.sample_inputs_segment, method.sample_outputs_segment):
+                if optional is not None:
+                    names.append(optional)
+        return names
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "required_features": list(self.required_features),
+            "optional_features": list(self.optional_features),
+            "build": dict(self.build),
+            "metadata": dict(self.metadata),
+            "segments": [dataclasses.asdict(entry) for entry in self.segments],
+            "methods": {name: _method_to_json(method) for name, method in self.methods.items()},
+        }
+
+
+def _method_to_json(method: MethodSpec) -> dict[str, Any]:
+    data: dict[str, Any] = {
+        "device": {key: list(value) if isinstance(value, tuple) else value for key, value in dataclasses.asdict(method.device).items() if value not in (None, ())},
+        "library_segment": method.library_segment,
+        "weights_segment": method.weights_segment,
+        "inputs": [_tensor_to_json(spec) for spec in method.inputs],
+        "outputs": [_tensor_to_json(spec) for spec in method.outputs],
+        "dims": {name: {"min": dim.min, "max": dim.max, "example": dim.example} for name, dim in method.dims.items()},
+        "torch_version": method.torch_version,
+        "compile_options": dict(method.compile_options),
+    }
+    if method.sample_inputs_segment is not None:
+        data["sample_inputs_segment"] = method.sample_inputs_segment
+        data["sample_outputs_segment"] = method.sample_outputs_segment
+    return data
+
+
+def _tensor_to_json(spec: TensorSpec) -> dict[str, Any]:
+    return {"name": spec.name, "dtype": spec.dtype, "shape": list(spec.shape)}
+
+
+def choose_method(available: list[str], requested: str | None) -> str:
+    """The requested method, or by default the only one there is, or 'forward'."""
+    if requested is None:
+        if len(available) == 1:
+            return available[0]
+        if "forward" in available:
+            return "forward"
+        raise InputError(f"the bundle has several methods ({', '.join(available)}); choose one", subject="method")
+    if requested not in available:
+        raise InputError(f"the bundle has no method {requested!r}; it has: {', '.join(available) or 'none'}", subject="method")
+    return requested
+
+
+def method_name_problem(name: object) -> str | None:
+    """Why `name` cannot name a method (its segment names must stay valid names)."""
+    problem = name_problem(name)
+    if problem is None and isinstance(name, str) and len(name) > MAX_METHOD_NAME_LENGTH:
+        return f"is longer than {MAX_METHOD_NAME_LENGTH} characters"
+    return problem
+
+
+# --------------------------------------------------------------------------
+# Parsing. Each helper raises BundleError naming the offending field.
+
+
+def manifest_from_json(data: Any) -> Manifest:
+    obj = _object(data, "manifest")
+    features = _features(obj)
+    segments = tuple(_segment(item, f"segments[{i}]") for i, item in enumerate(_list(obj.get("segments", []), "segments", MAX_SEGMENTS)))
+    methods_obj = _object(obj.get("methods"), "methods")
+    if not methods_obj:
+        raise BundleError("manifest field 'methods' is empty")
+    if len(methods_obj) > MAX_METHODS:
+        raise BundleError(f"manifest has more than {MAX_METHODS} methods")
+    methods = {name: _method(_checked_method_name(name), value) for name, value in methods_obj.items()}
+    manifest = Manifest(
+        methods=methods,
+        segments=segments,
+        build=_string_map(obj.get("build", {}), "build"),
+        metadata=_string_map(obj.get("metadata", {}), "metadata"),
+        required_features=features[0],
+        optional_features=features[1],
+    )
+    _check_references(manifest)
+    return manifest
+
+
+def _features(obj: dict) -> tuple[tuple[str, ...], tuple[str, ...]]:
+    required = tuple(_string(item, "required_features[]") for item in _list(obj.get("required_features", []), "required_features", 64))
+    optional = tuple(_string(item, "optional_features[]") for item in _list(obj.get("optional_features", []), "optional_features", 64))
+    unknown = [name for name in required if name not in KNOWN_FEATURES]
+    if unknown:
+        raise BundleError(f"bundle requires feature {unknown[0]!r}, which this cuda-runner does not support; upgrade cuda-runner")
+    return required, optional
+
+
+def _check_references(manifest: Manifest) -> None:
+    present = {entry.name for entry in manifest.segments}
+    for segment_name in manifest.referenced_segments():
+        if segment_name not in present:
+            raise BundleError(f"manifest refers to segment {segment_name!r}, which the bundle does not contain")
+
+
+def _segment(data: Any, where: str) -> SegmentEntry:
+    obj = _object(data, where)
+    digest = _string(obj.get("digest"), f"{where}.digest")
+    if not _DIGEST_PATTERN.match(digest):
+        raise BundleError(f"{where}.digest is not of the form '{DIGEST_ALGORITHM}:<32 hex digits>'")
+    return SegmentEntry(
+        name=_checked_name(obj.get("name"), f"{where}.name"),
+        offset=_int(obj.get("offset"), f"{where}.offset", 0),
+        size=_int(obj.get("size"), f"{where}.size", 0),
+        digest=digest,
+    )
+
+
+def _method(name: str, data: Any) -> MethodSpec:
+    where = f"methods.{name}"
+    obj = _object(data, where)
+    dims = _dims(obj.get("dims", {}), f"{where}.dims")
+    weights = obj.get("weights_segment")
+    sample_inputs = obj.get("sample_inputs_segment")
+    sample_outputs = obj.get("sample_outputs_segment")
+    if (sample_inputs is None) != (sample_outputs is None):
+        raise BundleError(f"{where}: sample inputs and sample outputs must both be present or both absent")
+    return MethodSpec(
+        name=name,
+        device=_device(obj.get("device"), f"{where}.device"),
+        library_segment=_checked_name(obj.get("library_segment"), f"{where}.library_segment"),
+        weights_segment=None if weights is None else _checked_name(weights, f"{where}.weights_segment"),
+        inputs=_signature(obj.get("inputs"), f"{where}.inputs", dims),
+        outputs=_signature(obj.get("outputs"), f"{where}.outputs", dims),
+        dims=dims,
+        torch_version=_string(obj.get("torch_version"), f"{where}.torch_version"),
+        compile_options=_object(obj.get("compile_options", {}), f"{where}.compile_options"),
+        sample_inputs_segment=None if sample_inputs is None else _checked_name(sample_inputs, f"{where}.sample_inputs_segment"),
+        sample_outputs_segment=None if sample_outputs is None else _checked_name(sample_outputs, f"{where}.sample_outputs_segment"),
+    )
+
+
+def _device(data: Any, where: str) -> DeviceSpec:
+    obj = _object(data, where)
+    kind = _string(obj.get("type"), f"{where}.type")
+    if kind not in ("cpu", "cuda"):
+        raise BundleError(f"{where}.type must be 'cpu' or 'cuda', not {kind!r}")
+    capability = obj.get("compute_capability")
+    if capability is not None and not re.fullmatch(r"\d{1,3}\.\d{1,3}", _string(capability, f"{where}.compute_capability")):
+        raise BundleError(f"{where}.compute_capability must look like '9.0'")
+    isa = obj.get("cpu_isa")
+    flags = _list(obj.get("cpu_flags", []), f"{where}.cpu_flags", 512)
+    return DeviceSpec(
+        type=kind,
+        compute_capability=capability,
+        cpu_isa=None if isa is None else _string(isa, f"{where}.cpu_isa"),
+        cpu_flags=tuple(_checked_name(flag, f"{where}.cpu_flags[]") for flag in flags),
+    )
+
+
+def _dims(data: Any, where: str) -> dict[str, DimSpec]:
+    obj = _object(data, where)
+    dims = {}
+    for name, value in obj.items():
+        _checked_name(name, f"{where} key")
+        spec = _object(value, f"{where}.{name}")
+        low = _int(spec.get("min"), f"{where}.{name}.min", 0)
+        high = spec.get("max")
+        if high is not None:
+            high = _int(high, f"{where}.{name}.max", low)
+        example = spec.get("example")
+        if example is not None:
+            example = _int(example, f"{where}.{name}.example", 0)
+        dims[name] = DimSpec(name=name, min=low, max=high, example=example)
+    return dims
+
+
+def _signature(data: Any, where: str, dims: Mapping[str, DimSpec]) -> tuple[TensorSpec, ...]:
+    items = _list(data, where, MAX_TENSORS_PER_SIGNATURE)
+    specs = tuple(_tensor(item, f"{where}[{i}]") for i, item in enumerate(items))
+    names = [spec.name for spec in specs]
+    if len(set(names)) != len(names):
+        raise BundleError(f"{where} has duplicate names")
+    return specs
+
+
+def _tensor(data: Any, where: str) -> TensorSpec:
+    obj = _object(data, where)
+    dtype = _string(obj.get("dtype"), f"{where}.dtype")
+    if dtype not in DTYPE_NAMES:
+        raise BundleError(f"{where}.dtype {dtype!r} is not one of {', '.join(DTYPE_NAMES)}")
+    shape: list[ShapeEntry] = []
+    for axis, entry in enumerate(_list(obj.get("shape"), f"{where}.shape", MAX_RANK)):
+        if isinstance(entry, str):
+            if len(entry) > MAX_EXPRESSION_LENGTH or not _EXPRESSION_PATTERN.match(entry) or entry.lstrip().startswith("-"):
+                raise BundleError(f"{where}.shape[{axis}] is not a valid dimension expression")
+            shape.append(entry)
+        else:
+            shape.append(_int(entry, f"{where}.shape[{axis}]", 0))
+    return TensorSpec(name=_checked_name(obj.get("name"), f"{where}.name"), dtype=dtype, shape=tuple(shape))
+
+
+def _object(data: Any, where: str) -> dict:
+    if not isinstance(data, dict):
+        raise BundleError(f"manifest field {where!r} must be an object")
+    return data
+
+
+def _list(data: Any, where: str, limit: int) -> list:
+    if not isinstance(data, list):
+        raise BundleError(f"manifest field {where!r} must be a list")
+    if len(data) > limit:
+        raise BundleError(f"manifest field {where!r} has more than {limit} entries")
+    return data
+
+
+def _string(data: Any, where: str) -> str:
+    if not isinstance(data, str):
+        raise BundleError(f"manifest field {where!r} must be a string")
+    return data
+
+
+def _int(data: Any, where: str, minimum: int) -> int:
+    if not isinstance(data, int) or isinstance(data, bool):
+        raise BundleError(f"manifest field {where!r} must be an integer")
+    if data < minimum or data >= 1 << 63:
+        raise BundleError(f"manifest field {where!r} is out of range")
+    return data
+
+
+def _checked_method_name(data: Any) -> str:
+    problem = method_name_problem(data)
+    if problem:
+        raise BundleError(f"manifest method name {str(data)[:40]!r} {problem}")
+    return str(data)
+
+
+def _checked_name(data: Any, where: str) -> str:
+    problem = name_problem(data)
+    if problem:
+        raise BundleError(f"manifest field {where!r} {problem}")
+    return data
+
+
+def _string_map(data: Any, where: str) -> dict[str, str]:
+    obj = _object(data, where)
+    if len(obj) > MAX_METADATA_ENTRIES:
+        raise BundleError(f"manifest field {where!r} has more than {MAX_METADATA_ENTRIES} entries")
+    for key, value in obj.items():
+        _checked_name(key, f"{where} key")
+        if len(_string(value, f"{where}.{key}")) > MAX_METADATA_VALUE_LENGTH:
+            raise BundleError(f"manifest field {where}.{key} is longer than {MAX_METADATA_VALUE_LENGTH} characters")
+    return dict(obj)

@@ -1,0 +1,160 @@
+"""What a bundle holds and whether this machine can run it (`cuda-runner inspect`).
+
+Opening a bundle checks its header, manifest checksum and layout. `verify`
+adds every segment digest and, for each method this machine can run, loads
+the library and runs it once on generated inputs with the library's own input
+checks on: that catches a manifest that lies about its library, which digests
+alone cannot (a rewritten bundle has correct digests).
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from .errors import CudaRunnerError
+from .format.bundle import BundleReader, open_bundle
+from .format.manifest import DimSpec, Manifest, MethodSpec, SegmentEntry, TensorSpec
+from .report.schema import SCHEMAS
+from .runtime.devices import Device, incompatibility
+
+# AOTI_CPU_ISA values, as people know them.
+_ISA_NAMES = {"INVALID_VEC_ISA": "none (scalar code)", "VecAVX512": "AVX-512", "VecAVX2": "AVX2", "VecNEON": "NEON", "VecSVE256": "SVE-256"}
+
+
+def isa_name(value: str | None) -> str | None:
+    return None if value is None else _ISA_NAMES.get(value, value)
+
+
+def tensor_json(spec: TensorSpec) -> dict[str, Any]:
+    return {"name": spec.name, "dtype": spec.dtype, "shape": list(spec.shape)}
+
+
+def dim_json(dim: DimSpec) -> dict[str, Any]:
+    return {"min": dim.min, "max": dim.max, "example": dim.example}
+
+
+@dataclass
+class MethodReport:
+    spec: MethodSpec
+    library: SegmentEntry | None
+    weights: SegmentEntry | None
+    not_runnable_reason: str | None
+    library_check: str | None = None  # with verify: "passed", "skipped: ...", or why it failed
+
+    def to_json(self) -> dict[str, Any]:
+        spec, device = self.spec, self.spec.device
+        device_json: dict[str, Any] = {"type": device.type}
+        if device.compute_capability:
+            device_json["compute_capability"] = device.compute_capability
+        if device.type == "cpu":
+            device_json["cpu_isa"] = isa_name(device.cpu_isa)
+            device_json["cpu_flags"] = list(device.cpu_flags)
+        return {
+            "device": device_json,
+            "inputs": [tensor_json(tensor) for tensor in spec.inputs],
+            "outputs": [tensor_json(tensor) for tensor in spec.outputs],
+            "dims": {name: dim_json(dim) for name, dim in spec.dims.items()},
+            "library": _segment_json(self.library),
+            "weights": _segment_json(self.weights),
+            "samples": spec.has_samples,
+            "torch_version": spec.torch_version,
+            "compile_options": dict(spec.compile_options),
+            "runnable_here": self.not_runnable_reason is None,
+            "not_runnable_reason": self.not_runnable_reason,
+            "library_check": self.library_check,
+        }
+
+
+def _segment_json(entry: SegmentEntry | None) -> dict[str, Any] | None:
+    return None if entry is None else {"segment": entry.name, "size": entry.size, "digest": entry.digest}
+
+
+@dataclass
+class InspectResult:
+    path: Path
+    format_version: str
+    file_size: int
+    manifest: Manifest
+    methods: dict[str, MethodReport]
+    segment_digests_ok: dict[str, bool] | None = None  # with verify
+    warnings: list[str] = field(default_factory=list)
+
+    @property
+    def verified(self) -> bool | None:
+        """None without verify; else whether every digest and every library check passed."""
+        if self.segment_digests_ok is None:
+            return None
+        checks = [report.library_check for report in self.methods.values() if report.library_check is not None]
+        return all(self.segment_digests_ok.values()) and all(check == "passed" or check.startswith("skipped") for check in checks)
+
+    @property
+    def runnable_here(self) -> bool:
+        return all(report.not_runnable_reason is None for report in self.methods.values()) and self.verified is not False
+
+    def to_json(self) -> dict[str, Any]:
+        segments = []
+        for entry in self.manifest.segments:
+            segment: dict[str, Any] = {"name": entry.name, "offset": entry.offset, "size": entry.size, "digest": entry.digest}
+            if self.segment_digests_ok is not None:
+                segment["verified"] = self.segment_digests_ok[entry.name]
+            segments.append(segment)
+        return {
+            "schema": SCHEMAS["inspect"],
+            "path": str(self.path),
+            "format_version": self.format_version,
+            "file_size": self.file_size,
+            "build": dict(self.manifest.build),
+            "metadata": dict(self.manifest.metadata),
+            "required_features": list(self.manifest.required_features),
+            "optional_features": list(self.manifest.optional_features),
+            "methods": {name: report.to_json() for name, report in self.methods.items()},
+            "segments": segments,
+            "runnable_here": self.runnable_here,
+            "verified": self.verified,
+        }
+
+
+def runnable_problem(spec: MethodSpec) -> str | None:
+    """Why this machine cannot run `spec` on the device it was built for, or None."""
+    problem = incompatibility(spec, Device(spec.device.type))
+    return None if problem is None else str(problem)
+
+
+def inspect_bundle(path: str | os.PathLike[str], *, verify: bool = False) -> InspectResult:
+    with open_bundle(path) as reader:
+        manifest = reader.manifest
+        reports = {
+            name: MethodReport(spec, manifest.segment(spec.library_segment), manifest.segment(spec.weights_segment) if spec.weights_segment else None,
+                               runnable_problem(spec))
+            for name, spec in manifest.methods.items()
+        }
+        result = InspectResult(reader.path, reader.version, reader.file_size, manifest, reports)
+        if verify:
+            result.segment_digests_ok = reader.verify_all()
+            for report in reports.values():
+                report.library_check = _check_library(reader, report, all(result.segment_digests_ok.values()))
+        return result
+
+
+def _check_library(reader: BundleReader, report: MethodReport, digests_ok: bool) -> str:
+    """Load the method and run it once with the library's own input checks."""
+    if not digests_ok:
+        return "skipped: digests do not match"
+    if report.not_runnable_reason is not None:
+        return "skipped: not runnable here"
+    from .io.inputs import RandomInputs, resolve_inputs
+    from .runtime.devices import choose_device
+    from .runtime.method import Method
+
+    spec = report.spec
+    try:
+        # Inputs made from the manifest: if it lies, the library's checks say so.
+        inputs = resolve_inputs(spec, RandomInputs())
+        with Method.load(reader, spec, choose_device([spec], None), check_inputs=True) as method:
+            method.run(inputs.arrays)
+    except CudaRunnerError as error:
+        return f"failed: {error}"
+    return "passed"

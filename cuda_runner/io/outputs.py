@@ -1,0 +1,78 @@
+"""Writing outputs: one .npy per output and/or one .npz, as one all-or-none transaction."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from ..errors import InputError
+from ..files import Writer, check_destination, write_files
+from ..names import safe_filename
+from .npy import npy_writer, npz_writer
+
+
+@dataclass(frozen=True)
+class OutputPlan:
+    """Where outputs go. `bf16_as` converts bfloat16 outputs on the way out
+    (e.g. "float32", for readers without ml_dtypes); None keeps them."""
+
+    directory: Path | None = None
+    archive: Path | None = None
+    bf16_as: str | None = None
+
+    @property
+    def writes(self) -> bool:
+        return self.directory is not None or self.archive is not None
+
+    def check(self) -> None:
+        """Refuse, before anything runs, destinations that cannot be written."""
+        if self.archive is not None:
+            if self.archive.suffix != ".npz":
+                raise InputError(f"{self.archive}: an output archive must end in .npz")
+            check_destination(self.archive)
+        if self.directory is not None:
+            check_destination(self.directory / "x.npy")
+            if self.directory.exists() and not self.directory.is_dir():
+                raise InputError(f"{self.directory} exists and is not a directory")
+
+
+def output_filenames(names: list[str]) -> dict[str, str]:
+    """Sanitised, distinct file names: 'aux.loss' -> 'aux.loss.npy', '../x' -> '_.._x.npy'."""
+    taken: set[str] = set()
+    result = {}
+    for name in names:
+        stem = safe_filename(name)
+        candidate, counter = stem, 1
+        while candidate.lower() in taken:  # distinct on case-insensitive file systems too
+            counter += 1
+            candidate = f"{stem}_{counter}"
+        taken.add(candidate.lower())
+        result[name] = f"{candidate}.npy"
+    return result
+
+
+def _converted(outputs: Mapping[str, np.ndarray], bf16_as: str | None) -> dict[str, np.ndarray]:
+    if bf16_as is None:
+        return dict(outputs)
+    return {name: array.astype(bf16_as) if array.dtype.name == "bfloat16" else array for name, array in outputs.items()}
+
+
+def write_outputs(plan: OutputPlan, outputs: Mapping[str, np.ndarray]) -> dict[str, list[Path]]:
+    """Write every destination of `plan` in one transaction; {output name: [files]}."""
+    arrays = _converted(outputs, plan.bf16_as)
+    writers: dict[Path, Writer] = {}
+    files: dict[str, list[Path]] = {name: [] for name in arrays}
+    if plan.directory is not None:
+        for name, filename in output_filenames(list(arrays)).items():
+            path = plan.directory / filename
+            writers[path] = npy_writer(arrays[name])
+            files[name].append(path)
+    if plan.archive is not None:
+        writers[plan.archive] = npz_writer(arrays)
+        for name in arrays:
+            files[name].append(plan.archive)
+    write_files(writers)
+    return files

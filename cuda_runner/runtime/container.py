@@ -1,0 +1,115 @@
+"""The AOTInductor model container, through its C ABI.
+
+The ABI crashes the process rather than fail on misuse (docs/aoti-abi.md, "Hazards"), so
+this class makes misuse impossible: the weights are fed exactly once, before
+any Run; the input and output counts are checked against the library once, at
+creation; and Run is given exactly the counts the library reported.
+
+Thread safety: the container's Run may be called from several threads at once
+(it hands each call one of its `num_models` model instances, and waits while
+all are busy). Nothing in this class is shared between calls: each Run gets
+its own handle arrays.
+"""
+
+from __future__ import annotations
+
+import ctypes
+from typing import Any
+
+from ..errors import BundleError, ModelRuntimeError
+from .library import ModelLibrary
+
+Handle = ctypes.c_void_p
+_SIZE_P = ctypes.POINTER(ctypes.c_size_t)
+_PREFIX = "AOTInductorModelContainer"
+
+
+class Container:
+    def __init__(self, library: ModelLibrary, device: str, num_models: int = 1):
+        self.library = library
+        self._bind()
+        self._handle = Handle()
+        self._check(self._create(ctypes.byref(self._handle), num_models, device.encode(), None), f"create the model container on {device}")
+        self.num_models = num_models
+        self.num_inputs = self._count(self._get_num_inputs)
+        self.num_outputs = self._count(self._get_num_outputs)
+        self._weights_loaded = False
+        self._input_array_type = Handle * max(1, self.num_inputs)
+        self._output_array_type = Handle * max(1, self.num_outputs)
+
+    def _bind(self) -> None:
+        lib = self.library
+        self._create = lib.require(f"{_PREFIX}CreateWithDevice", (ctypes.POINTER(Handle), ctypes.c_size_t, ctypes.c_char_p, ctypes.c_char_p))
+        self._delete = lib.require(f"{_PREFIX}Delete", (Handle,))
+        run_argtypes = (Handle, ctypes.POINTER(Handle), ctypes.c_size_t, ctypes.POINTER(Handle), ctypes.c_size_t, ctypes.c_void_p, ctypes.c_void_p)
+        self._run = lib.require(f"{_PREFIX}Run", run_argtypes)
+        # No model pool and no event: what a CUDA graph capture wants.
+        self._run_single_threaded = lib.optional(f"{_PREFIX}RunSingleThreaded", run_argtypes)
+        self._get_num_inputs = lib.require(f"{_PREFIX}GetNumInputs", (Handle, _SIZE_P))
+        self._get_num_outputs = lib.require(f"{_PREFIX}GetNumOutputs", (Handle, _SIZE_P))
+        self._get_num_constants = lib.require(f"{_PREFIX}GetNumConstants", (Handle, _SIZE_P))
+        self._blob_size = lib.optional(f"{_PREFIX}GetConstantsBlobSize", (Handle, ctypes.POINTER(ctypes.c_uint64)))
+        self._update_from_blob = lib.optional("AOTInductorModelUpdateConstantsFromBlob", (Handle, ctypes.c_void_p))
+        self._last_error = lib.optional("AOTInductorGetLastError", (ctypes.POINTER(ctypes.c_char_p),))
+
+    def _count(self, getter: Any) -> int:
+        value = ctypes.c_size_t()
+        self._check(getter(self._handle, ctypes.byref(value)), "query the model container")
+        return value.value
+
+    def _check(self, status: int, what: str) -> None:
+        if status == 0:
+            return
+        detail = ""
+        if self._last_error is not None:
+            message = ctypes.c_char_p()
+            if self._last_error(ctypes.byref(message)) == 0 and message.value:
+                detail = ": " + message.value.decode("utf-8", "replace").strip().splitlines()[0]
+        raise ModelRuntimeError(f"could not {what} (model library {self.library.label!r}){detail}")
+
+    @property
+    def num_constants(self) -> int:
+        return self._count(self._get_num_constants)
+
+    def expected_blob_size(self) -> int | None:
+        if self._blob_size is None:
+            return None
+        size = ctypes.c_uint64()
+        self._check(self._blob_size(self._handle, ctypes.byref(size)), "query the weights blob size")
+        return size.value
+
+    def load_weights(self, blob_address: int, blob_size: int) -> None:
+        """Feed the weights blob. Calling it twice is a use-after-free in the library, so it is refused."""
+        if self._weights_loaded:
+            raise ModelRuntimeError("weights were already loaded into this container")
+        if self.num_constants == 0:
+            self._weights_loaded = True
+            return
+        if self._update_from_blob is None:
+            raise BundleError("model library has no AOTInductorModelUpdateConstantsFromBlob; it was built by torch older than 2.10")
+        expected = self.expected_blob_size()
+        if expected is not None and expected != blob_size:
+            raise BundleError(f"weights segment is {blob_size} bytes but the model library expects {expected}")
+        self._check(self._update_from_blob(self._handle, ctypes.c_void_p(blob_address)), "load the weights")
+        self._weights_loaded = True
+
+    def run(self, inputs: list[int], stream: int | None, *, single_threaded: bool = False) -> list[int]:
+        """Run; input handles are stolen by the library, output handles are new and ours."""
+        if single_threaded and self._run_single_threaded is None:
+            raise ModelRuntimeError("this model library has no RunSingleThreaded entry point")
+        if not self._weights_loaded:
+            raise ModelRuntimeError("weights must be loaded before Run")
+        if len(inputs) != self.num_inputs:
+            raise ModelRuntimeError(f"internal error: {len(inputs)} input handles for {self.num_inputs} inputs")
+        input_array = self._input_array_type(*inputs)
+        output_array = self._output_array_type()
+        run = self._run if not single_threaded or self._run_single_threaded is None else self._run_single_threaded
+        status = run(self._handle, input_array, self.num_inputs, output_array, self.num_outputs, stream, None)
+        if status != 0:
+            self._check(status, "run the model")
+        return [handle or 0 for handle in output_array[:self.num_outputs]]
+
+    def delete(self) -> None:
+        if self._handle:
+            self._delete(self._handle)
+            self._handle = Handle()

@@ -1,0 +1,330 @@
+"""The CUDA executor: one stream per method, pinned staging, CuPy arrays on request.
+
+Pageable host<->device copies run at 6-9 GB/s on the H200 machine against
+54 GB/s pinned (docs/aoti-abi.md, "Figures"), so every host copy goes through pinned
+staging buffers that belong to the method and grow as needed, and every copy
+and the Run itself are ordered on the method's own stream.
+
+The host path drives the CUDA runtime through `cupy_backends` (CuPy's thin
+runtime bindings, 3 ms to import) rather than `import cupy` (0.5 s), which
+only `run_device` needs, for its CuPy arrays.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+from typing import Any
+
+import numpy as np
+
+from ..dtypes import numpy_dtype
+from ..errors import DeviceError
+from .container import Container
+from .executor import Executor
+from .host import buffer_address
+from .shim import Shim
+from .tensors import Describer, OwnedHandles, TensorView, contiguous_strides, gather, span_nbytes, wrap_memory
+
+# cudaMemcpyKind, cudaHostRegister and cudaStreamCreateWithFlags flag values.
+HOST_TO_DEVICE = 1
+DEVICE_TO_HOST = 2
+_HOST_REGISTER_READ_ONLY = 8
+_STREAM_NON_BLOCKING = 1
+_CUPY_MISSING = "running on CUDA needs CuPy; install it with: pip install 'cuda-runner[cuda12]' (or [cuda13])"
+
+
+def cuda_runtime() -> Any:
+    try:
+        from cupy_backends.cuda.api import runtime
+    except ImportError:
+        raise DeviceError(_CUPY_MISSING) from None
+    return runtime
+
+
+def _cupy() -> Any:
+    try:
+        import cupy
+    except ImportError:
+        raise DeviceError(_CUPY_MISSING) from None
+    return cupy
+
+
+def _capacity(nbytes: int) -> int:
+    return 1 << max(12, (max(nbytes, 1) - 1).bit_length())
+
+
+class Stream:
+    """A non-blocking CUDA stream owned by one method."""
+
+    def __init__(self, runtime: Any, device_index: int):
+        self._runtime = runtime
+        self.device_index = device_index
+        self.ptr = runtime.streamCreateWithFlags(_STREAM_NON_BLOCKING)
+
+    def synchronize(self) -> None:
+        self._runtime.streamSynchronize(self.ptr)
+
+    def as_cupy(self) -> Any:
+        """The same stream as a CuPy stream object, for `with stream:` blocks."""
+        return _cupy().cuda.ExternalStream(self.ptr, self.device_index)
+
+    def destroy(self) -> None:
+        if self.ptr:
+            self._runtime.streamDestroy(self.ptr)
+            self.ptr = 0
+
+
+class PinnedBuffers:
+    """Reusable page-locked host buffers, one per slot, grown to powers of two."""
+
+    def __init__(self, runtime: Any):
+        self._runtime = runtime
+        self._buffers: dict[Any, tuple[int, np.ndarray]] = {}
+        # Outgrown buffers stay allocated until clear(): arrays handed out by
+        # pinned_input() may still view them.
+        self._retired: list[tuple[int, np.ndarray]] = []
+
+    def get(self, slot: Any, nbytes: int) -> np.ndarray:
+        entry = self._buffers.get(slot)
+        if entry is None or entry[1].nbytes < nbytes:
+            if entry is not None:
+                self._retired.append(entry)
+            capacity = _capacity(nbytes)
+            pointer = self._runtime.hostAlloc(capacity, 0)
+            entry = (pointer, np.frombuffer(memoryview((ctypes.c_uint8 * capacity).from_address(pointer)).cast("B"), np.uint8))
+            self._buffers[slot] = entry
+        return entry[1][:nbytes]
+
+    def owns(self, array: np.ndarray) -> bool:
+        """Whether `array` lies inside one of these buffers (then no staging copy is needed)."""
+        start = array.ctypes.data
+        entries = [*self._buffers.values(), *self._retired]
+        return any(pointer <= start and start + array.nbytes <= pointer + buffer.nbytes for pointer, buffer in entries)
+
+    def clear(self) -> None:
+        for pointer, _ in [*self._buffers.values(), *self._retired]:
+            self._runtime.freeHost(pointer)
+        self._buffers.clear()
+        self._retired.clear()
+
+
+class DeviceBuffers:
+    """Reusable device buffers for inputs, one per slot, grown to powers of two.
+
+    Reuse is safe because every run synchronizes its stream before returning."""
+
+    def __init__(self, runtime: Any):
+        self._runtime = runtime
+        self._buffers: dict[Any, tuple[int, int]] = {}
+
+    def get(self, slot: Any, nbytes: int) -> int:
+        pointer, capacity = self._buffers.get(slot, (0, 0))
+        if capacity < nbytes or not pointer:
+            if pointer:
+                self._runtime.free(pointer)
+            capacity = _capacity(nbytes)
+            pointer = self._runtime.malloc(capacity)
+            self._buffers[slot] = (pointer, capacity)
+        return pointer
+
+    def clear(self) -> None:
+        for pointer, _ in self._buffers.values():
+            self._runtime.free(pointer)
+        self._buffers.clear()
+
+
+def load_weights_on_cuda(device_index: int, container: Container, weights: memoryview) -> None:
+    """Feed the blob straight from the bundle mapping, registered read-only as
+    pinned memory when the driver allows it (about 2.4x faster on the H200
+    machine than passing the pageable mapping; docs/benchmarks.md)."""
+    runtime = cuda_runtime()
+    if runtime.getDevice() != device_index:
+        runtime.setDevice(device_index)
+    address, size = buffer_address(weights), weights.nbytes
+    registered = False
+    if size:
+        try:
+            runtime.hostRegister(address, size, _HOST_REGISTER_READ_ONLY)
+            registered = True
+        except runtime.CUDARuntimeError:
+            pass  # a plain pageable copy: slower but correct
+    try:
+        container.load_weights(address, size)
+        runtime.deviceSynchronize()
+    finally:
+        if registered:
+            runtime.hostUnregister(address)
+
+
+class CudaExecutor(Executor):
+    def __init__(self, shim: Shim, device_index: int):
+        self.runtime = cuda_runtime()
+        self.shim = shim
+        self.device_index = device_index
+        self.use_device()
+        self.stream = Stream(self.runtime, device_index)
+        self.pinned = PinnedBuffers(self.runtime)
+        self.device_buffers = DeviceBuffers(self.runtime)
+        self.describe = Describer(shim)
+        self._cupy_module: Any = None
+
+    @property
+    def cupy(self) -> Any:
+        if self._cupy_module is None:
+            self._cupy_module = _cupy()
+        return self._cupy_module
+
+    def use_device(self) -> None:
+        if self.runtime.getDevice() != self.device_index:
+            self.runtime.setDevice(self.device_index)
+
+    # -- host arrays in, host arrays out --------------------------------------
+
+    def run(self, container: Container, dtypes: list[str], arrays: list[np.ndarray], phases: dict[str, float] | None = None) -> list[np.ndarray]:
+        """Host arrays in and out. With `phases`, CUDA events time the copies in
+        (host staging included), the model and the copies out."""
+        self.use_device()
+        events = _PhaseEvents(self.runtime, self.stream) if phases is not None else None
+        _mark(events, "start")
+        addresses = [self.upload(index, array) for index, array in enumerate(arrays)]
+        _mark(events, "uploaded")
+        owned = self._run(container, dtypes, [(address, array.shape) for address, array in zip(addresses, arrays)])
+        try:
+            _mark(events, "computed")
+            views = [self.describe(handle) for handle in owned.handles]
+            staged = [self.download(index, view) for index, view in enumerate(views)]
+            _mark(events, "downloaded")
+            self.stream.synchronize()
+            if events is not None and phases is not None:
+                phases.update(events.phases())
+            return [gather(buffer, view) for buffer, view in zip(staged, views)]
+        finally:
+            self.stream.synchronize()
+            owned.release()
+            if events is not None:
+                events.destroy()
+
+    def pinned_input(self, index: int, shape: tuple[int, ...], dtype: str) -> np.ndarray:
+        """The pinned staging buffer of input `index` as an array. Filling it and
+        passing it to run() skips the host-side staging copy."""
+        dtype_ = numpy_dtype(dtype)
+        nbytes = int(np.prod(shape, dtype=np.int64)) * dtype_.itemsize
+        return self.pinned.get(("in", index), nbytes).view(dtype_).reshape(shape)
+
+    def upload(self, index: int, array: np.ndarray, destination: int | None = None) -> int:
+        """Queue the copy of input `index` to the device (into `destination`, or
+        this executor's buffer for it) through pinned staging; returns the address."""
+        nbytes = array.nbytes
+        device = self.device_buffers.get(index, nbytes) if destination is None else destination
+        if nbytes:
+            if array.flags.c_contiguous and self.pinned.owns(array):
+                source = array.ctypes.data  # already pinned: the DMA engine reads it directly
+            else:
+                staging = self.pinned.get(("in", index), nbytes)
+                np.copyto(staging.reshape(-1), np.ascontiguousarray(array).reshape(-1).view(np.uint8))
+                source = staging.ctypes.data
+            self.runtime.memcpyAsync(device, source, nbytes, HOST_TO_DEVICE, self.stream.ptr)
+        return device
+
+    def _run(self, container: Container, dtypes: list[str], inputs: list[tuple[int, tuple[int, ...]]]) -> OwnedHandles:
+        handles = [
+            wrap_memory(self.shim, address, dtype, shape, contiguous_strides(shape), self.shim.device_cuda, self.device_index)
+            for dtype, (address, shape) in zip(dtypes, inputs)
+        ]
+        return OwnedHandles(self.shim, container.run(handles, self.stream.ptr))
+
+    def download(self, index: int, view: TensorView) -> np.ndarray:
+        """Queue the copy of an output's whole span into pinned memory; `gather` then reads strided views."""
+        nbytes = span_nbytes(view)
+        staging = self.pinned.get(("out", index), nbytes)
+        if nbytes:
+            self.runtime.memcpyAsync(staging.ctypes.data, view.address, nbytes, DEVICE_TO_HOST, self.stream.ptr)
+        return staging
+
+    # -- device arrays in, device arrays out ------------------------------------
+
+    def _device_array(self, view: TensorView, owner: Any) -> Any:
+        """A CuPy array over an output's memory (bfloat16 as its uint16 bits)."""
+        cupy = self.cupy
+        dtype = _cupy_dtype(view.dtype)
+        itemsize = dtype.itemsize
+        memory = cupy.cuda.UnownedMemory(view.address, view.span_elements() * itemsize, owner, self.device_index)
+        strides = tuple(stride * itemsize for stride in view.strides)
+        return cupy.ndarray(view.shape, dtype=dtype, memptr=cupy.cuda.MemoryPointer(memory, 0), strides=strides)
+
+    def run_device(self, container: Container, dtypes: list[str], arrays: list[Any]) -> list[Any]:
+        """CuPy in, CuPy out, no copies. Outputs own their handles: releasing the
+        last array that views a handle frees it. Work is ordered on this method's
+        stream; inputs must be ready on it (synchronize the producer's stream)."""
+        self.use_device()
+        inputs = [array if array.flags.c_contiguous else self._contiguous(array) for array in arrays]
+        owned = self._run(container, dtypes, [(array.data.ptr, array.shape) for array in inputs])
+        views = [self.describe(handle) for handle in owned.handles]
+        keepers = {handle: _HandleKeeper(self.shim, handle, inputs) for handle in owned.transfer()}
+        return [self._device_array(view, keepers[handle]) for handle, view in zip(owned.handles, views)]
+
+    def _contiguous(self, array: Any) -> Any:
+        with self.stream.as_cupy():
+            return self.cupy.ascontiguousarray(array)
+
+    def close(self) -> None:
+        with contextlib.suppress(Exception):
+            self.stream.synchronize()
+        self.pinned.clear()
+        self.device_buffers.clear()
+        self.stream.destroy()
+
+
+class _PhaseEvents:
+    """CUDA events recorded on the method's stream between the phases of a run."""
+
+    NAMES = ("start", "uploaded", "computed", "downloaded")
+
+    def __init__(self, runtime: Any, stream: Stream):
+        self._runtime = runtime
+        self._stream = stream
+        self._events = {name: runtime.eventCreate() for name in self.NAMES}
+
+    def mark(self, name: str) -> None:
+        self._runtime.eventRecord(self._events[name], self._stream.ptr)
+
+    def phases(self) -> dict[str, float]:
+        elapsed = self._runtime.eventElapsedTime
+        events = self._events
+        return {
+            "copy_in": elapsed(events["start"], events["uploaded"]) / 1e3,
+            "compute": elapsed(events["uploaded"], events["computed"]) / 1e3,
+            "copy_out": elapsed(events["computed"], events["downloaded"]) / 1e3,
+        }
+
+    def destroy(self) -> None:
+        for event in self._events.values():
+            self._runtime.eventDestroy(event)
+
+
+def _mark(events: _PhaseEvents | None, name: str) -> None:
+    if events is not None:
+        events.mark(name)
+
+
+class _HandleKeeper:
+    """Owner of one output handle behind CuPy arrays; deletes it when the last
+    array viewing it is collected (CuPy's UnownedMemory holds this owner).
+
+    It also keeps the run's inputs alive, since an output can view an input.
+    """
+
+    __slots__ = ("_delete", "_handle", "_inputs")
+
+    def __init__(self, shim: Shim, handle: int, inputs: list[Any]):
+        self._delete = shim.delete_tensor_object
+        self._handle = handle
+        self._inputs = inputs
+
+    def __del__(self) -> None:
+        self._delete(self._handle)
+
+
+def _cupy_dtype(name: str) -> np.dtype:
+    return np.dtype(np.uint16) if name == "bfloat16" else numpy_dtype(name)

@@ -1,0 +1,88 @@
+"""Host memory helpers and the CPU executor."""
+
+from __future__ import annotations
+
+import ctypes
+import time
+
+import numpy as np
+
+from .container import Container
+from .executor import Executor
+from .shim import Shim
+from .tensors import Describer, OwnedHandles, TensorView, gather, span_nbytes, wrap_memory
+
+# The generated code clones (with a warning) inputs that are not 16-byte
+# aligned; NumPy's allocations already are, so only odd views get copied.
+INPUT_ALIGNMENT = 16
+
+
+def buffer_address(buffer: memoryview | np.ndarray) -> int:
+    """Address of a (possibly read-only) buffer, such as a view of the bundle mapping."""
+    array = buffer if isinstance(buffer, np.ndarray) else np.frombuffer(buffer, dtype=np.uint8)
+    return int(array.ctypes.data) if array.size else 0
+
+
+def aligned_empty(shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
+    dtype = np.dtype(dtype)
+    nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+    raw = np.empty(nbytes + INPUT_ALIGNMENT, dtype=np.uint8)
+    offset = (-raw.ctypes.data) % INPUT_ALIGNMENT
+    return raw[offset:offset + nbytes].view(dtype).reshape(shape)
+
+
+def runnable_copy(array: np.ndarray) -> np.ndarray:
+    """`array` itself if C-contiguous and aligned, else an aligned C-contiguous copy."""
+    if array.flags.c_contiguous and array.ctypes.data % INPUT_ALIGNMENT == 0 and array.dtype.isnative:
+        return array
+    out = aligned_empty(array.shape, array.dtype.newbyteorder("="))
+    out[...] = array
+    return out
+
+
+def element_strides(array: np.ndarray) -> tuple[int, ...]:
+    """NumPy gives byte strides; the shim wants element strides."""
+    return tuple(stride // array.itemsize for stride in array.strides)
+
+
+def copy_from_address(view: TensorView) -> np.ndarray:
+    """A fresh C-contiguous NumPy copy of host memory described by `view`."""
+    nbytes = span_nbytes(view)
+    span = np.frombuffer(memoryview((ctypes.c_uint8 * nbytes).from_address(view.address)).cast("B"), np.uint8) if nbytes else np.empty(0, np.uint8)
+    return gather(span, view)
+
+
+def load_weights_on_host(container: Container, weights: memoryview) -> None:
+    container.load_weights(buffer_address(weights), weights.nbytes)
+
+
+class CpuExecutor(Executor):
+    """Runs a container on NumPy memory; outputs are copied out and their handles freed."""
+
+    def __init__(self, shim: Shim):
+        self.shim = shim
+        self._describe = Describer(shim)
+
+    def run(self, container: Container, dtypes: list[str], arrays: list[np.ndarray], phases: dict[str, float] | None = None) -> list[np.ndarray]:
+        """With `phases`, host timers split the run into input preparation, the model and output copies."""
+        clock = time.perf_counter
+        started = clock()
+        arrays = [runnable_copy(array) for array in arrays]
+        handles = [
+            wrap_memory(self.shim, array.ctypes.data, dtype, array.shape, element_strides(array), self.shim.device_cpu, 0)
+            for dtype, array in zip(dtypes, arrays)
+        ]
+        prepared = clock()
+        owned = OwnedHandles(self.shim, container.run(handles, None))
+        computed = clock()
+        try:
+            # An output may view an input, so copy before `arrays` can go away.
+            outputs = [copy_from_address(self._describe(handle)) for handle in owned.handles]
+        finally:
+            owned.release()
+        if phases is not None:
+            phases.update(copy_in=prepared - started, compute=computed - prepared, copy_out=clock() - computed)
+        return outputs
+
+    def close(self) -> None:
+        pass

@@ -1,0 +1,407 @@
+"""One loaded method: its library, container, executors and signature.
+
+Input checks: the library compiles in its own checks of every input's
+dtype, sizes and strides (AOTInductor generates them), which run when the
+environment variable AOTI_RUNTIME_CHECK_INPUTS is set at the library's first
+Run (it is read once, into a static). `check_inputs=True` sets it around that
+first Run. They cost a little per call (docs/benchmarks.md) and catch a
+manifest that lies about the library's signature, which the runner's own
+checks against the manifest cannot.
+
+Thread safety: a Method may be called from any number of threads. Each call
+borrows an executor ("lane": its own staging buffers, CUDA stream and ctypes
+out-parameters) from a pool of `lanes` executors, and waits while all are
+busy; the container holds as many model instances as there are lanes, so up
+to `lanes` calls run at once. Closing waits for the calls in flight.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import queue
+import threading
+import time
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from typing import Any
+
+import numpy as np
+
+from ..dtypes import dtype_name
+from ..errors import BundleError, ClosedError, InputError, ModelRuntimeError
+from ..format.bundle import BundleReader
+from ..format.manifest import MethodSpec
+from ..validation import check_inputs
+from .container import Container
+from .devices import Device
+from .executor import Executor
+from .host import CpuExecutor, load_weights_on_host
+from .library import LibraryLease, lease_library
+from .shim import Shim, load_shim
+
+Inputs = Mapping[str, Any] | Sequence[Any]
+
+_NATIVE_CHECKS = "AOTI_RUNTIME_CHECK_INPUTS"
+_first_run_lock = threading.Lock()
+# How the library's input checks word a refusal (torch's generated code).
+_NATIVE_CHECK_PHRASES = (
+    "unmatched dtype", "unmatched dim value", "unmatched stride value", "dim value is too small", "dim value is too large", "unmatched device",
+)  # the environment is the process's: one first run at a time
+
+# The names of the load phases, shared by `run` and `bench` reports.
+LOAD_PHASES = ("open", "libtorch", "verify_library", "load_library", "create_container", "load_weights", "verify_weights_wait", "capture_graph")
+
+
+class _Lanes:
+    """A pool of executors; each call borrows one for its whole duration."""
+
+    def __init__(self, make: Callable[[], Executor], limit: int, first: Executor):
+        self._make = make
+        self._limit = limit
+        self._idle: queue.SimpleQueue[Executor] = queue.SimpleQueue()
+        self._all = [first]
+        self._idle.put(first)
+        self._lock = threading.Lock()
+        self._created = 1
+        self._busy = 0
+        self._drained = threading.Condition(self._lock)
+        self.closed = False
+
+    @property
+    def first(self) -> Executor:
+        return self._all[0]
+
+    @contextlib.contextmanager
+    def borrow(self) -> Iterator[Executor]:
+        with self._lock:
+            if self.closed:
+                raise ClosedError("the method is closed")
+            self._busy += 1
+            grow = self._idle.empty() and self._created < self._limit
+            if grow:
+                self._created += 1
+        try:
+            executor = self._grow() if grow else self._idle.get()
+        except BaseException:
+            with self._lock:
+                self._created -= int(grow)
+            self._done()
+            raise
+        try:
+            yield executor
+        finally:
+            self._idle.put(executor)
+            self._done()
+
+    def _grow(self) -> Executor:
+        executor = self._make()
+        with self._lock:
+            self._all.append(executor)
+        return executor
+
+    def _done(self) -> None:
+        with self._lock:
+            self._busy -= 1
+            self._drained.notify_all()
+
+    def close(self) -> list[Executor]:
+        """Refuse new calls, wait for those in flight, and hand back every executor."""
+        with self._lock:
+            self.closed = True
+            while self._busy:
+                self._drained.wait()
+            executors, self._all = self._all, []
+        return executors
+
+
+class Method:
+    """A method ready to run. Build it with Method.load; close it when done."""
+
+    def __init__(
+        self, spec: MethodSpec, device: Device, library: LibraryLease, container: Container, lanes: _Lanes, timings: dict[str, float],
+        check_inputs: bool = False,
+    ):
+        self.spec = spec
+        self.check_inputs = check_inputs
+        self._first_run_done = False
+        self.device = device
+        self._library: LibraryLease | None = library
+        self._container: Container | None = container
+        self._lanes = lanes
+        self.load_timings = timings
+        self._dtypes = [input_spec.dtype for input_spec in spec.inputs]
+        self._accepted: set[tuple[Any, ...]] = set()  # input signatures already validated
+
+    @classmethod
+    def load(
+        cls, reader: BundleReader, spec: MethodSpec, device: Device, *,
+        verify_weights: bool = True, cuda_graph: bool = False, lanes: int = 1, check_inputs: bool = False,
+    ) -> Method:
+        """The load sequence: check the library, load it, create the container, feed the weights."""
+        if lanes < 1:
+            raise InputError("a method needs at least one lane")
+        timings: dict[str, float] = {}
+        clock = time.perf_counter
+        started = clock()
+        shim = load_shim(device.type)
+        timings["libtorch"] = clock() - started
+        started = clock()
+        library_bytes = reader.read_verified(spec.library_segment)  # always checked, before it is loaded
+        timings["verify_library"] = clock() - started
+        weights = reader.segment(spec.weights_segment, verify=False) if spec.weights_segment else memoryview(b"")
+        # Weights are data, not code: they are checked on other threads while
+        # they load, and the method is refused if the check fails.
+        weights_check = reader.verify_in_background(spec.weights_segment) if verify_weights and spec.weights_segment else None
+        started = clock()
+        library = lease_library(library_bytes, f"{spec.name}@{reader.path.name}", native_checks=check_inputs)
+        timings["load_library"] = clock() - started
+        container: Container | None = None
+        executors: list[Executor] = []
+        try:
+            make = _executor_factory(shim, device)
+            executors.append(make())
+            started = clock()
+            container = Container(library.library, str(device), num_models=1 if cuda_graph else lanes)
+            _check_counts(spec, container)
+            timings["create_container"] = clock() - started
+            started = clock()
+            _load_weights(device, container, weights)
+            timings["load_weights"] = clock() - started
+            if weights_check is not None:
+                started = clock()
+                weights_check.result()
+                timings["verify_weights_wait"] = clock() - started
+            if cuda_graph:
+                with _native_checks(check_inputs):  # the capture's warm-up runs are the first runs
+                    executors[0] = _graph_executor(executors[0], container, spec, timings)
+        except BaseException:
+            if weights_check is not None:
+                weights_check.cancel()
+                with contextlib.suppress(BaseException):
+                    weights_check.result()  # no thread may read the mapping once it closes
+            _close_parts(executors, container, library)
+            raise
+        finally:
+            weights.release()
+        method = cls(spec, device, library, container, _Lanes(make, 1 if cuda_graph else lanes, executors[0]), timings, check_inputs)
+        method._first_run_done = cuda_graph
+        return method
+
+    @property
+    def stream(self) -> Any:
+        """The CUDA stream of the first lane, on which single-threaded calls are ordered (None on CPU)."""
+        return self._lanes.first.stream if not self._lanes.closed else None
+
+    def run(self, inputs: Inputs, *, phases: dict[str, float] | None = None) -> dict[str, np.ndarray]:
+        """NumPy (or array-like) inputs by name or position; NumPy outputs by name.
+
+        Pass a dict as `phases` to have it filled with the time of the input
+        copies, the model and the output copies (CUDA events on a GPU)."""
+        arrays = self._host_arrays(inputs)
+        self._check({name: (dtype_name(array.dtype), array.shape) for name, array in arrays.items()})
+        ordered = [arrays[input_spec.name] for input_spec in self.spec.inputs]
+        with self._lanes.borrow() as executor, self._first_run(), self._lying_manifest():
+            return self._named(executor.run(self._live_container(), self._dtypes, ordered, phases))
+
+    def pinned_input(self, name: str, shape: tuple[int, ...] | None = None) -> np.ndarray:
+        """A page-locked host array for input `name` (CUDA only). Fill it and pass
+        it to run(): the copy to the GPU then skips the host-side staging copy,
+        which for large inputs costs far more than the transfer itself.
+        The array belongs to the first lane and stays valid until the method is closed."""
+        spec = self.spec.input(name)
+        if spec is None:
+            raise InputError(f"method {self.spec.name!r} has no input {name!r}")
+        if shape is None:
+            if not all(isinstance(entry, int) for entry in spec.shape):
+                raise InputError(f"input {name!r} has dynamic dimensions {spec.shape_text()}; give its shape")
+            shape = tuple(int(entry) for entry in spec.shape)
+        return self._lanes.first.pinned_input(self.spec.inputs.index(spec), tuple(shape), spec.dtype)
+
+    def run_device(self, inputs: Inputs) -> dict[str, Any]:
+        """CuPy arrays in, CuPy arrays out, no host copies (CUDA only).
+
+        bfloat16 travels as uint16 CuPy arrays holding the bits. Outputs are
+        ordered on the stream of the lane that ran them (`self.stream` when
+        one thread calls): synchronize it before using them on another stream."""
+        with self._lanes.borrow() as executor:
+            if not isinstance(executor, _cuda_executor_type()):
+                raise InputError("device arrays need a method loaded on a CUDA device, without a CUDA graph")
+            cupy = executor.cupy  # type: ignore[attr-defined]
+            arrays = {name: _as_cupy(cupy, name, array) for name, array in self._by_name(inputs).items()}
+            given = {}
+            for name, array in arrays.items():
+                declared = self.spec.input(name)
+                given[name] = (_device_dtype_name(array, declared.dtype if declared else None), tuple(array.shape))
+            self._check(given)
+            ordered = [arrays[input_spec.name] for input_spec in self.spec.inputs]
+            with self._first_run(), self._lying_manifest():
+                return self._named(executor.run_device(self._live_container(), self._dtypes, ordered))
+
+    @contextlib.contextmanager
+    def _first_run(self) -> Iterator[None]:
+        if self._first_run_done:
+            yield
+            return
+        with _first_run_lock:
+            if self._first_run_done:
+                yield
+                return
+            with _native_checks(self.check_inputs):
+                yield
+            self._first_run_done = True
+
+    @contextlib.contextmanager
+    def _lying_manifest(self) -> Iterator[None]:
+        """Inputs passed the manifest's checks; if the library's own checks then
+        refuse them, the manifest does not describe the library."""
+        try:
+            yield
+        except ModelRuntimeError as error:
+            if self.check_inputs and any(phrase in str(error) for phrase in _NATIVE_CHECK_PHRASES):
+                raise BundleError(f"method {self.spec.name!r}: the manifest does not match the library: {error}") from error
+            raise
+
+    def _check(self, given: dict[str, tuple[str, tuple[int, ...]]]) -> None:
+        """Validate against the signature; a signature seen valid before is not re-derived."""
+        key = tuple(given.items())
+        if key in self._accepted:
+            return
+        check_inputs(self.spec, given)
+        if len(self._accepted) < 256:
+            self._accepted.add(key)
+
+    def _host_arrays(self, inputs: Inputs) -> dict[str, np.ndarray]:
+        arrays = {}
+        for name, value in self._by_name(inputs).items():
+            if hasattr(value, "__cuda_array_interface__"):
+                raise InputError(f"input {name!r} is a device array; use run_device for device-resident inputs")
+            array = np.asarray(value)
+            if array.dtype == object:
+                raise InputError(f"input {name!r} is an object array, which is refused")
+            try:
+                dtype_name(array.dtype)
+            except InputError:
+                raise InputError(f"input {name!r}: dtype {array.dtype} is not supported") from None
+            arrays[name] = array
+        return arrays
+
+    def _by_name(self, inputs: Inputs) -> dict[str, Any]:
+        if isinstance(inputs, Mapping):
+            return dict(inputs)
+        values = list(inputs)
+        names = [input_spec.name for input_spec in self.spec.inputs]
+        if len(values) != len(names):
+            raise InputError(f"method {self.spec.name!r} takes {len(names)} input(s) ({', '.join(names) or 'none'}), got {len(values)}")
+        return dict(zip(names, values))
+
+    def _named(self, outputs: list[Any]) -> dict[str, Any]:
+        return {output_spec.name: output for output_spec, output in zip(self.spec.outputs, outputs)}
+
+    def _live_container(self) -> Container:
+        if self._container is None:
+            raise ClosedError(f"method {self.spec.name!r} is closed")
+        return self._container
+
+    def close(self) -> None:
+        """Wait for calls in flight, then release in a safe order: executors, container, library."""
+        if self._lanes.closed:
+            return
+        executors = self._lanes.close()
+        container, library = self._container, self._library
+        self._container = self._library = None
+        _close_parts(executors, container, library)
+
+    def __enter__(self) -> Method:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+@contextlib.contextmanager
+def _native_checks(enabled: bool) -> Iterator[None]:
+    """Turn the library's input checks on for the Run inside (see the module docstring)."""
+    if not enabled:
+        yield
+        return
+    previous = os.environ.get(_NATIVE_CHECKS)
+    os.environ[_NATIVE_CHECKS] = "1"
+    try:
+        yield
+    finally:
+        if previous is None:
+            del os.environ[_NATIVE_CHECKS]
+        else:
+            os.environ[_NATIVE_CHECKS] = previous
+
+
+def _cuda_executor_type() -> type:
+    from .cuda import CudaExecutor
+
+    return CudaExecutor
+
+
+def _executor_factory(shim: Shim, device: Device) -> Callable[[], Executor]:
+    if device.type == "cpu":
+        return lambda: CpuExecutor(shim)
+    from .cuda import CudaExecutor
+
+    return lambda: CudaExecutor(shim, device.index)
+
+
+def _load_weights(device: Device, container: Container, weights: memoryview) -> None:
+    if device.type == "cpu":
+        load_weights_on_host(container, weights)
+        return
+    from .cuda import load_weights_on_cuda
+
+    load_weights_on_cuda(device.index, container, weights)
+
+
+def _graph_executor(executor: Executor, container: Container, spec: MethodSpec, timings: dict[str, float]) -> Executor:
+    from .cuda import CudaExecutor
+
+    if not isinstance(executor, CudaExecutor):
+        raise InputError("a CUDA graph needs a CUDA device", subject="cuda_graph")
+    from .graphs import CudaGraphExecutor
+
+    started = time.perf_counter()
+    graph = CudaGraphExecutor(executor, container, spec)
+    timings["capture_graph"] = time.perf_counter() - started
+    return graph
+
+
+def _check_counts(spec: MethodSpec, container: Container) -> None:
+    # A wrong count given to Run terminates the process, so a manifest that
+    # disagrees with its library is refused here, before any Run.
+    if container.num_inputs != len(spec.inputs) or container.num_outputs != len(spec.outputs):
+        raise BundleError(
+            f"method {spec.name!r}: the manifest lists {len(spec.inputs)} inputs and {len(spec.outputs)} outputs, "
+            f"but the library has {container.num_inputs} and {container.num_outputs}"
+        )
+
+
+def _close_parts(executors: list[Executor], container: Container | None, library: LibraryLease | None) -> None:
+    for executor in executors:
+        executor.close()
+    if container is not None:
+        container.delete()
+    if library is not None:
+        library.release()
+
+
+def _as_cupy(cupy: Any, name: str, array: Any) -> Any:
+    if isinstance(array, cupy.ndarray):
+        return array
+    if not hasattr(array, "__cuda_array_interface__"):
+        raise InputError(f"input {name!r} is not a CUDA array (CuPy, or anything with __cuda_array_interface__)")
+    return cupy.asarray(array)
+
+
+def _device_dtype_name(array: Any, expected: str | None) -> str:
+    """CuPy has no bfloat16: a bfloat16 input travels as its uint16 bits."""
+    try:
+        name = dtype_name(array.dtype)
+    except (InputError, TypeError):
+        return str(array.dtype)
+    return "bfloat16" if expected == "bfloat16" and name == "uint16" else name

@@ -1,0 +1,106 @@
+"""A loaded bundle: its methods on one device, sharing one open bundle mapping.
+
+`load_model` is the one load sequence, used by `cuda_runner.load`, by `run`
+and by `bench`: open and check the bundle, choose the device, then load each
+method (runtime/method.py). A Model is safe to use from any number of threads
+(see Method); close it once, when no thread uses it any more.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Iterable
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from ..errors import InputError
+from ..format.bundle import BundleReader, open_bundle
+from ..format.manifest import Manifest, MethodSpec, choose_method
+from .devices import Device, choose_device
+from .method import Inputs, Method
+
+
+class Model:
+    def __init__(self, reader: BundleReader, device: Device, methods: dict[str, Method], open_seconds: float = 0.0):
+        self._reader = reader
+        self.device = device
+        self.methods = methods
+        self.open_seconds = open_seconds
+
+    @property
+    def manifest(self) -> Manifest:
+        return self._reader.manifest
+
+    @property
+    def path(self) -> Path:
+        return self._reader.path
+
+    def method(self, name: str | None = None) -> Method:
+        """The named method; with no name, the only one loaded, or 'forward'."""
+        return self.methods[choose_method(list(self.methods), name)]
+
+    def load_timings(self, name: str | None = None) -> dict[str, float]:
+        """Seconds per load phase (runtime.method.LOAD_PHASES) of one method, opening included."""
+        return {"open": self.open_seconds, **self.method(name).load_timings}
+
+    def run(self, inputs: Inputs, method: str | None = None) -> dict[str, np.ndarray]:
+        return self.method(method).run(inputs)
+
+    def run_device(self, inputs: Inputs, method: str | None = None) -> dict[str, Any]:
+        return self.method(method).run_device(inputs)
+
+    def close(self) -> None:
+        for method in reversed(list(self.methods.values())):
+            method.close()
+        self.methods = {}
+        self._reader.close()
+
+    def __enter__(self) -> Model:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def load_model(
+    source: str | os.PathLike[str] | BundleReader,
+    device: str | Device | None = None,
+    *,
+    verify_weights: bool = True,
+    methods: Iterable[str] | None = None,
+    cuda_graph: bool = False,
+    lanes: int = 1,
+    check_inputs: bool = False,
+) -> Model:
+    """Load methods (all by default) onto `device`. The Model takes over an open reader."""
+    started = time.perf_counter()
+    reader = source if isinstance(source, BundleReader) else open_bundle(source)
+    open_seconds = time.perf_counter() - started
+    loaded: dict[str, Method] = {}
+    try:
+        specs = _selected(reader.manifest, methods)
+        target = choose_device(specs, device)
+        for spec in specs:
+            loaded[spec.name] = Method.load(
+                reader, spec, target, verify_weights=verify_weights, cuda_graph=cuda_graph, lanes=lanes, check_inputs=check_inputs,
+            )
+        return Model(reader, target, loaded, open_seconds)
+    except BaseException:
+        for method in reversed(list(loaded.values())):
+            method.close()
+        reader.close()
+        raise
+
+
+def _selected(manifest: Manifest, names: Iterable[str] | None) -> list[MethodSpec]:
+    if names is None:
+        return list(manifest.methods.values())
+    specs = []
+    for name in names:
+        if name not in manifest.methods:
+            raise InputError(f"the bundle has no method {name!r}; it has: {', '.join(manifest.methods)}", subject="method")
+        specs.append(manifest.methods[name])
+    return specs

@@ -1,0 +1,118 @@
+"""libtorch's C shim (aoti_torch_*), loaded without importing the torch module.
+
+A link_libtorch=False model library leaves its aoti_torch_* symbols undefined,
+to be bound when it is dlopened; so libtorch's libraries must be loaded
+RTLD_GLOBAL first. Loading them directly takes about 0.3 s against 3.6 s for
+`import torch` (docs/aoti-abi.md, "Tensor handles").
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import importlib.util
+import os
+import threading
+from pathlib import Path
+from typing import Any
+
+from ..dtypes import SCALAR_TYPE_CODES
+from ..errors import DeviceError, ModelRuntimeError
+
+Handle = ctypes.c_void_p
+_I64P = ctypes.POINTER(ctypes.c_int64)
+
+_LIBRARIES = {
+    "cpu": ("libc10.so", "libtorch_cpu.so"),
+    "cuda": ("libc10.so", "libtorch_cpu.so", "libc10_cuda.so", "libtorch_cuda.so"),
+}
+
+_STATUS = ctypes.c_int32
+
+
+def _bind(library: ctypes.CDLL, name: str, *argtypes: Any) -> Any:
+    function = getattr(library, name)
+    function.argtypes = argtypes
+    function.restype = _STATUS
+    return function
+
+
+def torch_library_dir() -> Path:
+    """torch's lib/ folder, found without importing torch."""
+    spec = importlib.util.find_spec("torch")
+    if spec is None or not spec.submodule_search_locations:
+        raise DeviceError("running a model needs libtorch from PyTorch 2.10 or newer; install it with: pip install 'cuda-runner[torch]'")
+    return Path(next(iter(spec.submodule_search_locations))) / "lib"
+
+
+class Shim:
+    """The aoti_torch_* functions the runtime calls, and the dtype/device codes, read from libtorch.
+
+    Every function returns an AOTITorchError status (0 = success)."""
+
+    def __init__(self, libraries: list[ctypes.CDLL]):
+        self._libraries = libraries  # keep them loaded
+        torch_cpu = libraries[1]
+        self.create_tensor_from_blob_v2 = _bind(
+            torch_cpu, "aoti_torch_create_tensor_from_blob_v2",
+            ctypes.c_void_p, ctypes.c_int64, _I64P, _I64P, ctypes.c_int64, ctypes.c_int32,
+            ctypes.c_int32, ctypes.c_int32, ctypes.POINTER(Handle), ctypes.c_int32, ctypes.c_void_p, ctypes.c_int64,
+        )
+        self.get_data_ptr = _bind(torch_cpu, "aoti_torch_get_data_ptr", Handle, ctypes.POINTER(ctypes.c_void_p))
+        self.get_dim = _bind(torch_cpu, "aoti_torch_get_dim", Handle, ctypes.POINTER(ctypes.c_int64))
+        self.get_sizes = _bind(torch_cpu, "aoti_torch_get_sizes", Handle, ctypes.POINTER(_I64P))
+        self.get_strides = _bind(torch_cpu, "aoti_torch_get_strides", Handle, ctypes.POINTER(_I64P))
+        self.get_dtype = _bind(torch_cpu, "aoti_torch_get_dtype", Handle, ctypes.POINTER(ctypes.c_int32))
+        self.get_device_type = _bind(torch_cpu, "aoti_torch_get_device_type", Handle, ctypes.POINTER(ctypes.c_int32))
+        self.delete_tensor_object = _bind(torch_cpu, "aoti_torch_delete_tensor_object", Handle)
+        self.dtype_codes = self._read_dtype_codes(torch_cpu)
+        self.dtype_names = {code: name for name, code in self.dtype_codes.items()}
+        self.device_cpu = self._code(torch_cpu, "aoti_torch_device_type_cpu")
+        self.device_cuda = self._code(torch_cpu, "aoti_torch_device_type_cuda")
+        self.layout_strided = self._code(torch_cpu, "aoti_torch_layout_strided")
+        self.library_dir = Path(torch_cpu._name).parent
+
+    @staticmethod
+    def _code(library: ctypes.CDLL, symbol: str) -> int:
+        function = getattr(library, symbol)
+        function.restype = ctypes.c_int32
+        function.argtypes = ()
+        return int(function())
+
+    def _read_dtype_codes(self, library: ctypes.CDLL) -> dict[str, int]:
+        codes = {name: self._code(library, f"aoti_torch_dtype_{name}") for name in SCALAR_TYPE_CODES}
+        if codes != SCALAR_TYPE_CODES:
+            raise ModelRuntimeError(f"libtorch reports unexpected dtype codes {codes}")
+        return codes
+
+    def check(self, status: int, what: str) -> None:
+        if status != 0:
+            raise ModelRuntimeError(f"libtorch shim call failed: {what}")
+
+
+_lock = threading.Lock()
+
+
+@functools.cache
+def load_shim(device_type: str) -> Shim:
+    """Load libtorch for 'cpu' or 'cuda' once per process."""
+    with _lock:
+        lib_dir = torch_library_dir()
+        try:
+            return Shim(_load_global(lib_dir, _LIBRARIES[device_type]))
+        except OSError as direct_error:
+            # Some installs need torch's own start-up (it preloads CUDA
+            # libraries from pip wheels) before libtorch can be loaded.
+            try:
+                import torch  # noqa: F401
+            except Exception:
+                raise DeviceError(f"cannot load libtorch from {lib_dir}: {direct_error}") from direct_error
+            try:
+                return Shim(_load_global(lib_dir, _LIBRARIES[device_type]))
+            except OSError as error:
+                raise DeviceError(f"cannot load libtorch's {device_type} libraries from {lib_dir}: {error}") from error
+
+
+def _load_global(lib_dir: Path, names: tuple[str, ...]) -> list[ctypes.CDLL]:
+    mode = os.RTLD_NOW | os.RTLD_GLOBAL
+    return [ctypes.CDLL(str(lib_dir / name), mode=mode) for name in names]

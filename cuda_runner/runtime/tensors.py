@@ -1,0 +1,150 @@
+"""Tensor handles: non-owning views of our memory in, owned outputs out."""
+
+from __future__ import annotations
+
+import ctypes
+from dataclasses import dataclass
+
+import numpy as np
+
+from ..dtypes import numpy_dtype
+from .shim import Handle, Shim
+
+_I64P = ctypes.POINTER(ctypes.c_int64)
+
+
+@dataclass(frozen=True)
+class TensorView:
+    """What an output handle points at: address, shape and strides in elements."""
+
+    address: int
+    dtype: str
+    shape: tuple[int, ...]
+    strides: tuple[int, ...]
+
+    @property
+    def numel(self) -> int:
+        count = 1
+        for size in self.shape:
+            count *= size
+        return count
+
+    @property
+    def is_contiguous(self) -> bool:
+        expected = 1
+        for size, stride in zip(reversed(self.shape), reversed(self.strides)):
+            if size != 1 and stride != expected:
+                return False
+            expected *= size
+        return True
+
+    def span_elements(self) -> int:
+        """Elements from the first to one past the last one addressed."""
+        if self.numel == 0:
+            return 0
+        return 1 + sum((size - 1) * stride for size, stride in zip(self.shape, self.strides))
+
+
+_DIMS_CACHE: dict[tuple[int, ...], ctypes.Array] = {}
+_DIMS_CACHE_LIMIT = 1024
+
+
+def _dims_array(values: tuple[int, ...]) -> ctypes.Array:
+    """A C int64 array for sizes or strides, cached: the same shapes recur every call,
+    and the shim copies them, so sharing one array between calls is safe."""
+    array = _DIMS_CACHE.get(values)
+    if array is None:
+        if len(_DIMS_CACHE) >= _DIMS_CACHE_LIMIT:
+            _DIMS_CACHE.clear()
+        array = _DIMS_CACHE[values] = (ctypes.c_int64 * max(1, len(values)))(*values)
+    return array
+
+
+def wrap_memory(shim: Shim, address: int, dtype: str, shape: tuple[int, ...], strides: tuple[int, ...], device_type: int, device_index: int) -> int:
+    """A handle viewing memory we own; the library steals the handle, not the memory."""
+    handle = Handle()
+    status = shim.create_tensor_from_blob_v2(
+        address, len(shape), _dims_array(shape), _dims_array(strides), 0, shim.dtype_codes[dtype],
+        device_type, device_index, ctypes.byref(handle), shim.layout_strided, None, 0,
+    )
+    if status != 0:
+        shim.check(status, "create an input tensor handle")
+    return int(handle.value or 0)
+
+
+def contiguous_strides(shape: tuple[int, ...]) -> tuple[int, ...]:
+    """Row-major strides in elements."""
+    strides, running = [], 1
+    for size in reversed(shape):
+        strides.append(running)
+        running *= max(size, 1)
+    return tuple(reversed(strides))
+
+
+def gather(span: np.ndarray, view: TensorView) -> np.ndarray:
+    """A fresh C-contiguous array of `view`, from a byte array holding its whole span."""
+    dtype = numpy_dtype(view.dtype)
+    if view.numel == 0:
+        return np.empty(view.shape, dtype)
+    base = span.view(dtype)
+    if view.is_contiguous:
+        return base[: view.numel].reshape(view.shape).copy()
+    strided = np.lib.stride_tricks.as_strided(base, view.shape, tuple(stride * dtype.itemsize for stride in view.strides))
+    return np.array(strided, copy=True, order="C")
+
+
+def span_nbytes(view: TensorView) -> int:
+    return view.span_elements() * numpy_dtype(view.dtype).itemsize
+
+
+class Describer:
+    """Reads output handles. The ctypes out-parameters are made once and reused:
+    this runs for every output of every call."""
+
+    def __init__(self, shim: Shim):
+        self._shim = shim
+        self._address = ctypes.c_void_p()
+        self._ndim = ctypes.c_int64()
+        self._sizes = _I64P()
+        self._strides = _I64P()
+        self._dtype = ctypes.c_int32()
+        self._refs = [ctypes.byref(value) for value in (self._address, self._ndim, self._sizes, self._strides, self._dtype)]
+        self._calls = (shim.get_data_ptr, shim.get_dim, shim.get_sizes, shim.get_strides, shim.get_dtype)
+
+    def __call__(self, handle: int) -> TensorView:
+        for call, ref in zip(self._calls, self._refs):
+            if call(handle, ref) != 0:
+                self._shim.check(1, "read an output tensor's metadata")
+        rank = self._ndim.value
+        return TensorView(
+            address=self._address.value or 0,
+            dtype=self._shim.dtype_names.get(self._dtype.value, f"code {self._dtype.value}"),
+            shape=tuple(self._sizes[:rank]),
+            strides=tuple(self._strides[:rank]),
+        )
+
+
+class OwnedHandles:
+    """Output handles of one Run: each distinct handle deleted exactly once.
+
+    Two outputs can be the same handle (aliased outputs), so deletion goes by
+    handle value, not by output position.
+    """
+
+    def __init__(self, shim: Shim, handles: list[int]):
+        self._shim = shim
+        self.handles = handles
+        self._pending: set[int] = {handle for handle in handles if handle}
+
+    def transfer(self) -> set[int]:
+        """Hand the distinct handles to a new owner; this object frees nothing after."""
+        pending, self._pending = self._pending, set()
+        return pending
+
+    def release(self) -> None:
+        pending, self._pending = self._pending, set()
+        for handle in pending:
+            self._shim.delete_tensor_object(handle)
+
+    def __del__(self) -> None:
+        self.release()

@@ -1,0 +1,103 @@
+"""Check inputs against a method's recorded signature before anything runs.
+
+The container's Run checks none of this: a wrong count kills the process and
+a wrong shape silently returns garbage (docs/aoti-abi.md, "Hazards"). Every mismatch is
+reported with the input, what was expected and what was given.
+"""
+
+from __future__ import annotations
+
+import ast
+import operator
+from collections.abc import Mapping
+
+from .errors import InputError
+from .format.manifest import DimSpec, MethodSpec, TensorSpec
+
+_OPERATORS = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul, ast.FloorDiv: operator.floordiv}
+
+
+def evaluate_shape_entry(entry: int | str, dims: Mapping[str, int]) -> int | None:
+    """An entry's size given dim values; None where it cannot be computed here."""
+    if isinstance(entry, int):
+        return entry
+    if entry in dims:
+        return dims[entry]
+    try:
+        return _evaluate(ast.parse(entry, mode="eval").body, dims)
+    except (SyntaxError, KeyError, ValueError, ZeroDivisionError, RecursionError):
+        return None
+
+
+def _evaluate(node: ast.AST, dims: Mapping[str, int]) -> int:
+    if isinstance(node, ast.Constant) and isinstance(node.value, int):
+        return node.value
+    if isinstance(node, ast.Name):
+        return dims[node.id]
+    if isinstance(node, ast.BinOp) and type(node.op) in _OPERATORS:
+        return _OPERATORS[type(node.op)](_evaluate(node.left, dims), _evaluate(node.right, dims))
+    raise ValueError("unsupported expression")
+
+
+def check_inputs(method: MethodSpec, given: Mapping[str, tuple[str, tuple[int, ...]]]) -> dict[str, int]:
+    """`given` maps input names to (dtype name, shape). Returns the dynamic dim values."""
+    _check_names(method, given)
+    bindings: dict[str, tuple[int, str]] = {}  # dim -> (value, where it was bound)
+    for spec in method.inputs:
+        dtype, shape = given[spec.name]
+        if dtype != spec.dtype:
+            raise InputError(f"input {spec.name!r}: expected dtype {spec.dtype}, got {dtype}")
+        if len(shape) != spec.rank:
+            raise InputError(f"input {spec.name!r}: expected rank {spec.rank} {spec.shape_text()}, got shape {_shape_text(shape)}")
+        for axis, (entry, size) in enumerate(zip(spec.shape, shape)):
+            _check_axis(method.dims, spec, axis, entry, size, bindings)
+    values = {name: value for name, (value, _) in bindings.items()}
+    _check_expressions(method, given, values)
+    return values
+
+
+def _check_names(method: MethodSpec, given: Mapping[str, object]) -> None:
+    expected = [spec.name for spec in method.inputs]
+    missing = [name for name in expected if name not in given]
+    unexpected = [name for name in given if name not in expected]
+    if missing or unexpected:
+        parts = []
+        if missing:
+            parts.append(f"missing {', '.join(map(repr, missing))}")
+        if unexpected:
+            parts.append(f"unexpected {', '.join(map(repr, unexpected))}")
+        raise InputError(
+            f"method {method.name!r} takes {len(expected)} input(s) ({', '.join(expected) or 'none'}), "
+            f"got {len(given)}: {'; '.join(parts)}"
+        )
+
+
+def _check_axis(dims: Mapping[str, DimSpec], spec: TensorSpec, axis: int, entry: int | str, size: int, bindings: dict) -> None:
+    where = f"input {spec.name!r} axis {axis}"
+    if isinstance(entry, int):
+        if size != entry:
+            raise InputError(f"{where}: expected size {entry}, got {size} (shape {spec.shape_text()})")
+        return
+    dim = dims.get(entry)
+    if dim is None:
+        return  # an expression; checked once every dim is bound
+    if not dim.allows(size):
+        raise InputError(f"{where} ({entry}): size {size} is outside the compiled range [{dim.min}, {'inf' if dim.max is None else dim.max}]")
+    bound = bindings.get(entry)
+    if bound is not None and bound[0] != size:
+        raise InputError(f"{where} ({entry}): size {size} does not match {bound[0]} given for {entry} at {bound[1]}")
+    bindings.setdefault(entry, (size, where))
+
+
+def _check_expressions(method: MethodSpec, given: Mapping[str, tuple[str, tuple[int, ...]]], values: Mapping[str, int]) -> None:
+    for spec in method.inputs:
+        shape = given[spec.name][1]
+        for axis, entry in enumerate(spec.shape):
+            if isinstance(entry, str) and entry not in method.dims:
+                expected = evaluate_shape_entry(entry, values)
+                if expected is not None and expected != shape[axis]:
+                    raise InputError(f"input {spec.name!r} axis {axis}: expected {entry} = {expected}, got {shape[axis]}")
+
+
+def _shape_text(shape: tuple[int, ...]) -> str:
+    return "[" + ", ".join(str(size) for size in shape) + "]"
