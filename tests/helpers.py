@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+import io
 import os
 import subprocess
 import sys
@@ -13,7 +15,6 @@ import numpy as np
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT / "examples"))  # examples/models.py
 
 
 @dataclass
@@ -41,8 +42,9 @@ def to_tensor(torch: Any, array: np.ndarray) -> Any:
 
 
 def compile_fixture(tmp_path_factory: pytest.TempPathFactory, builder: str, device: str = "cpu") -> CompiledModel:
-    import cuda_runner
     import models
+
+    import cuda_runner
 
     module, args, dynamic_shapes = models.BUILDERS[builder]()
     path = tmp_path_factory.mktemp(builder) / f"{builder}.bundle"
@@ -60,9 +62,37 @@ SAMPLES = {
 }
 
 
-def run_cli(*args: str, cwd: Path | None = None, env: dict | None = None) -> subprocess.CompletedProcess:
-    """Run the installed console script, as a user or CI job would."""
+@dataclass
+class CliResult:
+    returncode: int
+    stdout: str
+    stderr: str
+
+    @property
+    def error_lines(self) -> list[str]:
+        return [line for line in self.stderr.splitlines() if line.startswith("error:")]
+
+
+def cli(*args: str, cwd: Path | None = None) -> CliResult:
+    """The command line, in this process: what a user gets, without a new interpreter."""
+    from cuda_runner.cli.main import run
+
+    stdout, stderr = io.StringIO(), io.StringIO()
+    previous = Path.cwd()
+    try:
+        if cwd is not None:
+            os.chdir(cwd)
+        with contextlib.redirect_stdout(stdout), contextlib.redirect_stderr(stderr):
+            code = run(list(args))
+    finally:
+        os.chdir(previous)
+    return CliResult(code, stdout.getvalue(), stderr.getvalue())
+
+
+def run_cli(*args: str, cwd: Path | None = None, env: dict | None = None, timeout: float = 300) -> subprocess.CompletedProcess:
+    """The console script in a fresh process: for what only a process shows
+    (start-up imports, signals, native output, exit status)."""
     environment = dict(os.environ, NO_COLOR="1", **(env or {}))
     return subprocess.run(
-        [sys.executable, "-m", "cuda_runner", *args], cwd=cwd, env=environment, capture_output=True, text=True, timeout=300,
+        [sys.executable, "-m", "cuda_runner", *args], cwd=cwd, env=environment, capture_output=True, text=True, timeout=timeout,
     )

@@ -1,7 +1,8 @@
-"""Every example in README.md runs, so the documentation cannot drift."""
+"""Every example in README.md runs, and does what the README says it does."""
 
 from __future__ import annotations
 
+import json
 import re
 import shlex
 import subprocess
@@ -10,11 +11,11 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from helpers import ROOT, cli
 
 from cuda_runner.runtime.devices import cuda_device_count
-from helpers import run_cli
 
-README = (Path(__file__).resolve().parent.parent / "README.md").read_text()
+README = (ROOT / "README.md").read_text()
 HAS_GPU = cuda_device_count() > 0
 
 
@@ -36,38 +37,77 @@ def workdir(tmp_path_factory):
     folder = tmp_path_factory.mktemp("readme")
     module, args, dynamic_shapes = models.dict_mlp()
     torch.export.save(torch.export.export(module, args, dynamic_shapes=dynamic_shapes), folder / "program.pt2")
-    torch.export.save(torch.export.export(torch.nn.Linear(16, 4).eval(), (torch.randn(2, 16),)), folder / "enc.pt2")
-    torch.export.save(torch.export.export(torch.nn.Linear(4, 2).eval(), (torch.randn(2, 4),)), folder / "dec.pt2")
+    # enc: the same graph as the README's Python example; dec: a batch with no upper bound.
+    torch.manual_seed(0)
+    encoder = torch.nn.Linear(16, 4).eval()
+    torch.export.save(torch.export.export(encoder, (torch.randn(2, 16),), dynamic_shapes={"input": {0: torch.export.Dim("batch")}}), folder / "enc.pt2")
+    torch.export.save(torch.export.export(torch.nn.Linear(4, 2).eval(), (torch.randn(2, 4),), dynamic_shapes={"input": {0: torch.export.Dim("n")}}),
+                      folder / "dec.pt2")
     x = np.random.default_rng(0).standard_normal((4, 16), dtype=np.float32)
     np.save(folder / "x.npy", x)
     np.save(folder / "bias.npy", np.zeros(8, np.float32))
     np.savez(folder / "inputs.npz", x=x, bias=np.zeros(8, np.float32))
-    return folder
+    return folder, module
 
 
 def test_readme_has_the_two_fresh_machine_commands():
     assert "./scripts/demo.sh" in README and "./scripts/test.sh" in README
-    ci = (Path(__file__).resolve().parent.parent / ".ci" / "run").read_text()
-    assert "scripts/test.sh" in ci
+    assert "scripts/test.sh" in (ROOT / ".ci" / "run").read_text()
 
 
-def test_every_readme_command_runs(workdir):
+def test_every_readme_command_runs_and_does_what_it_says(workdir):
+    folder, module = workdir
     commands = _commands()
-    assert len(commands) >= 10
+    assert len(commands) >= 12
+    documents = {}
     for command in commands:
         argv = shlex.split(command)[1:]
-        result = run_cli(*argv, cwd=workdir)
+        result = cli(*argv, cwd=folder)
         if "--device" in argv and argv[argv.index("--device") + 1].startswith("cuda") and not HAS_GPU:
             assert result.returncode == 4 and "needs a CUDA GPU" in result.stderr, command
             continue
         assert result.returncode == 0, f"{command}\n{result.stdout}\n{result.stderr}"
-    assert (workdir / "out" / "logits.npy").exists()
-    assert (workdir / "replay" / "inputs.npz").exists()
+        if "--json" in argv:
+            documents[command] = json.loads(result.stdout)
+    _check_results(folder, module, documents)
+
+
+def _check_results(folder: Path, module, documents: dict) -> None:
+    import torch
+
+    x = np.load(folder / "x.npy")
+    with torch.no_grad():
+        eager = module(torch.from_numpy(x), torch.zeros(8))
+    np.testing.assert_allclose(np.load(folder / "out" / "logits.npy"), eager["logits"].numpy(), rtol=1e-5, atol=1e-5)
+    with np.load(folder / "all.npz") as archive:
+        assert sorted(archive.files) == ["aux.hidden", "aux.loss", "logits"]
+        np.testing.assert_array_equal(archive["logits"], np.load(folder / "out" / "logits.npy"))
+    with np.load(folder / "replay" / "inputs.npz") as replay:
+        assert replay["x"].shape == (8, 16)
+    by_schema = {document["schema"].rsplit("/", 1)[0]: document for document in documents.values()}
+    assert by_schema["cuda-runner/inspect"]["verified"] is True
+    assert by_schema["cuda-runner/inspect"]["methods"]["forward"]["library_check"] == "passed"
+    assert by_schema["cuda-runner/bench"]["verdict"] == "PASSED" and by_schema["cuda-runner/bench"]["gates"][0]["gate"] == "max_p99_ms"
+    literal = next(doc for command, doc in documents.items() if "bias=8xf32=0.5" in command)
+    assert [entry["source"] for entry in literal["inputs"]] == ["file", "literal"]
+    two = json.loads(cli("inspect", str(folder / "two.bundle"), "--json").stdout)
+    (dim,) = two["methods"]["decode"]["dims"].values()
+    assert dim["max"] is None  # exported without a maximum: unbounded
+    assert sorted(two["methods"]) == ["decode", "encode"]
 
 
 def test_readme_python_examples_run(workdir):
+    folder, _ = workdir
+    if not (folder / "model.bundle").exists():
+        assert cli("compile", "program.pt2", "-o", "model.bundle", cwd=folder).returncode == 0
     for block in _blocks("python"):
         if block.startswith("# needs a GPU") and not HAS_GPU:
             continue
-        result = subprocess.run([sys.executable, "-c", block], cwd=workdir, capture_output=True, text=True, timeout=300)
+        result = subprocess.run([sys.executable, "-c", block], cwd=folder, capture_output=True, text=True, timeout=300)
         assert result.returncode == 0, f"{block}\n{result.stderr}"
+    import cuda_runner
+
+    with cuda_runner.load(folder / "linear.bundle") as model:
+        (dim,) = model.method().spec.dims.values()
+        assert dim.max is None
+        assert model.run([np.ones((300, 16), np.float32)])["output_0"].shape == (300, 4)

@@ -6,16 +6,16 @@ import json
 from dataclasses import replace
 
 import numpy as np
+from helpers import cli
 
 from cuda_runner.format import open_bundle, write_bundle
-from helpers import run_cli
 
 
 def test_self_test_passes_and_inspect_shows_samples(dict_mlp_bundle):
-    result = run_cli("run", str(dict_mlp_bundle.path), "--self-test")
+    result = cli("run", str(dict_mlp_bundle.path), "--self-test")
     assert result.returncode == 0, result.stderr
     assert "PASSED logits" in result.stdout and result.stdout.strip().endswith("VERDICT: PASSED")
-    document = json.loads(run_cli("inspect", str(dict_mlp_bundle.path), "--json").stdout)
+    document = json.loads(cli("inspect", str(dict_mlp_bundle.path), "--json").stdout)
     assert document["methods"]["forward"]["samples"] is True
 
 
@@ -32,7 +32,7 @@ def _perturbed(bundle_path, target):
 
 def test_perturbed_model_fails_self_test_with_exit_1(dict_mlp_bundle, tmp_path):
     bad = _perturbed(dict_mlp_bundle.path, tmp_path / "perturbed.bundle")
-    result = run_cli("run", str(bad), "--self-test", "--json")
+    result = cli("run", str(bad), "--self-test", "--json")
     assert result.returncode == 1, result.stderr
     document = json.loads(result.stdout)
     assert document["verdict"] == "FAILED"
@@ -45,14 +45,14 @@ def test_expected_from_an_earlier_run_passes_and_perturbed_fails(dict_mlp_bundle
     np.save(tmp_path / "x.npy", np.random.default_rng(0).standard_normal((3, 16), dtype=np.float32))
     np.save(tmp_path / "bias.npy", np.zeros(8, np.float32))
     inputs = ["-i", str(tmp_path / "x.npy"), "-i", str(tmp_path / "bias.npy")]
-    assert run_cli("run", str(dict_mlp_bundle.path), *inputs, "--out-dir", str(tmp_path / "ref")).returncode == 0
-    same = run_cli("run", str(dict_mlp_bundle.path), *inputs, "--expected", str(tmp_path / "ref"))
+    assert cli("run", str(dict_mlp_bundle.path), *inputs, "--out-dir", str(tmp_path / "ref")).returncode == 0
+    same = cli("run", str(dict_mlp_bundle.path), *inputs, "--expected", str(tmp_path / "ref"))
     assert same.returncode == 0 and "FAILED" not in same.stdout
     bad = _perturbed(dict_mlp_bundle.path, tmp_path / "perturbed.bundle")
-    differs = run_cli("run", str(bad), *inputs, "--expected", str(tmp_path / "ref"))
+    differs = cli("run", str(bad), *inputs, "--expected", str(tmp_path / "ref"))
     assert differs.returncode == 1
     assert "FAILED logits" in differs.stdout
-    loose = run_cli("run", str(bad), *inputs, "--expected", str(tmp_path / "ref"), "--atol", "10", "--rtol", "1")
+    loose = cli("run", str(bad), *inputs, "--expected", str(tmp_path / "ref"), "--atol", "10", "--rtol", "1")
     assert loose.returncode == 0, loose.stdout
 
 
@@ -60,18 +60,18 @@ def test_nan_outputs_are_compared_and_counted(dict_mlp_bundle, tmp_path):
     x = np.zeros((2, 16), np.float32)
     x[1, 3] = np.nan
     np.savez(tmp_path / "in.npz", x=x, bias=np.zeros(8, np.float32))
-    assert run_cli("run", str(dict_mlp_bundle.path), "-i", str(tmp_path / "in.npz"), "--out", str(tmp_path / "ref.npz")).returncode == 0
-    result = run_cli("run", str(dict_mlp_bundle.path), "-i", str(tmp_path / "in.npz"), "--expected", str(tmp_path / "ref.npz"), "--json")
+    assert cli("run", str(dict_mlp_bundle.path), "-i", str(tmp_path / "in.npz"), "--out", str(tmp_path / "ref.npz")).returncode == 0
+    result = cli("run", str(dict_mlp_bundle.path), "-i", str(tmp_path / "in.npz"), "--expected", str(tmp_path / "ref.npz"), "--json")
     assert result.returncode == 0, result.stdout
     logits = json.loads(result.stdout)["comparison"]["outputs"][0]
     assert logits["nan_actual"] == logits["nan_expected"] > 0
     finite = dict(np.load(tmp_path / "ref.npz"))
     finite["logits"] = np.nan_to_num(finite["logits"])
     np.savez(tmp_path / "finite.npz", **finite)
-    mismatch = run_cli("run", str(dict_mlp_bundle.path), "-i", str(tmp_path / "in.npz"), "--expected", str(tmp_path / "finite.npz"))
+    mismatch = cli("run", str(dict_mlp_bundle.path), "-i", str(tmp_path / "in.npz"), "--expected", str(tmp_path / "finite.npz"))
     assert mismatch.returncode == 1 and "NaN" in mismatch.stdout
 
 
 def test_self_test_without_samples_is_a_usage_error(embedder_bundle):
-    result = run_cli("run", str(embedder_bundle.path), "--self-test")
+    result = cli("run", str(embedder_bundle.path), "--self-test")
     assert result.returncode == 2 and "no stored samples" in result.stderr

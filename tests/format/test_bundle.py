@@ -8,6 +8,7 @@ import random
 import struct
 
 import pytest
+from forge import forge, method
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -15,8 +16,6 @@ from cuda_runner.errors import BundleError, InputError
 from cuda_runner.format import Manifest, open_bundle, write_bundle
 from cuda_runner.format.bundle import HEADER
 from cuda_runner.format.manifest import DeviceSpec, DimSpec, MethodSpec, TensorSpec, manifest_from_json
-
-from forge import forge, method
 
 
 def _open(tmp_path, data: bytes):
@@ -26,12 +25,11 @@ def _open(tmp_path, data: bytes):
 
 
 def _refused(tmp_path, data: bytes, match: str | None = None) -> str:
-    with pytest.raises(BundleError, match=match) as info:
-        with _open(tmp_path, data) as reader:
-            results = reader.verify_all()
-            if all(results.values()):
-                return "accepted"
-            raise BundleError("digest mismatch")
+    with pytest.raises(BundleError, match=match) as info, _open(tmp_path, data) as reader:
+        results = reader.verify_all()
+        if all(results.values()):
+            return "accepted"
+        raise BundleError("digest mismatch")
     return str(info.value)
 
 
@@ -171,11 +169,32 @@ def test_unknown_optional_feature_is_ignored(tmp_path):
         assert reader.manifest.optional_features == ("hologram",)
 
 
-def test_a_directory_or_missing_path_is_a_usage_error(tmp_path):
-    with pytest.raises(InputError):
-        open_bundle(tmp_path)
+def test_a_missing_path_is_a_usage_error_and_a_directory_is_not_a_bundle(tmp_path):
     with pytest.raises(InputError):
         open_bundle(tmp_path / "absent.bundle")
+    with pytest.raises(BundleError, match="not a regular file"):
+        open_bundle(tmp_path)
+
+
+def test_a_fifo_is_refused_without_blocking(tmp_path):
+    import os
+    import threading
+
+    fifo = tmp_path / "f.bundle"
+    os.mkfifo(fifo)
+    outcome: list[BaseException] = []
+    worker = threading.Thread(target=lambda: _capture(outcome, lambda: open_bundle(fifo)), daemon=True)
+    worker.start()
+    worker.join(timeout=10)
+    assert not worker.is_alive(), "opening a FIFO blocked"
+    assert isinstance(outcome[0], BundleError) and "FIFO" in str(outcome[0])
+
+
+def _capture(outcome: list[BaseException], action) -> None:
+    try:
+        action()
+    except BaseException as error:
+        outcome.append(error)
 
 
 # --------------------------------------------------------------------------
@@ -283,11 +302,32 @@ def test_write_then_read_roundtrips(tmp_path, case, alignment):
     assert manifest_from_json(json.loads(json.dumps(read.to_json()))) == read
 
 
-def test_writer_is_atomic_and_leaves_no_temp_on_failure(tmp_path):
+def test_an_invalid_manifest_is_the_writers_callers_error(tmp_path):
     manifest = Manifest(methods={"m": MethodSpec("m", DeviceSpec("cpu"), "missing", None, (), (), {}, "2.13")})
+    with pytest.raises(InputError, match="manifest to write is invalid"):
+        write_bundle(tmp_path / "out.bundle", manifest, {"other": b"x"})
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_a_write_that_fails_midway_keeps_the_old_bundle_and_leaves_no_temp(tmp_path, monkeypatch):
+    import os
+
+    from cuda_runner.errors import WriteError
+    from cuda_runner.format import bundle as bundle_module
+
+    manifest = Manifest(methods={"m": MethodSpec("m", DeviceSpec("cpu"), "m_so", "m_w", (), (), {}, "2.13")})
     target = tmp_path / "out.bundle"
-    target.write_bytes(b"previous")
-    with pytest.raises(BundleError):
-        write_bundle(target, manifest, {"other": b"x"})
-    assert target.read_bytes() == b"previous"
-    assert [p.name for p in tmp_path.iterdir()] == ["out.bundle"]
+    write_bundle(target, manifest, {"m_so": b"old library", "m_w": b"old weights"})
+    previous = target.read_bytes()
+    real_chunks = bundle_module._chunks
+
+    def chunks_then_disk_full(source):
+        yield from real_chunks(source)
+        if bytes(source) == b"W" * 5000:
+            raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(bundle_module, "_chunks", chunks_then_disk_full)
+    with pytest.raises(WriteError, match="No space left"):
+        write_bundle(target, manifest, {"m_so": b"new library", "m_w": b"W" * 5000})
+    assert target.read_bytes() == previous
+    assert sorted(os.listdir(tmp_path)) == ["out.bundle"]

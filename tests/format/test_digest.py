@@ -3,9 +3,9 @@ from __future__ import annotations
 import os
 import random
 
-from cuda_runner.format.digest import DIGEST_CHUNK, TreeHasher, segment_digest
-
 from forge import digest as spec_digest
+
+from cuda_runner.format.digest import DIGEST_CHUNK, TreeHasher, segment_digest
 
 
 def test_digest_follows_the_specified_chunked_construction():

@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 
 from cuda_runner.errors import InputError
-from cuda_runner.verify import Tolerances, compare_outputs, parse_tolerances
+from cuda_runner.verify import Tolerances, compare_outputs
 from cuda_runner.verify.compare import compare_array
 
 
@@ -52,14 +52,24 @@ def test_integers_and_bools_are_exact():
 
 
 def test_per_output_tolerances_override_the_default():
-    tolerances = parse_tolerances(["logits=0.5", "1e-9"], ["0"])
+    tolerances = Tolerances(atol={"logits": 0.5, "": 1e-9}, rtol={"": 0.0})
     assert tolerances.for_output("logits", "float32") == (0.5, 0.0)
     assert tolerances.for_output("other", "float32") == (1e-9, 0.0)
-    assert parse_tolerances([], [], exact=True).for_output("x", "float16") == (0.0, 0.0)
-    with pytest.raises(InputError):
-        parse_tolerances(["logits=abc"], [])
-    with pytest.raises(InputError):
-        parse_tolerances(["-1"], [])
+    assert Tolerances(exact=True).for_output("x", "float16") == (0.0, 0.0)
+
+
+def test_a_tolerance_for_an_output_that_does_not_exist_is_refused():
+    with pytest.raises(InputError) as info:
+        compare_outputs({"a": np.zeros(1)}, {"a": np.zeros(1)}, Tolerances(atol={"typo": 1.0}))
+    assert info.value.subject == "tolerance"
+
+
+def test_int64_is_compared_as_integers_not_through_float64():
+    big = np.array([2**53], np.int64)
+    result = compare_array("i", big + 1, big, Tolerances(atol={"": 10.0}))
+    assert not result.passed and result.mismatched == 1
+    assert result.worst_actual == 2**53 + 1 and result.worst_expected == 2**53  # exact in the report too
+    assert compare_array("i", big, big.copy(), Tolerances()).passed
 
 
 def test_shape_and_dtype_mismatch_are_reported_as_such():
@@ -70,5 +80,7 @@ def test_shape_and_dtype_mismatch_are_reported_as_such():
 def test_unknown_reference_names_are_an_input_error():
     with pytest.raises(InputError, match="not an output"):
         compare_outputs({"a": np.zeros(1)}, {"b": np.zeros(1)})
-    result = compare_outputs({"a": np.zeros(1), "b": np.zeros(1)}, {"a": np.zeros(1)})
-    assert result.passed and result.not_compared == ("b",)
+    missing = compare_outputs({"a": np.zeros(1), "b": np.zeros(1)}, {"a": np.zeros(1)})
+    assert not missing.passed and [output.name for output in missing.outputs if not output.passed] == ["b"]
+    allowed = compare_outputs({"a": np.zeros(1), "b": np.zeros(1)}, {"a": np.zeros(1)}, allow_missing=True)
+    assert allowed.passed and allowed.not_compared == ("b",)
