@@ -10,7 +10,24 @@ from pathlib import Path
 
 import numpy as np
 
-import models
+
+def example_model():
+    """A small model with a dynamic batch and named (nested dict) outputs."""
+    import torch
+
+    class Classifier(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.encoder = torch.nn.Linear(16, 32)
+            self.head = torch.nn.Linear(32, 8)
+
+        def forward(self, x: torch.Tensor, bias: torch.Tensor):
+            hidden = torch.relu(self.encoder(x))
+            return {"logits": self.head(hidden) + bias, "aux": {"loss": hidden.mean(), "hidden": hidden}}
+
+    torch.manual_seed(0)
+    batch = torch.export.Dim("batch", min=1, max=64)
+    return Classifier().eval(), (torch.randn(4, 16), torch.randn(8)), {"x": {0: batch}, "bias": None}
 
 
 def main() -> int:
@@ -23,7 +40,7 @@ def main() -> int:
     work = Path(sys.argv[1] if len(sys.argv) > 1 else "demo-out")
     work.mkdir(parents=True, exist_ok=True)
     bundle = work / f"dict_mlp-{device}.bundle"
-    module, args, dynamic_shapes = models.dict_mlp()
+    module, args, dynamic_shapes = example_model()
     print(f"compiling the example model for {device} into {bundle} ...", flush=True)
     started = time.perf_counter()
     cuda_runner.compile_module(module, args, bundle, device=device, dynamic_shapes=dynamic_shapes, metadata={"example": "dict_mlp"})

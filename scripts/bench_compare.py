@@ -31,14 +31,13 @@ from pathlib import Path
 from typing import Any
 
 REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO / "src"))
 
 import numpy as np  # noqa: E402
 
 import cuda_runner  # noqa: E402
 from cuda_runner.bench import BenchRequest, LatencyStats, benchmark  # noqa: E402
 from cuda_runner.format import open_bundle  # noqa: E402
-from cuda_runner.running import RunRequest  # noqa: E402
+from cuda_runner.io.inputs import ArrayFile, GivenInputs  # noqa: E402
 
 
 def log(message: str) -> None:
@@ -83,7 +82,7 @@ def compile_bundle(torch: Any, name: str, module: Any, args: tuple, device: str,
 
 
 def cli_cold(bundle: Path, input_file: Path, repeats: int) -> dict[str, Any]:
-    env = dict(os.environ, PYTHONPATH=str(REPO / "src") + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    env = dict(os.environ)
     samples = []
     for _ in range(repeats):
         started = time.perf_counter()
@@ -95,7 +94,8 @@ def cli_cold(bundle: Path, input_file: Path, repeats: int) -> dict[str, Any]:
 
 
 def api(bundle: Path, input_file: Path, device: str, iterations: int, cuda_graph: bool = False) -> dict[str, Any]:
-    request = BenchRequest(RunRequest(bundle=bundle, inputs=[str(input_file)], device=device, cuda_graph=cuda_graph), warmup=20, iterations=iterations)
+    plan = GivenInputs((ArrayFile(input_file),))
+    request = BenchRequest(bundle=bundle, inputs=plan, device=device, cuda_graph=cuda_graph, warmup=20, iterations=iterations)
     return benchmark(request).to_json()
 
 
@@ -292,18 +292,28 @@ def weights_loading(torch: Any, work: Path, gib: float) -> dict[str, Any]:
         with cuda_runner.load(bundle, verify_weights=False) as model:
             return model.method().load_timings["load_weights"]
 
-    from cuda_runner.runtime.cuda import CudaExecutor
+    import cuda_runner.runtime.method as method_module
+
+    def load_unpinned(device: Any, container: Any, weights: memoryview) -> None:
+        """The alternative: pass the pageable mapping to the library as it is."""
+        import numpy as np
+        from cupy_backends.cuda.api import runtime
+
+        address = int(np.frombuffer(weights, np.uint8).ctypes.data) if weights.nbytes else 0
+        container.load_weights(address, weights.nbytes)
+        runtime.deviceSynchronize()
 
     results: dict[str, Any] = {"bytes": size}
-    for label, pin in (("registered_pinned", True), ("mapped_direct", False)):
-        CudaExecutor.pin_weights = pin
+    pinned_loader = method_module._load_weights
+    for label, loader in (("registered_pinned", pinned_loader), ("mapped_direct", load_unpinned)):
+        method_module._load_weights = loader  # measured side by side in this run
         try:
             load_seconds(cold=False)  # warm the page cache and the CUDA context
             for cache in ("warm", "cold"):
                 samples = [load_seconds(cold=cache == "cold") for _ in range(3)]
                 results[f"{label}_{cache}"] = {"seconds": spread(samples), "gb_s": size / statistics.median(samples) / 1e9}
         finally:
-            CudaExecutor.pin_weights = True
+            method_module._load_weights = pinned_loader
     with open_bundle(bundle) as reader:
         spec = reader.manifest.methods["forward"]
         view = reader.segment(spec.weights_segment, verify=False)
@@ -451,6 +461,11 @@ def _ms(seconds: float) -> str:
     return f"{seconds * 1e3:.3f}"
 
 
+def _spread_ms(stats: dict[str, Any]) -> str:
+    """Median (min-max) in milliseconds, from a LatencyStats JSON."""
+    return f"{_ms(stats['median'])} ({_ms(stats['min'])}-{_ms(stats['max'])})"
+
+
 def _cell(stats: dict[str, Any] | None) -> str:
     if not stats:
         return "n/a"
@@ -483,13 +498,13 @@ def render_markdown(report: dict[str, Any]) -> str:
             loader_cell = _cell(loader.get("cold_process")) if "cold_process" in loader else loader.get("error", "n/a")
             lines.append(f"| torch `aoti_load_package` script, cold process | import torch, load package, run once | {loader_cell} |")
         steady = api_result["steady_s"]
-        lines.append(f"| cuda-runner API, host arrays | one run, copies included, {steady['count']} runs | {_ms(steady['median'])} ({_ms(steady['min'])}-{_ms(steady['max'])}) |")
+        lines.append(f"| cuda-runner API, host arrays | one run, copies included, {steady['count']} runs | {_spread_ms(steady)} |")
         if entry.get("api_cuda_graph"):
             graph = entry["api_cuda_graph"]["steady_s"]
-            lines.append(f"| cuda-runner API, host arrays, `--cuda-graph` | one replay, copies included, {graph['count']} runs | {_ms(graph['median'])} ({_ms(graph['min'])}-{_ms(graph['max'])}) |")
+            lines.append(f"| cuda-runner API, host arrays, `--cuda-graph` | one replay, copies included, {graph['count']} runs | {_spread_ms(graph)} |")
         if api_result.get("device_resident_s"):
             resident = api_result["device_resident_s"]
-            lines.append(f"| cuda-runner API, device arrays | run_device + synchronize, {resident['count']} runs | {_ms(resident['median'])} ({_ms(resident['min'])}-{_ms(resident['max'])}) |")
+            lines.append(f"| cuda-runner API, device arrays | run_device + synchronize, {resident['count']} runs | {_spread_ms(resident)} |")
         lines.append(f"| eager PyTorch, host tensors | to(device), forward, to cpu | {_cell(entry['eager_s']['host_to_host'])} |")
         if report["device"] == "cuda":
             lines.append(f"| eager PyTorch, device tensors | forward + synchronize | {_cell(entry['eager_s']['device_resident'])} |")
@@ -522,7 +537,8 @@ def render_markdown(report: dict[str, Any]) -> str:
                 result = weights[f"{key}_{cache}"]
                 lines.append(f"| {label} | {cache} | {result['gb_s']:.1f} | {_cell(result['seconds'])} |")
         lines += ["", f"Whole load (open, digests, library, container, weights): {_cell(weights['load_total_verified_s'])} ms with the weights digest, "
-                  f"{_cell(weights['load_total_skip_weights_digest_s'])} ms with `--skip-weights-digest`; the segment digest alone, on all cores, {_cell(weights['verify_weights_digest_s'])} ms.", ""]
+                  f"{_cell(weights['load_total_skip_weights_digest_s'])} ms with `--skip-weights-digest`; "
+                  f"the segment digest alone, on all cores, {_cell(weights['verify_weights_digest_s'])} ms.", ""]
     if "digest" in report:
         digest = report["digest"]
         lines += [f"### Digest of {digest['bytes'] / (1 << 30):.0f} GiB in memory", "", "| hash | GB/s | seconds |", "| --- | --- | --- |"]

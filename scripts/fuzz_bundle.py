@@ -26,10 +26,6 @@ import tempfile
 import time
 from pathlib import Path
 
-_REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(_REPO / "src"))
-sys.path.insert(0, str(_REPO / "examples"))
-
 
 def mutate(data: bytes, rng: random.Random) -> bytes:
     """One random damage: bit flips, byte rewrites, truncation, extension, header rewrites, splices."""
@@ -100,12 +96,18 @@ def run_case(path: Path, timeout: float) -> str:
 
 
 def seed_bundle(work: Path) -> Path:
-    import cuda_runner
-    import models
+    import torch
 
-    module, args, dynamic_shapes = models.dict_mlp()
+    import cuda_runner
+
+    # A small model with a dynamic batch, a dict output and stored samples:
+    # every part of the format is present to be damaged.
+    torch.manual_seed(0)
+    module = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.ReLU(), torch.nn.Linear(32, 8))
+    batch = torch.export.Dim("batch", min=1, max=64)
     path = work / "seed.bundle"
-    cuda_runner.compile_module(module, args, path, device="cpu", dynamic_shapes=dynamic_shapes)
+    cuda_runner.compile_module(module, (torch.randn(4, 16),), path, device="cpu", dynamic_shapes={"input": {0: batch}},
+                               sample_inputs={"input": torch.randn(2, 16).numpy()})
     return path
 
 
@@ -122,9 +124,9 @@ def main() -> int:
     bundle = options.bundle or seed_bundle(work)
     original = bundle.read_bytes()
     # Import and load everything once here; every forked case inherits it.
-    import cuda_runner.cli.main  # noqa: F401
-    import cuda_runner.cli.render  # noqa: F401
-    import cuda_runner.report.documents  # noqa: F401
+    import cuda_runner.cli.main
+    import cuda_runner.cli.render
+    import cuda_runner.report.documents
     import cuda_runner.running  # noqa: F401
     from cuda_runner.runtime.shim import load_shim
 

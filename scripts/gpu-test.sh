@@ -1,14 +1,14 @@
 #!/usr/bin/env bash
-# The whole GPU suite in one call, for the GPU test machine (shared/docs/gpu-machine.md):
+# The whole GPU suite in one call, for a machine with a GPU:
 # the tests marked gpu, a cold-start profile, and the side-by-side GPU benchmark.
 # Runs from the source tree without installing. Logs go to $OUT when it is set.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 out="${OUT:-$PWD/gpu-out}"
 mkdir -p "$out"
-export PYTHONPATH="$PWD/src${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 python3 -c 'import torch, cupy, numpy, typer; print("torch", torch.__version__, "cupy", cupy.__version__, "numpy", numpy.__version__, "typer", typer.__version__, "gpu", torch.cuda.get_device_name(0))' | tee "$out/versions.txt"
-python3 -X faulthandler -m pytest -m gpu tests/gpu -p no:cacheprovider -p no:logging -rA -s ${GPU_TEST_ARGS:-} 2>&1 | tee "$out/gpu-tests.log"
+python3 -X faulthandler -m pytest -m gpu tests -p no:cacheprovider -p no:logging -rA -s ${GPU_TEST_ARGS:-} 2>&1 | tee "$out/gpu-tests.log"
 status=${PIPESTATUS[0]}
 [ "${GPU_COLDSTART:-1}" = 1 ] && {
   echo "== import cost (s)"
@@ -19,12 +19,13 @@ status=${PIPESTATUS[0]}
   python3 -m cuda_runner compile --help >/dev/null
   python3 - <<'PY'
 import numpy as np, subprocess, sys, tempfile, pathlib
-sys.path.insert(0, "examples")
-import cuda_runner, models
+import cuda_runner, torch
+from torch.export import Dim
 work = pathlib.Path(tempfile.mkdtemp())
-module, args, dynamic = models.dict_mlp()
-cuda_runner.compile_module(module, args, work / "m.bundle", device="cuda", dynamic_shapes=dynamic)
-np.savez(work / "in.npz", x=args[0].numpy(), bias=args[1].numpy())
+module = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.ReLU(), torch.nn.Linear(32, 8)).eval()
+x = torch.randn(4, 16)
+cuda_runner.compile_module(module, (x,), work / "m.bundle", device="cuda", dynamic_shapes={"input": {0: Dim("batch", max=64)}})
+np.savez(work / "in.npz", input=x.numpy())
 run = [sys.executable, "-X", "importtime", "-m", "cuda_runner", "run", str(work / "m.bundle"), "-i", str(work / "in.npz"), "-q"]
 result = subprocess.run(run, capture_output=True, text=True)
 rows = [line.split("|") for line in result.stderr.splitlines() if line.startswith("import time:") and "|" in line]

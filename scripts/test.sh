@@ -1,10 +1,12 @@
 #!/usr/bin/env bash
-# Set up a virtual environment and run the test suite. CI runs exactly this (.ci/run).
-# torch 2.13.0 is pinned: on CPU machines it is the small CPU build.
+# Set up a virtual environment, lint and type-check, and run the test suite.
+# CI runs exactly this (.ci/run). torch 2.13.0 is pinned: on CPU machines it is the small CPU build.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 python3 -m venv .venv
 .venv/bin/python -m pip install --quiet "torch==2.13.0" -e ".[test]"
+.venv/bin/ruff check cuda_runner tests scripts examples
+.venv/bin/mypy
 set +e
 .venv/bin/python -m pytest "$@"
 status=$?
