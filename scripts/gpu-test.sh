@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # The whole GPU suite in one call, for a machine with a GPU:
-# the tests marked gpu, a cold-start profile, and the side-by-side GPU benchmark.
+# the tests marked gpu, a cold-start profile, the cost of the library's input
+# checks, and the side-by-side GPU benchmark.
 # Runs from the source tree without installing. Logs go to $OUT when it is set.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -34,6 +35,9 @@ for cumulative, name in rows:
     print(f"{cumulative:>9} {name}")
 PY
 } 2>&1 | tee "$out/coldstart.txt"
+if [ "${GPU_CHECKS:-1}" = 1 ]; then
+  python3 -X faulthandler scripts/bench_checks.py --device cuda --output "$out/checks.json" 2>&1 | tee "$out/checks.log"
+fi
 if [ "${GPU_BENCH:-1}" = 1 ]; then
   python3 -X faulthandler scripts/bench_per_call.py --output "$out/per-call.json" 2>&1 | tee "$out/per-call.log"
   python3 -X faulthandler scripts/bench_compare.py --device cuda --output "$out/bench-gpu.json" --markdown "$out/bench-gpu.md" ${GPU_BENCH_ARGS:-} 2>&1 | tee "$out/bench-gpu.log"

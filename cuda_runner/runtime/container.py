@@ -13,7 +13,11 @@ its own handle arrays.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
+import os
+import threading
+from collections.abc import Iterator
 from typing import Any
 
 from ..errors import BundleError, ModelRuntimeError
@@ -34,6 +38,7 @@ class Container:
         self.num_inputs = self._count(self._get_num_inputs)
         self.num_outputs = self._count(self._get_num_outputs)
         self._weights_loaded = False
+        self.capture_errors = False
         self._input_array_type = Handle * max(1, self.num_inputs)
         self._output_array_type = Handle * max(1, self.num_outputs)
 
@@ -57,7 +62,12 @@ class Container:
         self._check(getter(self._handle, ctypes.byref(value)), "query the model container")
         return value.value
 
-    def _check(self, status: int, what: str) -> None:
+    @property
+    def reports_errors(self) -> bool:
+        """Whether the library can say why a call failed (AOTInductorGetLastError, torch 2.13+)."""
+        return self._last_error is not None
+
+    def _check(self, status: int, what: str, printed: str = "") -> None:
         if status == 0:
             return
         detail = ""
@@ -65,6 +75,8 @@ class Container:
             message = ctypes.c_char_p()
             if self._last_error(ctypes.byref(message)) == 0 and message.value:
                 detail = ": " + message.value.decode("utf-8", "replace").strip().splitlines()[0]
+        if not detail and printed:
+            detail = ": " + printed
         raise ModelRuntimeError(f"could not {what} (model library {self.library.label!r}){detail}")
 
     @property
@@ -94,7 +106,11 @@ class Container:
         self._weights_loaded = True
 
     def run(self, inputs: list[int], stream: int | None, *, single_threaded: bool = False) -> list[int]:
-        """Run; input handles are stolen by the library, output handles are new and ours."""
+        """Run; input handles are stolen by the library, output handles are new and ours.
+
+        With `capture_errors` set, a library that cannot report why a call
+        failed has the error it prints to fd 2 during the call read instead
+        (calls are then serialised: fd 2 belongs to the whole process)."""
         if single_threaded and self._run_single_threaded is None:
             raise ModelRuntimeError("this model library has no RunSingleThreaded entry point")
         if not self._weights_loaded:
@@ -104,12 +120,53 @@ class Container:
         input_array = self._input_array_type(*inputs)
         output_array = self._output_array_type()
         run = self._run if not single_threaded or self._run_single_threaded is None else self._run_single_threaded
-        status = run(self._handle, input_array, self.num_inputs, output_array, self.num_outputs, stream, None)
+        printed = ""
+        if self.capture_errors and not self.reports_errors:
+            with _printed_errors() as captured:
+                status = run(self._handle, input_array, self.num_inputs, output_array, self.num_outputs, stream, None)
+            printed = captured.text
+        else:
+            status = run(self._handle, input_array, self.num_inputs, output_array, self.num_outputs, stream, None)
         if status != 0:
-            self._check(status, "run the model")
+            self._check(status, "run the model", printed)
         return [handle or 0 for handle in output_array[:self.num_outputs]]
 
     def delete(self) -> None:
         if self._handle:
             self._delete(self._handle)
             self._handle = Handle()
+
+
+class _Captured:
+    text = ""
+
+
+_stderr_lock = threading.Lock()  # fd 2 is the process's: one capture at a time
+
+
+@contextlib.contextmanager
+def _printed_errors() -> Iterator[_Captured]:
+    """Send fd 2 to an anonymous file for the duration; keep the library's
+    "Error: ..." line, and pass anything else printed back to the real stderr."""
+    captured = _Captured()
+    with _stderr_lock:
+        saved = os.dup(2)
+        scratch = os.memfd_create("cuda-runner-stderr", os.MFD_CLOEXEC) if hasattr(os, "memfd_create") else None
+        if scratch is None:
+            os.close(saved)
+            yield captured
+            return
+        try:
+            os.dup2(scratch, 2)
+            yield captured
+        finally:
+            os.dup2(saved, 2)
+            os.close(saved)
+            os.lseek(scratch, 0, os.SEEK_SET)
+            text = os.read(scratch, 1 << 16).decode("utf-8", "replace")
+            os.close(scratch)
+            errors = [line.removeprefix("Error: ").strip() for line in text.splitlines() if line.startswith("Error: ")]
+            captured.text = errors[-1] if errors else ""
+            rest = "\n".join(line for line in text.splitlines() if not line.startswith("Error: "))
+            if rest.strip():
+                os.write(2, (rest + "\n").encode())

@@ -162,6 +162,7 @@ class Method:
             executors.append(make())
             started = clock()
             container = Container(library.library, str(device), num_models=1 if cuda_graph else lanes)
+            container.capture_errors = check_inputs  # a refusal by the checks must be told apart
             _check_counts(spec, container)
             timings["create_container"] = clock() - started
             started = clock()
