@@ -46,16 +46,25 @@ def load(
     cuda_graph: bool = False,
     lanes: int = 1,
     check_inputs: bool = False,
+    trusted_keys: Iterable[str | os.PathLike[str]] | None = None,
+    require_signature: bool = False,
 ) -> Model:
     """Load a bundle's methods onto a device ("cpu", "cuda", "cuda:1"; None picks the bundle's).
 
     The model is safe to call from any number of threads; `lanes` is how many
     calls of one method run at once (each lane has its own CUDA stream and
     staging buffers). `check_inputs` turns on the library's own input checks;
-    `cuda_graph` captures each (static-shape) method into a CUDA graph."""
-    from .runtime.model import load_model
+    `cuda_graph` captures each (static-shape) method into a CUDA graph.
 
-    return load_model(path, device, verify_weights=verify_weights, methods=methods, cuda_graph=cuda_graph, lanes=lanes, check_inputs=check_inputs)
+    `trusted_keys` (public key files; CUDA_RUNNER_TRUSTED_KEYS adds more): the
+    bundle must be signed by one of them (`<bundle>.sig`), checked before any
+    of its code loads. `require_signature` makes having no trusted key an error."""
+    from .runtime.model import load_model
+    from .signing import keys_for_loading
+
+    keys = keys_for_loading(trusted_keys or (), require_signature)
+    return load_model(path, device, verify_weights=verify_weights, methods=methods, cuda_graph=cuda_graph, lanes=lanes,
+                      check_inputs=check_inputs, trusted_keys=keys)
 
 
 def compile_module(*args: Any, **kwargs: Any) -> Any:

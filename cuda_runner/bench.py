@@ -17,6 +17,7 @@ from .report.schema import SCHEMAS
 from .running import prepare_inputs, select_method
 from .runtime.method import Method
 from .runtime.model import Model, load_model
+from .signing import TrustedKey
 
 # What each number includes; also in `bench --json` as "definitions".
 DEFINITIONS = """\
@@ -113,6 +114,7 @@ class BenchRequest:
     iterations: int = 100
     duration: float | None = None  # seconds; replaces iterations
     gates: Gates = field(default_factory=Gates)
+    trusted_keys: tuple[TrustedKey, ...] = ()
 
 
 @dataclass
@@ -182,8 +184,10 @@ def _timed(function: Callable[[], Any]) -> tuple[Any, float]:
 def benchmark(request: BenchRequest, progress: Progress = lambda done, total: None) -> BenchResult:
     started = time.perf_counter()
     reader = open_bundle(request.bundle)
-    opened = time.perf_counter() - started
     try:
+        if request.trusted_keys:
+            reader.require_signature(request.trusted_keys)
+        opened = time.perf_counter() - started
         spec = select_method(reader, request.method)
         inputs, _ = prepare_inputs(reader, spec, request.inputs)
     except BaseException:

@@ -12,7 +12,9 @@ A set of files (a run's outputs, a bundle) is written as one transaction:
    already renamed are rolled back to their old contents (or removed), so the
    folder holds exactly the old set or exactly the new set.
 
-Temp names carry the writer's pid: `.NAME.PID.RANDOM.tmp`.
+Temp names carry the writer's host and pid: `.NAME.HOST.PID.RANDOM.tmp`; only
+temp files of this host whose process is gone count as leftovers (a folder
+on a network file system may be written from other hosts).
 """
 
 from __future__ import annotations
@@ -20,16 +22,19 @@ from __future__ import annotations
 import contextlib
 import errno
 import fcntl
+import hashlib
 import os
 import re
 import secrets
+import socket
 from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import BinaryIO
 
 from .errors import InputError, WriteError
 
-_TEMP_PATTERN = re.compile(r"^\..+\.(\d+)\.[0-9a-f]{8}\.(?:tmp|old)$")
+_TEMP_PATTERN = re.compile(r"^\..+\.([0-9a-f]{8})\.(\d{1,10})\.[0-9a-f]{8}\.(?:tmp|old)$")
+_HOST = hashlib.sha256(socket.gethostname().encode()).hexdigest()[:8]
 
 Writer = Callable[[BinaryIO], None]
 
@@ -61,7 +66,7 @@ def check_destination(path: Path) -> None:
 
 
 def _temp_name(path: Path, kind: str = "tmp") -> Path:
-    return path.with_name(f".{path.name}.{os.getpid()}.{secrets.token_hex(4)}.{kind}")
+    return path.with_name(f".{path.name}.{_HOST}.{os.getpid()}.{secrets.token_hex(4)}.{kind}")
 
 
 def _pid_alive(pid: int) -> bool:
@@ -69,8 +74,8 @@ def _pid_alive(pid: int) -> bool:
         os.kill(pid, 0)
     except ProcessLookupError:
         return False
-    except PermissionError:
-        return True
+    except (PermissionError, OverflowError, ValueError):
+        return True  # not ours to judge: keep the file
     return True
 
 
@@ -79,7 +84,7 @@ def remove_stale_temps(directory: Path) -> None:
     with contextlib.suppress(OSError):
         for entry in os.scandir(directory):
             match = _TEMP_PATTERN.match(entry.name)
-            if match and int(match.group(1)) != os.getpid() and not _pid_alive(int(match.group(1))):
+            if match and match.group(1) == _HOST and int(match.group(2)) != os.getpid() and not _pid_alive(int(match.group(2))):
                 with contextlib.suppress(OSError):
                     os.unlink(entry.path)
 
@@ -129,15 +134,22 @@ class _Commit:
         self.done: list[tuple[Path, Path | None]] = []  # (destination, backup of its old contents)
 
     def rename(self, temp: Path, path: Path) -> None:
-        backup = None
-        if path.exists():
+        backup, moved = None, False
+        if os.path.lexists(path):  # a dangling symlink is an old file too
             backup = _temp_name(path, "old")
-            os.link(path, backup)
+            try:
+                os.link(path, backup, follow_symlinks=False)
+            except OSError:  # no hard links here (vfat, some FUSE mounts): move it aside instead
+                os.rename(path, backup)
+                moved = True
         try:
             os.replace(temp, path)
         except BaseException:
             if backup is not None:
-                os.unlink(backup)
+                if moved:
+                    os.replace(backup, path)
+                else:
+                    os.unlink(backup)
             raise
         self.done.append((path, backup))
 
@@ -177,7 +189,8 @@ def write_files(writers: Mapping[Path, Writer]) -> list[Path]:
                 temps[path] = _write_temp(path, write)
             _rename_all(temps)
             for folder in folders:
-                _fsync_folder(folder)
+                with contextlib.suppress(OSError):  # the new set is in place; durability is best effort now
+                    _fsync_folder(folder)
         return paths
     except BaseException as error:
         for temp in temps.values():

@@ -9,16 +9,19 @@ alone cannot (a rewritten bundle has correct digests).
 
 from __future__ import annotations
 
+import json
 import os
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from .errors import CudaRunnerError
+from .errors import BundleError, CudaRunnerError
 from .format.bundle import BundleReader, open_bundle
 from .format.manifest import DimSpec, Manifest, MethodSpec, SegmentEntry, TensorSpec
 from .report.schema import SCHEMAS
 from .runtime.devices import Device, incompatibility
+from .signing import TrustedKey, signature_path
 
 # AOTI_CPU_ISA values, as people know them.
 _ISA_NAMES = {"INVALID_VEC_ISA": "none (scalar code)", "VecAVX512": "AVX-512", "VecAVX2": "AVX2", "VecNEON": "NEON", "VecSVE256": "SVE-256"}
@@ -73,12 +76,51 @@ def _segment_json(entry: SegmentEntry | None) -> dict[str, Any] | None:
 
 
 @dataclass
+class SignatureReport:
+    """The detached signature beside the bundle, and whether a trusted key made it."""
+
+    path: Path
+    present: bool
+    key_hint: str | None = None  # what the signature says about its key (SHA-256 of the public key PEM)
+    signer: str | None = None  # fingerprint of the trusted key that verified it
+    error: str | None = None  # why it did not verify, when trusted keys were given
+
+    @property
+    def verified(self) -> bool | None:
+        return None if self.signer is None and self.error is None else self.signer is not None
+
+    def to_json(self) -> dict[str, Any]:
+        return {"path": str(self.path), "present": self.present, "key_hint": self.key_hint, "signer": self.signer,
+                "verified": self.verified, "error": self.error}
+
+
+def _signature_report(reader: BundleReader, keys: Sequence[TrustedKey]) -> SignatureReport:
+    path = signature_path(reader.path)
+    report = SignatureReport(path, path.is_file(), _key_hint(path))
+    if keys:
+        try:
+            report.signer = reader.require_signature(keys).signer
+        except BundleError as error:
+            report.error = str(error)
+    return report
+
+
+def _key_hint(path: Path) -> str | None:
+    try:
+        hint = json.loads(path.read_bytes())["verificationMaterial"]["publicKey"]["hint"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    return str(hint)[:128]
+
+
+@dataclass
 class InspectResult:
     path: Path
     format_version: str
     file_size: int
     manifest: Manifest
     methods: dict[str, MethodReport]
+    signature: SignatureReport | None = None
     segment_digests_ok: dict[str, bool] | None = None  # with verify
     warnings: list[str] = field(default_factory=list)
 
@@ -92,7 +134,8 @@ class InspectResult:
 
     @property
     def runnable_here(self) -> bool:
-        return all(report.not_runnable_reason is None for report in self.methods.values()) and self.verified is not False
+        signature_ok = self.signature is None or self.signature.verified is not False
+        return all(report.not_runnable_reason is None for report in self.methods.values()) and self.verified is not False and signature_ok
 
     def to_json(self) -> dict[str, Any]:
         segments = []
@@ -112,6 +155,7 @@ class InspectResult:
             "optional_features": list(self.manifest.optional_features),
             "methods": {name: report.to_json() for name, report in self.methods.items()},
             "segments": segments,
+            "signature": None if self.signature is None else self.signature.to_json(),
             "runnable_here": self.runnable_here,
             "verified": self.verified,
         }
@@ -123,16 +167,17 @@ def runnable_problem(spec: MethodSpec) -> str | None:
     return None if problem is None else str(problem)
 
 
-def inspect_bundle(path: str | os.PathLike[str], *, verify: bool = False) -> InspectResult:
+def inspect_bundle(path: str | os.PathLike[str], *, verify: bool = False, trusted_keys: Sequence[TrustedKey] = ()) -> InspectResult:
     with open_bundle(path) as reader:
+        signature = _signature_report(reader, trusted_keys)
         manifest = reader.manifest
         reports = {
             name: MethodReport(spec, manifest.segment(spec.library_segment), manifest.segment(spec.weights_segment) if spec.weights_segment else None,
                                runnable_problem(spec))
             for name, spec in manifest.methods.items()
         }
-        result = InspectResult(reader.path, reader.version, reader.file_size, manifest, reports)
-        if verify:
+        result = InspectResult(reader.path, reader.version, reader.file_size, manifest, reports, signature)
+        if verify and signature.verified is not False:
             result.segment_digests_ok = reader.verify_all()
             for report in reports.values():
                 report.library_check = _check_library(reader, report, all(result.segment_digests_ok.values()))

@@ -26,6 +26,7 @@ from .io.outputs import OutputPlan, write_outputs
 from .report.schema import SCHEMAS
 from .report.stats import ArrayStats, array_stats
 from .runtime.model import load_model
+from .signing import TrustedKey
 from .verify.compare import Comparison, Tolerances, compare_outputs
 from .verify.reference import load_reference, stored_sample_outputs
 
@@ -49,6 +50,7 @@ class RunRequest:
     verify_weights: bool = True
     cuda_graph: bool = False
     check_inputs: bool = False  # the library's own input checks (AOTI_RUNTIME_CHECK_INPUTS)
+    trusted_keys: tuple[TrustedKey, ...] = ()  # when given, the bundle must be signed by one of them
 
 
 @dataclass
@@ -118,8 +120,10 @@ def run_bundle(request: RunRequest, progress: Progress = lambda _: None) -> RunR
     request.outputs.check()
     started = time.perf_counter()
     reader = open_bundle(request.bundle)
-    opened = time.perf_counter() - started
     try:
+        if request.trusted_keys:
+            reader.require_signature(request.trusted_keys)  # before anything in the bundle is used
+        opened = time.perf_counter() - started
         started = time.perf_counter()
         method = select_method(reader, request.method)
         inputs, expected = prepare_inputs(reader, method, request.inputs)

@@ -16,7 +16,6 @@ import functools
 import os
 import signal
 import sys
-import tempfile
 import traceback
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -117,38 +116,43 @@ def handles_errors(command: Callable[..., Any]) -> Callable[..., Any]:
 
 
 def _report(message: str, code: int) -> None:
-    if _State.verbose:
+    if _State.verbose and sys.exc_info()[0] is not None:
         traceback.print_exc(file=_Terminal.stderr())
     _err().line(f"error: {printable(message)}", style="red")
     raise typer.Exit(code)
 
 
 def _progress(message: str) -> None:
-    if _State.verbose or (not _State.quiet and sys.stderr.isatty()):
+    if _State.verbose or (not _State.quiet and _Terminal.stderr().isatty()):
         _err().line(printable(message), style="dim")
 
 
 @contextlib.contextmanager
 def _native_stderr() -> Iterator[None]:
     """Native code (the model library, libtorch) prints errors and C++ stack
-    frames straight to fd 2. Off -v, send fd 2 to a scratch file while the
-    library works, so that the user sees one line; with -v, leave it."""
+    frames straight to fd 2. Off -v, point fd 2 at /dev/null while the library
+    works, so that the user sees one line; with -v, leave it. Our own output
+    goes to the saved stderr meanwhile (_Terminal)."""
     if _State.verbose:
         yield
         return
     sys.stderr.flush()
     saved = os.dup(2)
-    _Terminal._saved = os.fdopen(os.dup(saved), "w", buffering=1)
-    with tempfile.TemporaryFile() as scratch:
-        os.dup2(scratch.fileno(), 2)
+    try:
+        _Terminal._saved = os.fdopen(os.dup(saved), "w", buffering=1)
+        devnull = os.open(os.devnull, os.O_WRONLY)
         try:
-            yield
+            os.dup2(devnull, 2)
         finally:
-            sys.stderr.flush()
-            os.dup2(saved, 2)
-            os.close(saved)
+            os.close(devnull)
+        yield
+    finally:
+        sys.stderr.flush()
+        os.dup2(saved, 2)
+        os.close(saved)
+        if _Terminal._saved is not None:
             _Terminal._saved.close()
-            _Terminal._saved = None
+        _Terminal._saved = None
 
 
 def _quiet_warnings() -> None:
@@ -190,6 +194,7 @@ def compile_command(
     meta: Annotated[list[str], typer.Option("--meta", metavar="KEY=VALUE", help="Free-form metadata (repeatable).")] = [],  # noqa: B006
     sample_inputs: Annotated[list[str], typer.Option(
         "--sample-inputs", metavar="[METHOD=]FILE.npz", help="Inputs to store with their eager outputs, for run --self-test (repeatable).")] = [],  # noqa: B006
+    sign_key: Annotated[Optional[str], typer.Option("--sign-key", metavar="PRIVATE.pem", help="Sign the bundle as it is written (BUNDLE.sig).")] = None,
 ) -> None:
     """Compile ExportedPrograms into a bundle with AOTInductor."""
     from ..runtime.devices import parse_device
@@ -215,10 +220,35 @@ def compile_command(
 
     _quiet_warnings()
     arrays = {name: load_archive(path) for name, path in samples.items()}
+    if sign_key is not None and not Path(sign_key).is_file():
+        raise parse.UsageError(f"--sign-key {sign_key}: no such file")
     with _native_stderr():
         manifest = compile_programs(programs, output, device=device, metadata=metadata, sample_inputs=arrays, progress=_progress)
+    signed = ""
+    if sign_key is not None:
+        from ..signing import sign_file
+
+        signed = f", signed in {sign_file(output, sign_key)}"
     if not _State.quiet:
-        _out().line(printable(f"wrote {output}: {', '.join(manifest.methods)} for {device}"))
+        _out().line(printable(f"wrote {output}: {', '.join(manifest.methods)} for {device}{signed}"))
+
+
+@app.command("sign")
+@handles_errors
+def sign_command(
+    bundle: Annotated[str, typer.Argument(metavar="BUNDLE", help="The bundle to sign.")],
+    key: Annotated[str, typer.Option("--key", metavar="PRIVATE.pem", help="An elliptic-curve private key (P-256, P-384 or P-521), PEM.")],
+    whole_file: Annotated[bool, typer.Option("--whole-file", help=(
+        "One SHA-256 over the whole file, as `model_signing verify key` checks it; slower to verify than the default shards."))] = False,
+) -> None:
+    """Write a detached signature BUNDLE.sig in the OpenSSF model-signing format (docs/provenance.md)."""
+    from ..format.bundle import open_bundle
+    from ..signing import DEFAULT_SHARD_SIZE, sign_file
+
+    open_bundle(bundle).close()  # only bundles get signed
+    path = sign_file(bundle, key, shard_size=None if whole_file else DEFAULT_SHARD_SIZE)
+    if not _State.quiet:
+        _out().line(printable(f"wrote {path}"))
 
 
 @app.command("inspect")
@@ -227,17 +257,22 @@ def inspect_command(
     bundle: Annotated[str, typer.Argument(metavar="BUNDLE", help="The bundle to describe.")],
     json_output: Annotated[bool, typer.Option("--json", help="Print one JSON document (docs/json.md).")] = False,
     verify: Annotated[bool, typer.Option("--verify", help="Re-check every digest, and run each method once with the library's own input checks.")] = False,
+    trusted_key: TrustedKeyOption = [],  # noqa: B006
+    require_signature: RequireSignatureOption = False,
 ) -> None:
     """Show a bundle's methods, signatures, build info and whether this machine can run it."""
     from ..inspection import inspect_bundle
     from .render import inspect_lines, json_text
 
+    keys = _trusted_keys(trusted_key, require_signature)
     with _native_stderr():
-        result = inspect_bundle(bundle, verify=verify)
+        result = inspect_bundle(bundle, verify=verify, trusted_keys=keys)
     if json_output:
         _out().line(json_text(result.to_json()))
     else:
         _out().lines(inspect_lines(result))
+    if result.signature is not None and result.signature.error is not None:
+        _report(result.signature.error, int(ExitCode.BAD_BUNDLE))
     if verify and not result.verified:
         bad = [name for name, ok in (result.segment_digests_ok or {}).items() if not ok]
         failed = [f"{name}: {report.library_check}" for name, report in result.methods.items() if (report.library_check or "").startswith("failed")]
@@ -258,6 +293,15 @@ RangeOption = Annotated[list[str], typer.Option(
     "--range", metavar="INPUT=LO:HI", help="Value range for --random-inputs (default -1:1 for floats, 0:2 for integers).")]
 SkipDigestOption = Annotated[bool, typer.Option("--skip-weights-digest", help="Do not re-check the weights digest (the library is always checked).")]
 CudaGraphOption = Annotated[bool, typer.Option("--cuda-graph", help="Capture the (static-shape) method into a CUDA graph and replay it; imports torch.")]
+TrustedKeyOption = Annotated[list[str], typer.Option("--trusted-key", metavar="PUBLIC.pem", help=(
+    "Refuse the bundle unless BUNDLE.sig was made by this key (repeatable; CUDA_RUNNER_TRUSTED_KEYS adds more)."))]
+RequireSignatureOption = Annotated[bool, typer.Option("--require-signature", help="Fail if no trusted key is configured at all.")]
+
+
+def _trusted_keys(paths: list[str], require: bool) -> tuple[Any, ...]:
+    from ..signing import keys_for_loading
+
+    return tuple(keys_for_loading(paths, require))
 
 
 def _input_plan(inputs: list[str], random_inputs: bool, seed: int, shape: list[str], value_range: list[str], cast: bool = False) -> Any:
@@ -304,6 +348,8 @@ def run_command(
     self_test: Annotated[bool, typer.Option("--self-test", help="Run the sample inputs stored in the bundle and compare with their stored eager outputs.")] = False,
     check_inputs: Annotated[bool, typer.Option("--check-inputs", help="Also run the library's own input checks (on with --self-test).")] = False,
     cuda_graph: CudaGraphOption = False,
+    trusted_key: TrustedKeyOption = [],  # noqa: B006
+    require_signature: RequireSignatureOption = False,
 ) -> None:
     """Run a method of a bundle on inputs, write its outputs, and optionally compare them with a reference (exit 1 if they differ)."""
     from ..io.inputs import StoredSamples
@@ -322,6 +368,7 @@ def run_command(
         outputs=OutputPlan(_path(out_dir), _path(out), bf16_as), save_inputs=_path(save_inputs), expected=_path(expected),
         tolerances=parse.tolerances(atol, rtol, exact), allow_missing=allow_missing,
         verify_weights=not skip_weights_digest, cuda_graph=cuda_graph, check_inputs=check_inputs or self_test,
+        trusted_keys=_trusted_keys(trusted_key, require_signature),
     )
     _quiet_warnings()
     with _native_stderr():
@@ -363,6 +410,8 @@ def bench_command(
     skip_weights_digest: SkipDigestOption = False,
     json_output: Annotated[bool, typer.Option("--json", help="Print one JSON document (docs/json.md).")] = False,
     cuda_graph: CudaGraphOption = False,
+    trusted_key: TrustedKeyOption = [],  # noqa: B006
+    require_signature: RequireSignatureOption = False,
 ) -> None:
     """Measure load time, first run and steady-state latency, split into copies and compute (random inputs unless --inputs)."""
     from ..bench import BenchRequest, Gates, benchmark
@@ -374,6 +423,7 @@ def bench_command(
     request = BenchRequest(
         bundle=Path(bundle), inputs=plan, method=method, device=device, verify_weights=not skip_weights_digest, cuda_graph=cuda_graph,
         warmup=warmup, iterations=iterations, duration=duration, gates=Gates(max_p50_ms, max_p99_ms, min_throughput, max_load_s),
+        trusted_keys=_trusted_keys(trusted_key, require_signature),
     )
     _quiet_warnings()
     with _native_stderr(), _progress_bar("measuring") as advance:
@@ -396,7 +446,7 @@ def bench_command(
 
 def _progress_bar(label: str) -> Any:
     """A progress bar on a terminal; a no-op callback elsewhere."""
-    if _State.quiet or not sys.stderr.isatty():
+    if _State.quiet or not _Terminal.stderr().isatty():
         return contextlib.nullcontext(lambda done, total: None)
     from rich.console import Console
     from rich.progress import Progress

@@ -112,7 +112,8 @@ def ranges(items: Sequence[str]) -> dict[str, tuple[float, float]]:
             bounds = (float(low), float(high))
         except ValueError:
             bounds = None
-        if not sep or not name or not colon or bounds is None or not all(math.isfinite(bound) for bound in bounds) or not bounds[0] < bounds[1]:
+        if (not sep or not name or not colon or bounds is None or not math.isfinite(bounds[1] - bounds[0])
+                or not bounds[0] < bounds[1]):
             raise UsageError(f"--range {text!r}: expected NAME=LO:HI with finite LO < HI, e.g. ids=0:30522")
         result[name] = bounds
     return result
@@ -173,4 +174,5 @@ SUBJECT_HINTS = {
     "samples": "compile with --sample-inputs to store samples",
     "tolerance": "see --atol/--rtol",
     "cuda_graph": "run without --cuda-graph",
+    "trusted_key": "see --trusted-key",
 }

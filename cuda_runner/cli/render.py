@@ -111,10 +111,28 @@ def inspect_lines(result: Any) -> list[str]:
             row.append("ok" if result.segment_digests_ok[entry.name] else "MISMATCH")
         rows.append(row)
     lines += table(headers, rows, "  ")
+    lines += _signature_lines(result.signature)
     if result.verified is not None:
-        lines.append("verified: " + ("yes (digests and library checks)" if result.verified else "NO"))
+        skipped = any((report.library_check or "").startswith("skipped") for report in result.methods.values())
+        what = "digests only; a library was not checked" if skipped else "digests and library checks"
+        lines.append(f"verified: yes ({what})" if result.verified else "verified: NO")
     lines.append(f"runnable here: {'yes' if result.runnable_here else 'no'}")
     return lines
+
+
+def _signature_lines(signature: Any) -> list[str]:
+    if signature is None:
+        return []
+    if not signature.present:
+        return ["signature: none"]
+    line = f"signature: {signature.path}"
+    if signature.signer is not None:
+        line += f", verified, signed by the trusted key {signature.signer[:16]}..."
+    elif signature.error is not None:
+        line += f", NOT verified: {signature.error}"
+    else:
+        line += f", not checked (no trusted key given; key hint {str(signature.key_hint)[:16]}...)"
+    return [clean(line)]
 
 
 def _method_lines(name: str, report: Any) -> list[str]:

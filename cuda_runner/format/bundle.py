@@ -22,7 +22,7 @@ import mmap
 import os
 import stat
 import struct
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -32,6 +32,7 @@ import xxhash
 
 from ..errors import BundleError, InputError, WriteError
 from ..files import write_file
+from ..signing import SignedFile, TrustedKey, read_signature, signature_path
 from .digest import DIGEST_ALGORITHM, TreeHasher, segment_digest
 from .manifest import MAX_SEGMENTS, Manifest, SegmentEntry, manifest_from_json
 
@@ -46,6 +47,7 @@ MIN_ALIGNMENT = 64
 MAX_ALIGNMENT = 1 << 20
 MAX_MANIFEST_SIZE = 16 << 20
 _COPY_CHUNK = 8 << 20
+_SIGNED_SPAN_SLACK = 64 << 20  # bytes of neighbouring segments worth copying to check a segment's shards
 
 assert HEADER.size == HEADER_SIZE
 
@@ -219,11 +221,12 @@ class BundleReader:
     read through `segment(name, verify=True)` or by `verify_all()`.
     """
 
-    def __init__(self, path: str | os.PathLike):
+    def __init__(self, path: str | os.PathLike[str]):
         self.path = Path(path)
         self._file: BinaryIO | None = None
         self._map: mmap.mmap | None = None
         self._verified: set[str] = set()
+        self.signature: SignedFile | None = None
         try:
             self._open()
         except BaseException:
@@ -247,6 +250,18 @@ class BundleReader:
             if self._map[start:end].count(0) != end - start:
                 raise BundleError(f"padding at bytes [{start}, {end}) is not zero")
         self.file_size = file_size
+
+    def require_signature(self, keys: Sequence[TrustedKey]) -> SignedFile:
+        """Check the detached signature (`<bundle>.sig`) against trusted keys, and
+        the header and manifest already read against it. From then on, every
+        segment read with verification is also checked against the signature."""
+        if self._map is None:
+            raise BundleError("bundle is closed")
+        signed = read_signature(signature_path(self.path), self.file_size, keys)
+        manifest_end = self.header.manifest_offset + self.header.manifest_size
+        signed.check_range(memoryview(self._map), 0, manifest_end, "the bundle's header and manifest")
+        self.signature = signed
+        return signed
 
     @property
     def version(self) -> str:
@@ -276,8 +291,25 @@ class BundleReader:
         changes underneath the mapping.
         """
         entry = self._entry(name)
-        data = bytes(self.segment(name, verify=False))
-        self._check_digest(entry, data)
+        end = entry.offset + entry.size
+        if self.signature is None:
+            data = bytes(self.segment(name, verify=False))
+        elif self._map is None:
+            raise BundleError("bundle is closed")
+        else:
+            start, stop = self.signature.covering(entry.offset, end)
+            if stop - start <= entry.size + 2 * _SIGNED_SPAN_SLACK:
+                # Copy the signed span once and check that copy, so the bytes
+                # checked against the signature are the bytes that get loaded.
+                span = bytes(memoryview(self._map)[start:stop])
+                self.signature.check_range(memoryview(span), entry.offset, end, f"segment {entry.name!r}", base=start)
+                data = span[entry.offset - start:entry.offset - start + entry.size]
+            else:  # a whole-file signature: check the mapping, not a copy of the whole file
+                self.signature.check_range(memoryview(self._map), entry.offset, end, f"segment {entry.name!r}")
+                data = bytes(self.segment(name, verify=False))
+        if segment_digest(data) != entry.digest:
+            raise BundleError(f"segment {entry.name!r} is damaged: its digest does not match")
+        self._verified.add(entry.name)
         return data
 
     def verify_in_background(self, name: str) -> Future:
@@ -295,6 +327,8 @@ class BundleReader:
     def _check_digest(self, entry: SegmentEntry, data: bytes | memoryview) -> None:
         if segment_digest(data) != entry.digest:
             raise BundleError(f"segment {entry.name!r} is damaged: its digest does not match")
+        if self.signature is not None and self._map is not None:
+            self.signature.check_range(memoryview(self._map), entry.offset, entry.offset + entry.size, f"segment {entry.name!r}")
         self._verified.add(entry.name)
 
     def verify_all(self) -> dict[str, bool]:

@@ -328,7 +328,10 @@ def _typed(name: str, value: object, dtype: str) -> np.ndarray:
         if any(not info.min <= int(item) <= info.max for item in array.flat):
             raise InputError(f"input {name!r}: a value is out of range for {dtype}")
         return np.array([int(item) for item in array.flat], dtype=target).reshape(array.shape)
-    return array.astype(target)
+    try:
+        return array.astype(target)
+    except OverflowError:
+        raise InputError(f"input {name!r}: a value is out of range for {dtype}") from None
 
 
 # ---------------------------------------------------------------------------

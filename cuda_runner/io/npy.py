@@ -54,7 +54,7 @@ def _parse_header(handle: BinaryIO, where: str) -> ArrayHeader:
             shape, fortran_order, dtype = np.lib.format.read_array_header_2_0(handle, max_header_size=_MAX_HEADER_BYTES)
         else:
             raise ValueError(f"unsupported .npy version {version}")
-    except (ValueError, OSError, EOFError, SyntaxError, TypeError) as error:
+    except (ValueError, OSError, EOFError, SyntaxError, TypeError, RecursionError, MemoryError) as error:
         raise InputError(f"{where} is not a valid .npy file: {_first_line(error)}") from None
     if dtype.hasobject:
         raise InputError(f"{where} holds Python objects; only plain numeric arrays are accepted (files are never unpickled)")
@@ -110,7 +110,10 @@ class NpzArchive:
         else:
             path = Path(source)
             _require_file(path)
-            stream = open(path, "rb")  # noqa: SIM115  (closed by close())
+            try:
+                stream = open(path, "rb")  # noqa: SIM115  (closed by close())
+            except OSError as error:
+                raise InputError(f"cannot read {path}: {error.strerror or error}") from None
         try:
             self._zip = zipfile.ZipFile(stream)
         except (zipfile.BadZipFile, OSError, EOFError, ValueError) as error:

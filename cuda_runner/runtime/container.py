@@ -150,12 +150,12 @@ def _printed_errors() -> Iterator[_Captured]:
     "Error: ..." line, and pass anything else printed back to the real stderr."""
     captured = _Captured()
     with _stderr_lock:
-        saved = os.dup(2)
-        scratch = os.memfd_create("cuda-runner-stderr", os.MFD_CLOEXEC) if hasattr(os, "memfd_create") else None
-        if scratch is None:
-            os.close(saved)
+        try:
+            scratch = os.memfd_create("cuda-runner-stderr", os.MFD_CLOEXEC)
+        except (AttributeError, OSError):  # no memfd here: run without capturing
             yield captured
             return
+        saved = os.dup(2)
         try:
             os.dup2(scratch, 2)
             yield captured
@@ -163,7 +163,10 @@ def _printed_errors() -> Iterator[_Captured]:
             os.dup2(saved, 2)
             os.close(saved)
             os.lseek(scratch, 0, os.SEEK_SET)
-            text = os.read(scratch, 1 << 16).decode("utf-8", "replace")
+            chunks = []
+            while chunk := os.read(scratch, 1 << 16):
+                chunks.append(chunk)
+            text = b"".join(chunks).decode("utf-8", "replace")
             os.close(scratch)
             errors = [line.removeprefix("Error: ").strip() for line in text.splitlines() if line.startswith("Error: ")]
             captured.text = errors[-1] if errors else ""

@@ -210,7 +210,9 @@ class CudaExecutor(Executor):
         passing it to run() skips the host-side staging copy."""
         dtype_ = numpy_dtype(dtype)
         nbytes = int(np.prod(shape, dtype=np.int64)) * dtype_.itemsize
-        return self.pinned.get(("in", index), nbytes).view(dtype_).reshape(shape)
+        # Its own slot: the staging buffer of input `index` is overwritten by
+        # any run given an ordinary array, and must not be the user's array.
+        return self.pinned.get(("user", index), nbytes).view(dtype_).reshape(shape)
 
     def upload(self, index: int, array: np.ndarray, destination: int | None = None) -> int:
         """Queue the copy of input `index` to the device (into `destination`, or

@@ -51,7 +51,9 @@ def _unused_path(fd: int) -> str:
 
 
 def _dlopen_memfd(data: bytes, label: str) -> ctypes.CDLL:
-    fd = os.memfd_create(f"cuda-runner:{label}", os.MFD_CLOEXEC)
+    # memfd names are limited to 249 bytes; the label is only for /proc/*/maps.
+    name = f"cuda-runner:{label}".encode()[:200].decode("utf-8", "ignore")
+    fd = os.memfd_create(name, os.MFD_CLOEXEC)
     try:
         _write_all(fd, data)
         return ctypes.CDLL(_unused_path(fd), mode=os.RTLD_NOW | os.RTLD_LOCAL)
@@ -62,7 +64,7 @@ def _dlopen_memfd(data: bytes, label: str) -> ctypes.CDLL:
 def _dlopen_private_file(data: bytes, label: str) -> ctypes.CDLL:
     directory = tempfile.mkdtemp(prefix="cuda-runner-")  # mode 0700, random name
     try:
-        path = os.path.join(directory, f"{label}.so")
+        path = os.path.join(directory, "model.so")  # the folder is private and random: no need for the label
         fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o500)
         try:
             _write_all(fd, data)

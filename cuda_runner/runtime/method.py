@@ -58,7 +58,8 @@ class _Lanes:
     def __init__(self, make: Callable[[], Executor], limit: int, first: Executor):
         self._make = make
         self._limit = limit
-        self._idle: queue.SimpleQueue[Executor] = queue.SimpleQueue()
+        # Last in, first out: one thread calling alone keeps getting the same lane.
+        self._idle: queue.LifoQueue[Executor] = queue.LifoQueue()
         self._all = [first]
         self._idle.put(first)
         self._lock = threading.Lock()
@@ -73,25 +74,29 @@ class _Lanes:
 
     @contextlib.contextmanager
     def borrow(self) -> Iterator[Executor]:
-        with self._lock:
-            if self.closed:
-                raise ClosedError("the method is closed")
-            self._busy += 1
-            grow = self._idle.empty() and self._created < self._limit
-            if grow:
-                self._created += 1
+        counted = grow = False
+        executor: Executor | None = None
         try:
-            executor = self._grow() if grow else self._idle.get()
-        except BaseException:
             with self._lock:
-                self._created -= int(grow)
-            self._done()
-            raise
-        try:
+                if self.closed:
+                    raise ClosedError("the method is closed")
+                self._busy += 1
+                counted = True
+                grow = self._idle.empty() and self._created < self._limit
+                if grow:
+                    self._created += 1
+            executor = self._grow() if grow else self._idle.get()
             yield executor
+        except BaseException:
+            if executor is None and grow:
+                with self._lock:
+                    self._created -= 1
+            raise
         finally:
-            self._idle.put(executor)
-            self._done()
+            if executor is not None:
+                self._idle.put(executor)
+            if counted:
+                self._done()
 
     def _grow(self) -> Executor:
         executor = self._make()
@@ -131,6 +136,7 @@ class Method:
         self.load_timings = timings
         self._dtypes = [input_spec.dtype for input_spec in spec.inputs]
         self._accepted: set[tuple[Any, ...]] = set()  # input signatures already validated
+        self._last_stream = threading.local()
 
     @classmethod
     def load(
@@ -173,7 +179,7 @@ class Method:
                 weights_check.result()
                 timings["verify_weights_wait"] = clock() - started
             if cuda_graph:
-                with _native_checks(check_inputs):  # the capture's warm-up runs are the first runs
+                with _first_run_lock, _native_checks(check_inputs):  # the capture's warm-up runs are the first runs
                     executors[0] = _graph_executor(executors[0], container, spec, timings)
         except BaseException:
             if weights_check is not None:
@@ -190,8 +196,13 @@ class Method:
 
     @property
     def stream(self) -> Any:
-        """The CUDA stream of the first lane, on which single-threaded calls are ordered (None on CPU)."""
-        return self._lanes.first.stream if not self._lanes.closed else None
+        """The CUDA stream the calling thread's last call was ordered on (before
+        any call, the first lane's); None on CPU. Synchronize it before using
+        run_device outputs on another stream."""
+        used = getattr(self._last_stream, "stream", None)
+        if used is not None:
+            return used
+        return None if self._lanes.closed else self._lanes.first.stream
 
     def run(self, inputs: Inputs, *, phases: dict[str, float] | None = None) -> dict[str, np.ndarray]:
         """NumPy (or array-like) inputs by name or position; NumPy outputs by name.
@@ -202,13 +213,17 @@ class Method:
         self._check({name: (dtype_name(array.dtype), array.shape) for name, array in arrays.items()})
         ordered = [arrays[input_spec.name] for input_spec in self.spec.inputs]
         with self._lanes.borrow() as executor, self._first_run(), self._lying_manifest():
+            self._last_stream.stream = executor.stream
             return self._named(executor.run(self._live_container(), self._dtypes, ordered, phases))
 
     def pinned_input(self, name: str, shape: tuple[int, ...] | None = None) -> np.ndarray:
         """A page-locked host array for input `name` (CUDA only). Fill it and pass
         it to run(): the copy to the GPU then skips the host-side staging copy,
         which for large inputs costs far more than the transfer itself.
-        The array belongs to the first lane and stays valid until the method is closed."""
+        The array stays valid until the method is closed; a call on another lane
+        than the first copies it like any host array."""
+        if self._lanes.closed:
+            raise ClosedError(f"method {self.spec.name!r} is closed")
         spec = self.spec.input(name)
         if spec is None:
             raise InputError(f"method {self.spec.name!r} has no input {name!r}")
@@ -236,6 +251,7 @@ class Method:
             self._check(given)
             ordered = [arrays[input_spec.name] for input_spec in self.spec.inputs]
             with self._first_run(), self._lying_manifest():
+                self._last_stream.stream = executor.stream
                 return self._named(executor.run_device(self._live_container(), self._dtypes, ordered))
 
     @contextlib.contextmanager

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import os
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -19,6 +19,7 @@ import numpy as np
 from ..errors import InputError
 from ..format.bundle import BundleReader, open_bundle
 from ..format.manifest import Manifest, MethodSpec, choose_method
+from ..signing import TrustedKey
 from .devices import Device, choose_device
 from .method import Inputs, Method
 
@@ -74,13 +75,19 @@ def load_model(
     cuda_graph: bool = False,
     lanes: int = 1,
     check_inputs: bool = False,
+    trusted_keys: Sequence[TrustedKey] = (),
 ) -> Model:
-    """Load methods (all by default) onto `device`. The Model takes over an open reader."""
+    """Load methods (all by default) onto `device`. The Model takes over an open reader.
+
+    With `trusted_keys`, the bundle must carry a signature (`<bundle>.sig`)
+    made by one of them; it is checked before any of the bundle's code is loaded."""
     started = time.perf_counter()
     reader = source if isinstance(source, BundleReader) else open_bundle(source)
-    open_seconds = time.perf_counter() - started
     loaded: dict[str, Method] = {}
     try:
+        if trusted_keys and reader.signature is None:
+            reader.require_signature(trusted_keys)
+        open_seconds = time.perf_counter() - started
         specs = _selected(reader.manifest, methods)
         target = choose_device(specs, device)
         for spec in specs:

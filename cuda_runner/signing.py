@@ -1,0 +1,332 @@
+"""Detached signatures of bundle files, in the OpenSSF model-signing format.
+
+A signature (`model.bundle.sig`) is a Sigstore bundle (v0.3 JSON) holding a
+DSSE envelope whose payload is an in-toto statement with the model-signing
+predicate (`https://model_signing/signature/v1.0`): SHA-256 digests of the
+file, either whole ("files" method) or in fixed-size shards ("shards"
+method), signed with an elliptic-curve key (the model-signing "key" method).
+docs/provenance.md says why this format and what we check.
+
+Verifying checks the envelope's signature against trusted public keys first
+(cheap), then the file's bytes against the signed digests: a caller asks for
+the byte ranges it is about to trust (`SignedFile.check_range`), so that the
+library is checked before it is loaded and the weights while they upload.
+"""
+
+from __future__ import annotations
+
+import base64
+import hashlib
+import json
+import os
+from collections.abc import Iterable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from .errors import BundleError, InputError
+
+SIGNATURE_SUFFIX = ".sig"
+DEFAULT_SHARD_SIZE = 16 << 20
+MAX_SIGNATURE_BYTES = 16 << 20
+MAX_SHARDS = 1 << 20
+TRUSTED_KEYS_VARIABLE = "CUDA_RUNNER_TRUSTED_KEYS"
+
+_BUNDLE_MEDIA_TYPE = "application/vnd.dev.sigstore.bundle.v0.3+json"
+_PAYLOAD_TYPE = "application/vnd.in-toto+json"
+_STATEMENT_TYPE = "https://in-toto.io/Statement/v1"
+_PREDICATE_TYPE = "https://model_signing/signature/v1.0"
+_IGNORED_BY_DEFAULT = [".git", ".gitignore", ".gitattributes", ".github"]  # what model_signing records
+
+
+def signature_path(bundle: str | os.PathLike[str]) -> Path:
+    return Path(os.fspath(bundle) + SIGNATURE_SUFFIX)
+
+
+def _crypto() -> Any:
+    try:
+        from cryptography.hazmat.primitives import hashes, serialization
+        from cryptography.hazmat.primitives.asymmetric import ec
+    except ImportError:
+        raise InputError("signatures need the 'cryptography' package: pip install 'cuda-runner[sign]'") from None
+    return hashes, serialization, ec
+
+
+# ---------------------------------------------------------------------------
+# Keys
+
+
+@dataclass(frozen=True)
+class TrustedKey:
+    path: Path
+    key: Any  # an EllipticCurvePublicKey
+    fingerprint: str  # SHA-256 of the key's DER SubjectPublicKeyInfo
+
+
+def load_public_key(path: str | os.PathLike[str]) -> TrustedKey:
+    _, serialization, ec = _crypto()
+    path = Path(path)
+    try:
+        key = serialization.load_pem_public_key(path.read_bytes())
+    except OSError as error:
+        raise InputError(f"cannot read the public key {path}: {error.strerror or error}") from None
+    except (ValueError, TypeError) as error:
+        raise InputError(f"{path} is not a PEM public key: {error}") from None
+    if not isinstance(key, ec.EllipticCurvePublicKey):
+        raise InputError(f"{path}: only elliptic-curve keys (P-256, P-384, P-521) are supported, as by model-signing")
+    return TrustedKey(path, key, _fingerprint(key))
+
+
+def _fingerprint(key: Any) -> str:
+    _, serialization, _ = _crypto()
+    der = key.public_bytes(serialization.Encoding.DER, serialization.PublicFormat.SubjectPublicKeyInfo)
+    return hashlib.sha256(der).hexdigest()
+
+
+def trusted_keys(paths: Iterable[str | os.PathLike[str]] = (), *, environment: bool = True) -> list[TrustedKey]:
+    """Keys given explicitly, plus those listed in CUDA_RUNNER_TRUSTED_KEYS (os.pathsep-separated)."""
+    listed = [Path(path) for path in paths]
+    if environment:
+        listed += [Path(item) for item in os.environ.get(TRUSTED_KEYS_VARIABLE, "").split(os.pathsep) if item]
+    return [load_public_key(path) for path in listed]
+
+
+def keys_for_loading(paths: Iterable[str | os.PathLike[str]], require: bool) -> list[TrustedKey]:
+    """The trusted keys for a load; with `require`, having none is an error."""
+    keys = trusted_keys(paths)
+    if require and not keys:
+        raise InputError(f"a signature is required, but no trusted key is configured (give one, or set {TRUSTED_KEYS_VARIABLE})", subject="trusted_key")
+    return keys
+
+
+# ---------------------------------------------------------------------------
+# Digests
+
+
+def _ranges(size: int, shard_size: int) -> list[tuple[int, int]]:
+    return [(start, min(start + shard_size, size)) for start in range(0, size, shard_size)] or [(0, 0)]
+
+
+def _sha256(view: memoryview) -> bytes:
+    return hashlib.sha256(view).digest()  # hashlib releases the GIL: shards hash in parallel
+
+
+def _digests(view: memoryview, ranges: Sequence[tuple[int, int]]) -> list[bytes]:
+    if len(ranges) == 1:
+        return [_sha256(view[ranges[0][0]:ranges[0][1]])]
+    with ThreadPoolExecutor(max_workers=min(len(ranges), os.cpu_count() or 1), thread_name_prefix="cuda-runner-sha256") as pool:
+        return list(pool.map(lambda span: _sha256(view[span[0]:span[1]]), ranges))
+
+
+def _file_view(path: Path) -> tuple[Any, memoryview]:
+    import mmap
+
+    handle = open(path, "rb")  # noqa: SIM115  (closed with the mapping)
+    size = os.fstat(handle.fileno()).st_size
+    if size == 0:
+        handle.close()
+        return None, memoryview(b"")
+    mapping = mmap.mmap(handle.fileno(), 0, access=mmap.ACCESS_READ)
+    handle.close()
+    return mapping, memoryview(mapping)
+
+
+# ---------------------------------------------------------------------------
+# Signing
+
+
+def sign_file(path: str | os.PathLike[str], private_key: str | os.PathLike[str], *, shard_size: int | None = DEFAULT_SHARD_SIZE,
+              password: bytes | None = None) -> Path:
+    """Write `<path>.sig`. shard_size=None signs the whole file as one digest
+    (what `model_signing verify key` checks); shards verify faster, in parallel."""
+    hashes, serialization, ec = _crypto()
+    path = Path(path)
+    try:
+        key = serialization.load_pem_private_key(Path(private_key).read_bytes(), password=password)
+    except OSError as error:
+        raise InputError(f"cannot read the private key {private_key}: {error.strerror or error}") from None
+    except (ValueError, TypeError) as error:
+        raise InputError(f"{private_key} is not a usable PEM private key: {error}") from None
+    if not isinstance(key, ec.EllipticCurvePrivateKey):
+        raise InputError(f"{private_key}: only elliptic-curve keys (P-256, P-384, P-521) are supported, as by model-signing")
+    mapping, view = _file_view(path)
+    try:
+        ranges = _ranges(len(view), shard_size) if shard_size else [(0, len(view))]
+        digests = _digests(view, ranges)
+    finally:
+        view.release()
+        if mapping is not None:
+            mapping.close()
+    payload = _statement(path.name, ranges, digests, shard_size)
+    signature = key.sign(_pae(payload), ec.ECDSA(hashes.SHA256()))
+    public_pem = key.public_key().public_bytes(serialization.Encoding.PEM, serialization.PublicFormat.SubjectPublicKeyInfo)
+    document = {
+        "mediaType": _BUNDLE_MEDIA_TYPE,
+        "verificationMaterial": {"publicKey": {"hint": hashlib.sha256(public_pem).hexdigest()}, "tlogEntries": []},
+        "dsseEnvelope": {
+            "payload": base64.b64encode(payload).decode(),
+            "payloadType": _PAYLOAD_TYPE,
+            "signatures": [{"sig": base64.b64encode(signature).decode(), "keyid": ""}],
+        },
+    }
+    from .files import write_file
+
+    def write(handle: Any) -> None:
+        handle.write(json.dumps(document, indent=2).encode() + b"\n")
+
+    return write_file(signature_path(path), write)
+
+
+def _statement(name: str, ranges: Sequence[tuple[int, int]], digests: Sequence[bytes], shard_size: int | None) -> bytes:
+    serialization: dict[str, Any] = {"method": "shards" if shard_size else "files", "hash_type": "sha256",
+                                     "allow_symlinks": False, "ignore_paths": _IGNORED_BY_DEFAULT}
+    if shard_size:
+        serialization["shard_size"] = shard_size
+        resources = [{"algorithm": f"sha256-sharded-{shard_size}", "digest": digest.hex(), "name": f".:{start}:{end}"}
+                     for (start, end), digest in zip(ranges, digests)]
+    else:
+        resources = [{"algorithm": "sha256", "digest": digests[0].hex(), "name": "."}]
+    root = hashlib.sha256(b"".join(digests)).hexdigest()
+    statement = {
+        "_type": _STATEMENT_TYPE,
+        "subject": [{"name": name, "digest": {"sha256": root}}],
+        "predicateType": _PREDICATE_TYPE,
+        "predicate": {"resources": resources, "serialization": serialization},
+    }
+    return json.dumps(statement, indent=2).encode()
+
+
+def _pae(payload: bytes) -> bytes:
+    """DSSE's pre-authentication encoding: what is actually signed."""
+    kind = _PAYLOAD_TYPE.encode()
+    return b"DSSEv1 %d %s %d %s" % (len(kind), kind, len(payload), payload)
+
+
+# ---------------------------------------------------------------------------
+# Verifying
+
+
+@dataclass
+class SignedFile:
+    """A signature whose envelope verified: the signed digests of the file's byte ranges."""
+
+    signer: str  # the fingerprint of the trusted key that verified it
+    size: int
+    ranges: list[tuple[int, int]]  # sorted, contiguous, covering [0, size)
+    digests: list[bytes]
+    method: str  # "files" or "shards"
+
+    def __post_init__(self) -> None:
+        self._checked: set[int] = set()
+
+    def covering(self, start: int, end: int) -> tuple[int, int]:
+        """The span of whole signed ranges that holds the bytes [start, end)."""
+        indexes = self._covering(start, end)
+        if not indexes:
+            return start, start
+        return self.ranges[indexes[0]][0], self.ranges[indexes[-1]][1]
+
+    def _covering(self, start: int, end: int) -> list[int]:
+        return [index for index, (low, high) in enumerate(self.ranges) if low < end and high > start]
+
+    def check_range(self, view: memoryview, start: int, end: int, what: str, base: int = 0) -> None:
+        """Hash every signed range overlapping [start, end) of the file; `view`
+        holds the file's bytes from offset `base` (a private copy, or the mapping)."""
+        indexes = [index for index in self._covering(start, end) if index not in self._checked]
+        spans = [(self.ranges[index][0] - base, self.ranges[index][1] - base) for index in indexes]
+        for index, digest in zip(indexes, _digests(view, spans) if spans else []):
+            if digest != self.digests[index]:
+                raise BundleError(f"{what} does not match its signature: the bundle changed after it was signed")
+            self._checked.add(index)
+
+    def to_json(self) -> dict[str, Any]:
+        return {"signer": self.signer, "method": self.method, "shards": len(self.ranges)}
+
+
+def read_signature(path: Path, file_size: int, keys: Sequence[TrustedKey]) -> SignedFile:
+    """Parse `path` and check its envelope against `keys`; BundleError on anything else."""
+    try:
+        if path.stat().st_size > MAX_SIGNATURE_BYTES:
+            raise BundleError(f"{path} is larger than any signature ({MAX_SIGNATURE_BYTES} bytes)")
+        document = json.loads(path.read_bytes())
+    except FileNotFoundError:
+        raise BundleError(f"the bundle is not signed: {path} does not exist") from None
+    except OSError as error:
+        raise BundleError(f"cannot read the signature {path}: {error.strerror or error}") from None
+    except (ValueError, RecursionError):
+        raise BundleError(f"{path} is not a signature (not JSON)") from None
+    payload, signatures = _envelope(document, path)
+    signer = _verify_envelope(payload, signatures, keys, path)
+    return _signed_ranges(payload, file_size, signer, path)
+
+
+def _envelope(document: Any, path: Path) -> tuple[bytes, list[bytes]]:
+    try:
+        envelope = document["dsseEnvelope"]
+        if envelope["payloadType"] != _PAYLOAD_TYPE:
+            raise BundleError(f"{path}: unexpected payload type {str(envelope['payloadType'])[:60]!r}")
+        payload = base64.b64decode(envelope["payload"], validate=True)
+        signatures = [base64.b64decode(entry["sig"], validate=True) for entry in envelope["signatures"][:16]]
+    except BundleError:
+        raise
+    except (KeyError, TypeError, ValueError):
+        raise BundleError(f"{path} is not a model-signing signature (no valid DSSE envelope)") from None
+    if not signatures:
+        raise BundleError(f"{path} holds no signature")
+    return payload, signatures
+
+
+def _verify_envelope(payload: bytes, signatures: list[bytes], keys: Sequence[TrustedKey], path: Path) -> str:
+    hashes, _, ec = _crypto()
+    from cryptography.exceptions import InvalidSignature
+
+    message = _pae(payload)
+    for key in keys:
+        for signature in signatures:
+            try:
+                key.key.verify(signature, message, ec.ECDSA(hashes.SHA256()))
+            except (InvalidSignature, ValueError):
+                continue
+            return key.fingerprint
+    raise BundleError(f"{path} was not made by any trusted key ({len(keys)} given)")
+
+
+def _signed_ranges(payload: bytes, file_size: int, signer: str, path: Path) -> SignedFile:
+    """The ranges and digests of a verified payload, checked for consistency."""
+    try:
+        statement = json.loads(payload)
+        if statement["_type"] != _STATEMENT_TYPE or statement["predicateType"] != _PREDICATE_TYPE:
+            raise ValueError("not a model-signing statement")
+        predicate = statement["predicate"]
+        method = predicate["serialization"]["method"]
+        hash_type = predicate["serialization"]["hash_type"]
+        resources = predicate["resources"]
+        if hash_type != "sha256" or method not in ("files", "shards") or not isinstance(resources, list) or len(resources) > MAX_SHARDS:
+            raise ValueError(f"unsupported serialization {method}/{hash_type}")
+        spans = [_span(resource["name"], method, file_size) for resource in resources]
+        digests = [bytes.fromhex(resource["digest"]) for resource in resources]
+    except (KeyError, TypeError, ValueError, RecursionError) as error:
+        raise BundleError(f"{path}: the signed statement cannot be used: {error}") from None
+    order = sorted(range(len(spans)), key=lambda index: spans[index])
+    ranges, digests = [spans[index] for index in order], [digests[index] for index in order]
+    expected_start = 0
+    for start, end in ranges:
+        if start != expected_start:
+            raise BundleError(f"{path}: the signature covers another file (its ranges do not tile {file_size} bytes)")
+        expected_start = end
+    if expected_start != file_size:
+        raise BundleError(f"{path} is the signature of a file of {expected_start} bytes; this bundle has {file_size}")
+    return SignedFile(signer, file_size, ranges, digests, method)
+
+
+def _span(name: Any, method: str, file_size: int) -> tuple[int, int]:
+    if method == "files":
+        if name != ".":
+            raise ValueError(f"a signature of several files ({str(name)[:40]!r}); a bundle is one file")
+        return 0, file_size
+    path, _, rest = str(name).partition(":")
+    start_text, _, end_text = rest.partition(":")
+    if path != "." or not start_text.isdigit() or not end_text.isdigit():
+        raise ValueError(f"shard {str(name)[:40]!r} is not a shard of this one file")
+    return int(start_text), int(end_text)
