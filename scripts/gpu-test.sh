@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The whole GPU suite in one call, for a machine with a GPU:
 # the tests marked gpu, a cold-start profile, the cost of the library's input
-# checks, and the side-by-side GPU benchmark.
+# checks and of signature checks, and the side-by-side GPU benchmark.
 # Runs from the source tree without installing. Logs go to $OUT when it is set.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -37,6 +37,7 @@ PY
 } 2>&1 | tee "$out/coldstart.txt"
 if [ "${GPU_CHECKS:-1}" = 1 ]; then
   python3 -X faulthandler scripts/bench_checks.py --device cuda --output "$out/checks.json" 2>&1 | tee "$out/checks.log"
+  python3 -X faulthandler scripts/bench_signing.py --device cuda --weights-gib 1 --output "$out/signing.json" 2>&1 | tee "$out/signing.log"
 fi
 if [ "${GPU_BENCH:-1}" = 1 ]; then
   python3 -X faulthandler scripts/bench_per_call.py --output "$out/per-call.json" 2>&1 | tee "$out/per-call.log"

@@ -121,12 +121,16 @@ def test_temp_files_of_dead_writers_are_removed_by_the_next_write(tmp_path):
     out = tmp_path / "out"
     out.mkdir()
     dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True).stdout.strip()
-    stale = out / f".logits.npy.{dead}.0123abcd.tmp"
+    from cuda_runner.files import _HOST
+
+    stale = out / f".logits.npy.{_HOST}.{dead}.0123abcd.tmp"
     stale.write_bytes(b"x" * 1000)
-    mine = out / f".other.npy.{os.getpid()}.0123abcd.tmp"  # a live writer's: kept
+    mine = out / f".other.npy.{_HOST}.{os.getpid()}.0123abcd.tmp"  # a live writer's: kept
+    elsewhere = out / f".other.npy.ffffffff.{dead}.0123abcd.tmp"  # another host's (a network folder): kept
+    elsewhere.write_bytes(b"z")
     mine.write_bytes(b"y")
     write_outputs(OutputPlan(out), {"logits": np.zeros(1)})
-    assert not stale.exists() and mine.exists()
+    assert not stale.exists() and mine.exists() and elsewhere.exists()
 
 
 def test_a_path_component_longer_than_the_file_system_allows_is_an_input_error(tmp_path):
@@ -139,3 +143,32 @@ def test_bfloat16_outputs_can_be_written_as_float32(tmp_path):
 
     write_outputs(OutputPlan(tmp_path, bf16_as="float32"), {"h": np.array([1.5], ml_dtypes.bfloat16)})
     assert np.load(tmp_path / "h.npy").dtype == np.float32  # readable without ml_dtypes
+
+
+def test_odd_temp_names_are_left_alone(tmp_path):
+    out = tmp_path / "out"
+    out.mkdir()
+    odd = out / ".x.00000000.99999999999999999999.deadbeef.tmp"  # a pid no process can have
+    odd.write_bytes(b"x")
+    write_outputs(OutputPlan(out), {"logits": np.zeros(1)})
+    assert odd.exists()
+
+
+def test_rollback_keeps_a_dangling_symlink_that_was_there(tmp_path, monkeypatch):
+    out = tmp_path / "out"
+    out.mkdir()
+    os.symlink(tmp_path / "nowhere", out / "logits.npy")
+    real_replace, calls = os.replace, {"n": 0}
+
+    def second_fails(source, target):
+        if str(source).endswith(".tmp"):
+            calls["n"] += 1
+            if calls["n"] == 2:
+                raise OSError(28, "No space left on device", str(target))
+        return real_replace(source, target)
+
+    monkeypatch.setattr(os, "replace", second_fails)
+    with pytest.raises(WriteError):
+        write_outputs(OutputPlan(out), {"logits": np.zeros(1), "other": np.ones(1)})
+    monkeypatch.undo()
+    assert os.path.islink(out / "logits.npy") and not (out / "other.npy").exists()

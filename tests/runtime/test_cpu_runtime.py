@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 import cuda_runner
-from cuda_runner.errors import BundleError, InputError
+from cuda_runner.errors import BundleError, ClosedError, InputError
 
 
 def test_load_run_unload_cycles_in_a_fresh_process_leave_nothing_on_disk(dict_mlp_bundle, tmp_path):
@@ -119,3 +119,24 @@ def test_without_memfd_the_library_goes_through_a_private_directory_that_is_remo
         assert list(tmp_path.iterdir()) == []  # loaded, then removed at once
         outputs = model.run({"x": np.ones((2, 16), np.float32), "bias": np.zeros(8, np.float32)})
     assert outputs["logits"].shape == (2, 8)
+
+
+def test_a_bundle_with_a_very_long_name_loads(dict_mlp_bundle, tmp_path):
+    import shutil
+
+    path = tmp_path / ("b" * 235 + ".bundle")
+    shutil.copy(dict_mlp_bundle.path, path)
+    with cuda_runner.load(path) as model:
+        model.run({"x": np.ones((1, 16), np.float32), "bias": np.zeros(8, np.float32)})
+
+
+def test_one_thread_keeps_using_one_lane(dict_mlp_bundle):
+    with cuda_runner.load(dict_mlp_bundle.path, lanes=2) as model:
+        method = model.method()
+        used = []
+        for _ in range(4):
+            with method._lanes.borrow() as executor:
+                used.append(id(executor))
+        assert len(set(used)) == 1
+    with pytest.raises(ClosedError):
+        method.pinned_input("x", (1, 16))
