@@ -20,7 +20,7 @@ import hashlib
 import json
 import os
 from collections.abc import Iterable, Sequence
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -219,6 +219,30 @@ class SignedFile:
 
     def __post_init__(self) -> None:
         self._checked: set[int] = set()
+        self._pending: dict[int, Future[bytes]] = {}
+
+    def prefetch(self, mapping: memoryview) -> None:
+        """Start hashing every range of the file's mapping on all cores, so that
+        later checks of the mapping mostly wait for work already done."""
+        pool = ThreadPoolExecutor(max_workers=os.cpu_count() or 1, thread_name_prefix="cuda-runner-sha256")
+        try:
+            for index, (low, high) in enumerate(self.ranges):
+                if index not in self._checked:
+                    self._pending[index] = pool.submit(_sha256, mapping[low:high])
+        finally:
+            pool.shutdown(wait=False)
+
+    def cancel(self) -> None:
+        """Stop hashing and wait for the threads still reading (before the mapping closes)."""
+        pending, self._pending = self._pending, {}
+        for future in pending.values():
+            future.cancel()
+        for future in pending.values():
+            if not future.cancelled():
+                try:
+                    future.result()
+                except Exception:  # the mapping may be going away; nothing is waited for any more
+                    pass
 
     def covering(self, start: int, end: int) -> tuple[int, int]:
         """The span of whole signed ranges that holds the bytes [start, end)."""
@@ -230,12 +254,19 @@ class SignedFile:
     def _covering(self, start: int, end: int) -> list[int]:
         return [index for index, (low, high) in enumerate(self.ranges) if low < end and high > start]
 
-    def check_range(self, view: memoryview, start: int, end: int, what: str, base: int = 0) -> None:
+    def check_range(self, view: memoryview, start: int, end: int, what: str, base: int = 0, *, mapped: bool = False) -> None:
         """Hash every signed range overlapping [start, end) of the file; `view`
-        holds the file's bytes from offset `base` (a private copy, or the mapping)."""
+        holds the file's bytes from offset `base`: a private copy, or (`mapped`)
+        the whole mapping that `prefetch` was given."""
         indexes = [index for index in self._covering(start, end) if index not in self._checked]
-        spans = [(self.ranges[index][0] - base, self.ranges[index][1] - base) for index in indexes]
-        for index, digest in zip(indexes, _digests(view, spans) if spans else []):
+        if mapped:  # the prefetched digests are of the mapping: use them
+            fresh = [index for index in indexes if index not in self._pending]
+            computed = dict(zip(fresh, _digests(view, [self.ranges[index] for index in fresh]) if fresh else []))
+            actual = [computed[index] if index in computed else self._pending[index].result() for index in indexes]
+        else:
+            spans = [(self.ranges[index][0] - base, self.ranges[index][1] - base) for index in indexes]
+            actual = _digests(view, spans) if spans else []
+        for index, digest in zip(indexes, actual):
             if digest != self.digests[index]:
                 raise BundleError(f"{what} does not match its signature: the bundle changed after it was signed")
             self._checked.add(index)

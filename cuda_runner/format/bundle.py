@@ -260,6 +260,7 @@ class BundleReader:
         signed = read_signature(signature_path(self.path), self.file_size, keys)
         manifest_end = self.header.manifest_offset + self.header.manifest_size
         signed.check_range(memoryview(self._map), 0, manifest_end, "the bundle's header and manifest")
+        signed.prefetch(memoryview(self._map))  # hash the rest while the caller loads
         self.signature = signed
         return signed
 
@@ -305,9 +306,10 @@ class BundleReader:
                 self.signature.check_range(memoryview(span), entry.offset, end, f"segment {entry.name!r}", base=start)
                 data = span[entry.offset - start:entry.offset - start + entry.size]
             else:  # a whole-file signature: check the mapping, not a copy of the whole file
-                self.signature.check_range(memoryview(self._map), entry.offset, end, f"segment {entry.name!r}")
+                self.signature.check_range(memoryview(self._map), entry.offset, end, f"segment {entry.name!r}", mapped=True)
                 data = bytes(self.segment(name, verify=False))
-        if segment_digest(data) != entry.digest:
+        # A signature's SHA-256 already vouches for these bytes; the digest is for unsigned bundles.
+        if self.signature is None and segment_digest(data) != entry.digest:
             raise BundleError(f"segment {entry.name!r} is damaged: its digest does not match")
         self._verified.add(entry.name)
         return data
@@ -325,10 +327,11 @@ class BundleReader:
             pool.shutdown(wait=False)
 
     def _check_digest(self, entry: SegmentEntry, data: bytes | memoryview) -> None:
-        if segment_digest(data) != entry.digest:
-            raise BundleError(f"segment {entry.name!r} is damaged: its digest does not match")
         if self.signature is not None and self._map is not None:
-            self.signature.check_range(memoryview(self._map), entry.offset, entry.offset + entry.size, f"segment {entry.name!r}")
+            # SHA-256 of the signed shards: stronger than the digest, which is skipped.
+            self.signature.check_range(memoryview(self._map), entry.offset, entry.offset + entry.size, f"segment {entry.name!r}", mapped=True)
+        elif segment_digest(data) != entry.digest:
+            raise BundleError(f"segment {entry.name!r} is damaged: its digest does not match")
         self._verified.add(entry.name)
 
     def verify_all(self) -> dict[str, bool]:
@@ -344,6 +347,8 @@ class BundleReader:
         return results
 
     def close(self) -> None:
+        if self.signature is not None:
+            self.signature.cancel()  # no thread may still read the mapping
         if self._map is not None:
             with contextlib.suppress(BufferError):
                 self._map.close()

@@ -157,7 +157,9 @@ class Method:
         weights = reader.segment(spec.weights_segment, verify=False) if spec.weights_segment else memoryview(b"")
         # Weights are data, not code: they are checked on other threads while
         # they load, and the method is refused if the check fails.
-        weights_check = reader.verify_in_background(spec.weights_segment) if verify_weights and spec.weights_segment else None
+        # With a signature they are always checked: skipping the digest must not skip the signature.
+        check_weights = verify_weights or reader.signature is not None
+        weights_check = reader.verify_in_background(spec.weights_segment) if check_weights and spec.weights_segment else None
         started = clock()
         library = lease_library(library_bytes, f"{spec.name}@{reader.path.name}", native_checks=check_inputs)
         timings["load_library"] = clock() - started
