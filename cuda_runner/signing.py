@@ -64,18 +64,23 @@ class TrustedKey:
     fingerprint: str  # SHA-256 of the key's DER SubjectPublicKeyInfo
 
 
+def _load_key(path: Path, kind: str, read: Any, expected: type) -> Any:
+    """A PEM key of the elliptic-curve type model-signing uses, or an InputError naming the file."""
+    try:
+        key = read(path.read_bytes())
+    except OSError as error:
+        raise InputError(f"cannot read the {kind} key {path}: {error.strerror or error}") from None
+    except (ValueError, TypeError) as error:
+        raise InputError(f"{path} is not a usable PEM {kind} key: {error}") from None
+    if not isinstance(key, expected):
+        raise InputError(f"{path}: only elliptic-curve keys (P-256, P-384, P-521) are supported, as by model-signing")
+    return key
+
+
 def load_public_key(path: str | os.PathLike[str]) -> TrustedKey:
     _, serialization, ec = _crypto()
-    path = Path(path)
-    try:
-        key = serialization.load_pem_public_key(path.read_bytes())
-    except OSError as error:
-        raise InputError(f"cannot read the public key {path}: {error.strerror or error}") from None
-    except (ValueError, TypeError) as error:
-        raise InputError(f"{path} is not a PEM public key: {error}") from None
-    if not isinstance(key, ec.EllipticCurvePublicKey):
-        raise InputError(f"{path}: only elliptic-curve keys (P-256, P-384, P-521) are supported, as by model-signing")
-    return TrustedKey(path, key, _fingerprint(key))
+    key = _load_key(Path(path), "public", serialization.load_pem_public_key, ec.EllipticCurvePublicKey)
+    return TrustedKey(Path(path), key, _fingerprint(key))
 
 
 def _fingerprint(key: Any) -> str:
@@ -142,14 +147,7 @@ def sign_file(path: str | os.PathLike[str], private_key: str | os.PathLike[str],
     (what `model_signing verify key` checks); shards verify faster, in parallel."""
     hashes, serialization, ec = _crypto()
     path = Path(path)
-    try:
-        key = serialization.load_pem_private_key(Path(private_key).read_bytes(), password=password)
-    except OSError as error:
-        raise InputError(f"cannot read the private key {private_key}: {error.strerror or error}") from None
-    except (ValueError, TypeError) as error:
-        raise InputError(f"{private_key} is not a usable PEM private key: {error}") from None
-    if not isinstance(key, ec.EllipticCurvePrivateKey):
-        raise InputError(f"{private_key}: only elliptic-curve keys (P-256, P-384, P-521) are supported, as by model-signing")
+    key = _load_key(Path(private_key), "private", lambda data: serialization.load_pem_private_key(data, password=password), ec.EllipticCurvePrivateKey)
     mapping, view = _file_view(path)
     try:
         ranges = _ranges(len(view), shard_size) if shard_size else [(0, len(view))]

@@ -9,7 +9,6 @@ and the two are timed in alternating rounds so that drift hits both alike.
 from __future__ import annotations
 
 import argparse
-import json
 import platform
 import statistics
 import tempfile
@@ -55,9 +54,7 @@ def main() -> int:
            for name, values in samples.items()},
     }
     report["added_us"] = report["checked"]["median_us"] - report["unchecked"]["median_us"]
-    print(json.dumps(report, indent=2))
-    if options.output:
-        options.output.write_text(json.dumps(report, indent=2) + "\n")
+    bench_compare.write_report(report, options.output)
     return 0
 
 

@@ -44,6 +44,13 @@ def log(message: str) -> None:
     print(f"[bench] {message}", file=sys.stderr, flush=True)
 
 
+def write_report(report: dict[str, Any], output: Path | None) -> None:
+    """Print a benchmark's JSON report, and keep it in `output` if given."""
+    print(json.dumps(report, indent=2))
+    if output:
+        output.write_text(json.dumps(report, indent=2) + "\n")
+
+
 def spread(samples: list[float]) -> dict[str, float]:
     stats = LatencyStats.of(samples)
     return {"n": stats.count, "median": stats.median, "min": stats.min, "max": stats.max, "cv": stats.cv}

@@ -8,7 +8,6 @@ Both sides are timed the same way: N calls, one synchronize at the end, mean per
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import tempfile
 import time
@@ -56,9 +55,7 @@ def main() -> int:
         "api_run_device_s": {"median": statistics.median(api), "min": min(api), "max": max(api), "n": 3},
     }
     report["overhead_over_floor_s"] = report["api_run_device_s"]["median"] - floor["per_call"]["median"] if "per_call" in floor else None
-    print(json.dumps(report, indent=2))
-    if options.output:
-        options.output.write_text(json.dumps(report, indent=2) + "\n")
+    bench_compare.write_report(report, options.output)
     return 0
 
 

@@ -12,7 +12,6 @@ key` checks).
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import platform
 import statistics
@@ -78,9 +77,7 @@ def main() -> int:
     base = report["load_unsigned_s"]["median"]
     for label in ("sharded", "whole_file"):
         report[f"added_{label}_percent"] = 100 * (report[f"load_{label}_s"]["median"] - base) / base
-    print(json.dumps(report, indent=2))
-    if options.output:
-        options.output.write_text(json.dumps(report, indent=2) + "\n")
+    bench_compare.write_report(report, options.output)
     return 0
 
 

@@ -18,6 +18,20 @@ from cuda_runner.io.outputs import OutputPlan, output_filenames, write_outputs
 OUTPUTS = {"logits": np.zeros(3), "aux.loss": np.array(2.0), "aux.hidden": np.ones(2)}
 
 
+def _fail_rename(monkeypatch, which: int) -> None:
+    """Make the `which`-th rename of a temp file into place fail, as a full disk would."""
+    real_replace, calls = os.replace, {"n": 0}
+
+    def failing(source, target):
+        if str(source).endswith(".tmp"):
+            calls["n"] += 1
+            if calls["n"] == which:
+                raise OSError(28, "No space left on device", str(target))
+        return real_replace(source, target)
+
+    monkeypatch.setattr(os, "replace", failing)
+
+
 def test_names_are_sanitised_and_kept_distinct():
     names = output_filenames(["logits", "aux.loss", "../../etc/passwd", "a/b", "a_b", "A_B", ".hidden", "\x1b[31mred"])
     assert names["logits"] == "logits.npy" and names["aux.loss"] == "aux.loss.npy"
@@ -62,16 +76,7 @@ def test_rename_failure_midway_restores_old_contents(tmp_path, monkeypatch):
     out = tmp_path / "out"
     write_outputs(OutputPlan(out), {name: array + 1 for name, array in OUTPUTS.items()})
     before = {name: (out / name).read_bytes() for name in os.listdir(out)}
-    real_replace, calls = os.replace, {"n": 0}
-
-    def third_fails(source, target):
-        if str(source).endswith(".tmp"):
-            calls["n"] += 1
-            if calls["n"] == 3:
-                raise OSError(28, "No space left on device", str(target))
-        return real_replace(source, target)
-
-    monkeypatch.setattr(os, "replace", third_fails)
+    _fail_rename(monkeypatch, 3)
     with pytest.raises(WriteError, match="No space left"):
         write_outputs(OutputPlan(out), OUTPUTS)
     monkeypatch.undo()
@@ -158,16 +163,7 @@ def test_rollback_keeps_a_dangling_symlink_that_was_there(tmp_path, monkeypatch)
     out = tmp_path / "out"
     out.mkdir()
     os.symlink(tmp_path / "nowhere", out / "logits.npy")
-    real_replace, calls = os.replace, {"n": 0}
-
-    def second_fails(source, target):
-        if str(source).endswith(".tmp"):
-            calls["n"] += 1
-            if calls["n"] == 2:
-                raise OSError(28, "No space left on device", str(target))
-        return real_replace(source, target)
-
-    monkeypatch.setattr(os, "replace", second_fails)
+    _fail_rename(monkeypatch, 2)
     with pytest.raises(WriteError):
         write_outputs(OutputPlan(out), {"logits": np.zeros(1), "other": np.ones(1)})
     monkeypatch.undo()
