@@ -47,6 +47,9 @@ def workdir(tmp_path_factory):
     np.save(folder / "x.npy", x)
     np.save(folder / "bias.npy", np.zeros(8, np.float32))
     np.savez(folder / "inputs.npz", x=x, bias=np.zeros(8, np.float32))
+    (folder / "sets").mkdir()
+    for index in range(3):
+        np.savez(folder / "sets" / f"set{index}.npz", x=x[: index + 1], bias=np.zeros(8, np.float32))
     return folder, module
 
 
@@ -84,6 +87,7 @@ def _check_results(folder: Path, module, documents: dict) -> None:
         np.testing.assert_array_equal(archive["logits"], np.load(folder / "out" / "logits.npy"))
     with np.load(folder / "replay" / "inputs.npz") as replay:
         assert replay["x"].shape == (8, 16)
+    np.testing.assert_allclose(np.load(folder / "batch-out" / "set2" / "logits.npy"), eager["logits"].numpy()[:3], rtol=1e-5, atol=1e-5)
     by_schema = {document["schema"].rsplit("/", 1)[0]: document for document in documents.values()}
     assert by_schema["cuda-runner/inspect"]["verified"] is True
     assert by_schema["cuda-runner/inspect"]["methods"]["forward"]["library_check"] == "passed"

@@ -166,6 +166,33 @@ def _quiet_warnings() -> None:
     logging.getLogger("torch").setLevel(logging.CRITICAL)
 
 
+def _run_batch(bundle: str, folder: str, out_dir: str, out_format: str, method: str | None, device: str | None, expected_dir: str | None,
+               tolerances: Any, allow_missing: bool, resume: bool, fail_fast: bool, lanes: int, verify_weights: bool,
+               trusted_keys: tuple[Any, ...], json_output: bool) -> None:
+    from ..batch import BatchRequest, run_batch
+    from .render import json_text
+
+    if out_format not in ("npy", "npz"):
+        raise parse.UsageError(f"--out-format {out_format!r}: use npy or npz")
+    request = BatchRequest(
+        bundle=Path(bundle), inputs=Path(folder), out_dir=Path(out_dir), out_format=out_format, method=method, device=device,
+        expected_dir=_path(expected_dir), tolerances=tolerances, allow_missing=allow_missing, resume=resume, fail_fast=fail_fast,
+        lanes=lanes, verify_weights=verify_weights, trusted_keys=trusted_keys,
+    )
+    _quiet_warnings()
+    with _native_stderr(), _progress_bar("input sets") as advance:
+        result = run_batch(request, progress=advance)
+    if json_output:
+        _out().line(json_text(result.to_json()))
+    else:
+        for failed in (entry for entry in result.sets if entry.exit_code):
+            _out().line(printable(f"{'FAILED' if failed.status == 'failed' else 'ERROR'} {failed.name}: {failed.error or 'outputs outside tolerance'}"), "red")
+        _out().line(printable(result.summary()))
+    _verdict(result.verdict, json_output)
+    if result.exit_code:
+        raise typer.Exit(result.exit_code)
+
+
 def _verdict(verdict: str, json_output: bool) -> None:
     """The stable last line scripts can grep for (stderr with --json)."""
     line = f"VERDICT: {verdict}"
@@ -350,12 +377,31 @@ def run_command(
     cuda_graph: CudaGraphOption = False,
     trusted_key: TrustedKeyOption = [],  # noqa: B006
     require_signature: RequireSignatureOption = False,
+    batch: Annotated[Optional[str], typer.Option("--batch", metavar="DIR", help=(
+        "Run every input set in DIR (NAME.npz files, or NAME/ folders of INPUT.npy) into --out-dir OUT/NAME/."))] = None,
+    out_format: Annotated[str, typer.Option("--out-format", metavar="npy|npz", help="With --batch: OUT/NAME/<output>.npy, or OUT/NAME.npz.")] = "npy",
+    expected_dir: Annotated[Optional[str], typer.Option("--expected-dir", metavar="REF", help=(
+        "With --batch: compare each set with REF/NAME.npz or REF/NAME/.")) ] = None,
+    resume: Annotated[bool, typer.Option("--resume", help="With --batch: skip sets whose outputs are already complete.")] = False,
+    fail_fast: Annotated[bool, typer.Option("--fail-fast", help="With --batch: stop at the first set that fails.")] = False,
+    lanes: Annotated[int, typer.Option(min=1, metavar="INT", help="With --batch: how many sets run at once.")] = 2,
 ) -> None:
     """Run a method of a bundle on inputs, write its outputs, and optionally compare them with a reference (exit 1 if they differ)."""
     from ..io.inputs import StoredSamples
     from ..io.outputs import OutputPlan
     from ..running import RunRequest, run_bundle
 
+    if batch is not None:
+        parse.exclusive(batch=True, inputs=inputs, random_inputs=random_inputs, self_test=self_test, out=out, expected=expected,
+                        save_inputs=save_inputs)
+        if out_dir is None:
+            raise parse.UsageError("--batch needs --out-dir")
+        _run_batch(bundle, batch, out_dir, out_format, method, device, expected_dir, parse.tolerances(atol, rtol, exact), allow_missing,
+                   resume, fail_fast, lanes, not skip_weights_digest, _trusted_keys(trusted_key, require_signature), json_output)
+        return
+    for value, option in ((expected_dir, "--expected-dir"), (resume, "--resume"), (fail_fast, "--fail-fast")):
+        if value:
+            raise parse.UsageError(f"{option} applies to --batch")
     if self_test:
         parse.exclusive(self_test=True, inputs=inputs, random_inputs=random_inputs, expected=expected)
         plan: Any = StoredSamples()

@@ -10,4 +10,5 @@ SCHEMAS = {
     "bench": "cuda-runner/bench/2",
     "devices": "cuda-runner/devices/2",
     "compare": "cuda-runner/compare/1",
+    "batch": "cuda-runner/batch/1",
 }

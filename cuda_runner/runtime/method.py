@@ -57,7 +57,7 @@ class _Lanes:
 
     def __init__(self, make: Callable[[], Executor], limit: int, first: Executor):
         self._make = make
-        self._limit = limit
+        self.limit = limit
         # Last in, first out: one thread calling alone keeps getting the same lane.
         self._idle: queue.LifoQueue[Executor] = queue.LifoQueue()
         self._all = [first]
@@ -82,7 +82,7 @@ class _Lanes:
                     raise ClosedError("the method is closed")
                 self._busy += 1
                 counted = True
-                grow = self._idle.empty() and self._created < self._limit
+                grow = self._idle.empty() and self._created < self.limit
                 if grow:
                     self._created += 1
             executor = self._grow() if grow else self._idle.get()
@@ -195,6 +195,11 @@ class Method:
         method = cls(spec, device, library, container, _Lanes(make, 1 if cuda_graph else lanes, executors[0]), timings, check_inputs)
         method._first_run_done = cuda_graph
         return method
+
+    @property
+    def lanes(self) -> int:
+        """How many calls of this method can run at once."""
+        return self._lanes.limit
 
     @property
     def stream(self) -> Any:

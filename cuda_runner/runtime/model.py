@@ -8,9 +8,11 @@ method (runtime/method.py). A Model is safe to use from any number of threads
 
 from __future__ import annotations
 
+import collections
 import os
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -52,6 +54,29 @@ class Model:
 
     def run_device(self, inputs: Inputs, method: str | None = None) -> dict[str, Any]:
         return self.method(method).run_device(inputs)
+
+    def map(self, inputs: Iterable[Inputs], method: str | None = None, *, in_flight: int | None = None) -> Iterator[dict[str, np.ndarray]]:
+        """Run every input set of `inputs` (read lazily), yielding the outputs in order.
+
+        Up to `in_flight` sets (default: the method's lanes + 1) are run by
+        worker threads at once, so that preparing one set overlaps running
+        another, and with several lanes several run together."""
+        target = self.method(method)
+        window = in_flight or target.lanes + 1
+        if window < 1:
+            raise InputError("in_flight must be at least 1")
+        with ThreadPoolExecutor(max_workers=window, thread_name_prefix="cuda-runner-map") as pool:
+            queued: collections.deque[Future[dict[str, np.ndarray]]] = collections.deque()
+            try:
+                for item in inputs:
+                    queued.append(pool.submit(target.run, item))
+                    if len(queued) >= window:
+                        yield queued.popleft().result()
+                while queued:
+                    yield queued.popleft().result()
+            finally:
+                for future in queued:
+                    future.cancel()
 
     def close(self) -> None:
         for method in reversed(list(self.methods.values())):

@@ -1,0 +1,234 @@
+"""Many input sets through one loaded model: `cuda-runner run --batch DIR`.
+
+A batch folder holds one input set per entry: an `.npz` keyed by input names,
+or a subfolder of `NAME.npy` files. Each set is read, checked, run, compared
+(with an expected folder) and written on its own, all-or-none; a set that
+fails is recorded with its reason and the others go on. Sets are pipelined:
+worker threads read and write files while other sets run, and a method with
+several lanes runs several sets at once (on a GPU, one set's copies overlap
+another's compute).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from .errors import CudaRunnerError, ExitCode, InputError
+from .format.manifest import MethodSpec
+from .io.inputs import ArchiveFile, ArrayFile, GivenInputs, resolve_inputs
+from .io.outputs import OutputPlan, output_filenames, write_outputs
+from .names import safe_filename
+from .report.schema import SCHEMAS
+from .runtime.method import Method
+from .runtime.model import load_model
+from .signing import TrustedKey
+from .verify.compare import Comparison, Tolerances, compare_outputs
+from .verify.reference import load_reference
+
+Progress = Callable[[int, int], None]
+
+
+@dataclass(frozen=True)
+class InputSet:
+    name: str  # the entry's name without .npz; used for its output paths
+    plan: GivenInputs
+
+
+def discover_sets(folder: Path) -> list[InputSet]:
+    """The input sets of a batch folder, by name: `NAME.npz` files and `NAME/` folders of `.npy` files."""
+    if not folder.is_dir():
+        raise InputError(f"{folder} is not a folder of input sets")
+    sets = []
+    for entry in sorted(folder.iterdir()):
+        if entry.name.startswith("."):
+            continue
+        if entry.is_dir():
+            files = sorted(entry.glob("*.npy"))
+            sets.append(InputSet(entry.name, GivenInputs(tuple(ArrayFile(path, path.stem) for path in files))))
+        elif entry.suffix == ".npz":
+            sets.append(InputSet(entry.stem, GivenInputs((ArchiveFile(entry),))))
+    if not sets:
+        raise InputError(f"{folder} holds no input sets (NAME.npz files or NAME/ folders of .npy files)")
+    names = [safe_filename(input_set.name) for input_set in sets]
+    if len(set(names)) != len(names):
+        raise InputError(f"{folder}: two input sets would write to the same output name")
+    return sets
+
+
+@dataclass(frozen=True)
+class BatchRequest:
+    bundle: Path
+    inputs: Path  # the batch folder
+    out_dir: Path
+    out_format: str = "npy"  # "npy": OUT/<set>/<output>.npy; "npz": OUT/<set>.npz
+    method: str | None = None
+    device: str | None = None
+    expected_dir: Path | None = None  # REF/<set>.npz or REF/<set>/<output>.npy
+    tolerances: Tolerances = field(default_factory=Tolerances)
+    allow_missing: bool = False
+    resume: bool = False  # skip sets whose outputs are complete
+    fail_fast: bool = False
+    lanes: int = 2
+    verify_weights: bool = True
+    trusted_keys: tuple[TrustedKey, ...] = ()
+
+
+@dataclass
+class SetResult:
+    name: str
+    status: str  # "passed", "failed" (compared and wrong), "error", "skipped" (resumed)
+    exit_code: int = 0
+    error: str | None = None
+    seconds: float = 0.0
+    files: list[Path] = field(default_factory=list)
+    comparison: Comparison | None = None
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "name": self.name, "status": self.status, "exit_code": self.exit_code, "error": self.error, "seconds": round(self.seconds, 6),
+            "files": [str(path) for path in self.files],
+            "verdict": None if self.comparison is None else self.comparison.verdict,
+        }
+
+
+@dataclass
+class BatchResult:
+    bundle: Path
+    method: str
+    device: str
+    sets: list[SetResult]
+    wall: float
+    load_timings: dict[str, float] = field(default_factory=dict)
+
+    def count(self, status: str) -> int:
+        return sum(1 for result in self.sets if result.status == status)
+
+    @property
+    def exit_code(self) -> int:
+        """0 when every set succeeded, else the worst (highest) code of a set."""
+        return max((result.exit_code for result in self.sets), default=0)
+
+    @property
+    def verdict(self) -> str:
+        return "PASSED" if self.exit_code == 0 else "FAILED"
+
+    @property
+    def sets_per_second(self) -> float:
+        done = len(self.sets) - self.count("skipped")
+        return done / self.wall if self.wall > 0 else 0.0
+
+    def summary(self) -> str:
+        return (f"{len(self.sets)} sets: {self.count('passed')} passed, {self.count('failed')} failed verification, "
+                f"{self.count('error')} refused or failed, {self.count('skipped')} skipped as complete; "
+                f"{self.wall:.3f} s, {self.sets_per_second:.1f} sets/s")
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "schema": SCHEMAS["batch"],
+            "bundle": str(self.bundle), "method": self.method, "device": self.device,
+            "wall_s": self.wall, "sets_per_s": self.sets_per_second,
+            "counts": {status: self.count(status) for status in ("passed", "failed", "error", "skipped")},
+            "load_s": self.load_timings,
+            "sets": [result.to_json() for result in self.sets],
+            "verdict": self.verdict,
+        }
+
+
+def _destinations(request: BatchRequest, spec: MethodSpec, name: str) -> tuple[OutputPlan, list[Path]]:
+    stem = safe_filename(name)
+    if request.out_format == "npz":
+        archive = request.out_dir / f"{stem}.npz"
+        return OutputPlan(archive=archive), [archive]
+    folder = request.out_dir / stem
+    files = output_filenames([output.name for output in spec.outputs])
+    return OutputPlan(directory=folder), [folder / files[output.name] for output in spec.outputs]
+
+
+def _complete(paths: list[Path]) -> bool:
+    # Outputs are renamed into place all-or-none, so existing files are whole.
+    return all(path.is_file() for path in paths)
+
+
+def _run_set(request: BatchRequest, method: Method, input_set: InputSet) -> SetResult:
+    started = time.perf_counter()
+    plan, paths = _destinations(request, method.spec, input_set.name)
+    try:
+        inputs = resolve_inputs(method.spec, input_set.plan)
+        outputs = method.run(inputs.arrays)
+        result = SetResult(input_set.name, "passed")
+        if request.expected_dir is not None:
+            reference = _reference(request.expected_dir, input_set.name, method.spec)
+            result.comparison = compare_outputs(outputs, reference, request.tolerances, allow_missing=request.allow_missing)
+            if not result.comparison.passed:
+                result.status, result.exit_code = "failed", int(ExitCode.VERIFICATION_FAILED)
+        write_outputs(plan, outputs)
+        result.files = paths
+    except CudaRunnerError as error:
+        result = SetResult(input_set.name, "error", int(error.exit_code), str(error))
+    except MemoryError:
+        result = SetResult(input_set.name, "error", int(ExitCode.RUNTIME), "out of host memory")
+    result.seconds = time.perf_counter() - started
+    return result
+
+
+def _reference(folder: Path, name: str, spec: MethodSpec) -> dict[str, Any]:
+    archive = folder / f"{name}.npz"
+    source = archive if archive.is_file() else folder / name
+    if not source.exists():
+        raise InputError(f"no reference for set {name!r} in {folder} (expected {name}.npz or {name}/)")
+    return load_reference(source, [output.name for output in spec.outputs])
+
+
+def run_batch(request: BatchRequest, progress: Progress = lambda done, total: None) -> BatchResult:
+    if request.out_format not in ("npy", "npz"):
+        raise InputError(f"unknown output format {request.out_format!r}; use npy or npz")
+    sets = discover_sets(request.inputs)
+    OutputPlan(directory=request.out_dir).check()
+    started = time.perf_counter()
+    methods = None if request.method is None else [request.method]
+    with load_model(request.bundle, request.device, verify_weights=request.verify_weights, methods=methods,
+                    lanes=request.lanes, trusted_keys=request.trusted_keys) as model:
+        method = model.method(request.method)
+        load_timings = model.load_timings(method.spec.name)
+        results = list(_pipelined(request, method, sets, progress))
+        device = str(method.device)
+    return BatchResult(request.bundle, method.spec.name, device, results, time.perf_counter() - started, load_timings)
+
+
+def _pipelined(request: BatchRequest, method: Method, sets: list[InputSet], progress: Progress) -> Iterator[SetResult]:
+    """Results in set order; up to `lanes + 1` sets in flight, so reading and
+    writing files overlaps running."""
+    workers = max(2, request.lanes + 1)
+    pending: list[tuple[InputSet, Future[SetResult] | SetResult]] = []
+    done = 0
+    with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="cuda-runner-batch") as pool:
+        stop = False
+        index = 0
+        while index < len(sets) or pending:
+            while not stop and index < len(sets) and len(pending) < 2 * workers:
+                input_set = sets[index]
+                index += 1
+                if request.resume and _complete(_destinations(request, method.spec, input_set.name)[1]):
+                    pending.append((input_set, SetResult(input_set.name, "skipped")))
+                else:
+                    pending.append((input_set, pool.submit(_run_set, request, method, input_set)))
+            if not pending:
+                break
+            _, entry = pending.pop(0)
+            result = entry if isinstance(entry, SetResult) else entry.result()
+            done += 1
+            progress(done, len(sets))
+            yield result
+            if request.fail_fast and result.exit_code != 0:
+                stop = True
+                for _, later in pending:  # let those already running finish; drop the rest
+                    if isinstance(later, Future) and later.cancel():
+                        continue
+                    done += 1
+                    yield later if isinstance(later, SetResult) else later.result()
+                pending = []

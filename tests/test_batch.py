@@ -1,0 +1,105 @@
+"""Many input sets through one loaded model: `run --batch` and `Model.map`."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+from helpers import cli
+
+import cuda_runner
+
+
+def _set(seed: int, batch: int = 2) -> dict[str, np.ndarray]:
+    rng = np.random.default_rng(seed)
+    return {"x": rng.standard_normal((batch, 16), dtype=np.float32), "bias": rng.standard_normal(8, dtype=np.float32)}
+
+
+@pytest.fixture
+def sets(tmp_path):
+    folder = tmp_path / "sets"
+    folder.mkdir()
+    for index in range(4):
+        np.savez(folder / f"s{index}.npz", **_set(index, batch=1 + index))
+    nested = folder / "s4"
+    nested.mkdir()
+    for name, array in _set(4).items():
+        np.save(nested / f"{name}.npy", array)
+    np.savez(folder / "z_bad.npz", x=np.ones((2, 15), np.float32), bias=np.zeros(8, np.float32))  # wrong shape
+    return folder
+
+
+def test_every_set_is_run_written_and_reported(dict_mlp_bundle, sets, tmp_path):
+    out = tmp_path / "out"
+    result = cli("run", str(dict_mlp_bundle.path), "--batch", str(sets), "--out-dir", str(out), "--json")
+    assert result.returncode == 2, result.stderr  # the worst failure: one set refused
+    document = json.loads(result.stdout)
+    statuses = {entry["name"]: entry["status"] for entry in document["sets"]}
+    assert statuses == {"s0": "passed", "s1": "passed", "s2": "passed", "s3": "passed", "s4": "passed", "z_bad": "error"}
+    assert "axis 1: expected size 16, got 15" in next(entry["error"] for entry in document["sets"] if entry["name"] == "z_bad")
+    with cuda_runner.load(dict_mlp_bundle.path) as model:
+        expected = model.run(_set(2, batch=3))
+    np.testing.assert_array_equal(np.load(out / "s2" / "logits.npy"), expected["logits"])
+    assert sorted(p.name for p in out.iterdir()) == ["s0", "s1", "s2", "s3", "s4"]  # nothing for the refused set
+
+
+def test_resume_skips_complete_sets_and_redoes_the_rest(dict_mlp_bundle, sets, tmp_path):
+    out = tmp_path / "out"
+    (sets / "z_bad.npz").unlink()
+    assert cli("run", str(dict_mlp_bundle.path), "--batch", str(sets), "--out-dir", str(out)).returncode == 0
+    (out / "s1" / "logits.npy").unlink()  # as if the job had been killed while writing s1
+    again = cli("run", str(dict_mlp_bundle.path), "--batch", str(sets), "--out-dir", str(out), "--resume", "--json")
+    statuses = {entry["name"]: entry["status"] for entry in json.loads(again.stdout)["sets"]}
+    assert statuses == {"s0": "skipped", "s1": "passed", "s2": "skipped", "s3": "skipped", "s4": "skipped"}
+    assert (out / "s1" / "logits.npy").exists()
+
+
+def test_expected_dir_compares_every_set(dict_mlp_bundle, sets, tmp_path):
+    (sets / "z_bad.npz").unlink()
+    reference = tmp_path / "ref"
+    assert cli("run", str(dict_mlp_bundle.path), "--batch", str(sets), "--out-dir", str(reference), "--out-format", "npz").returncode == 0
+    assert sorted(p.name for p in reference.iterdir()) == ["s0.npz", "s1.npz", "s2.npz", "s3.npz", "s4.npz"]
+    same = cli("run", str(dict_mlp_bundle.path), "--batch", str(sets), "--out-dir", str(tmp_path / "o2"), "--expected-dir", str(reference))
+    assert same.returncode == 0, same.stdout + same.stderr
+    assert same.stdout.strip().splitlines()[-1] == "VERDICT: PASSED"
+    wrong = dict(np.load(reference / "s3.npz"))
+    wrong["logits"] = wrong["logits"] + 1
+    np.savez(reference / "s3.npz", **wrong)
+    differs = cli("run", str(dict_mlp_bundle.path), "--batch", str(sets), "--out-dir", str(tmp_path / "o3"), "--expected-dir", str(reference))
+    assert differs.returncode == 1 and "FAILED s3" in differs.stdout
+
+
+def test_fail_fast_stops_at_the_first_failure(dict_mlp_bundle, tmp_path):
+    folder = tmp_path / "sets"
+    folder.mkdir()
+    np.savez(folder / "a_bad.npz", x=np.ones((2, 15), np.float32), bias=np.zeros(8, np.float32))
+    for index in range(12):
+        np.savez(folder / f"b{index:02d}.npz", **_set(index))
+    result = cli("run", str(dict_mlp_bundle.path), "--batch", str(folder), "--out-dir", str(tmp_path / "out"), "--fail-fast", "--lanes", "1", "--json")
+    assert result.returncode == 2
+    names = [entry["name"] for entry in json.loads(result.stdout)["sets"]]
+    assert names[0] == "a_bad" and len(names) < 13
+
+
+def test_batch_options_are_checked(dict_mlp_bundle, sets, tmp_path):
+    assert cli("run", str(dict_mlp_bundle.path), "--batch", str(sets)).returncode == 2  # no --out-dir
+    mixed = cli("run", str(dict_mlp_bundle.path), "--batch", str(sets), "--out-dir", str(tmp_path), "--random-inputs")
+    assert mixed.returncode == 2 and "cannot be used together" in mixed.stderr
+    assert cli("run", str(dict_mlp_bundle.path), "--random-inputs", "--resume").returncode == 2
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    nothing = cli("run", str(dict_mlp_bundle.path), "--batch", str(empty), "--out-dir", str(tmp_path / "o"))
+    assert nothing.returncode == 2 and "holds no input sets" in nothing.stderr
+
+
+@pytest.mark.parametrize("lanes", [1, 2])
+def test_map_yields_outputs_in_order(compiled, device, lanes):
+    cases = [_set(index, batch=1 + index % 5) for index in range(20)]
+    with cuda_runner.load(compiled("dict_mlp", device).path, lanes=lanes) as model:
+        expected = [model.run(case) for case in cases]
+        mapped = list(model.map(iter(cases)))
+    assert len(mapped) == len(cases)
+    for got, want in zip(mapped, expected):
+        for name in want:
+            np.testing.assert_array_equal(got[name], want[name])
