@@ -34,7 +34,7 @@ from .errors import (
 from .format import open_bundle, read_manifest
 
 if TYPE_CHECKING:
-    from .runtime.model import Model
+    from .runtime.model import Model, ModelPool
 
 
 def load(
@@ -67,6 +67,17 @@ def load(
                       check_inputs=check_inputs, trusted_keys=keys)
 
 
+def load_pool(path: str | os.PathLike[str], devices: str | Iterable[int | str] = "all", **options: Any) -> ModelPool:
+    """Load a bundle on several GPUs ("all", "0,1", or [0, 1]); `run` and `map`
+    spread calls over them, to the device with the fewest calls in flight.
+    Takes load()'s options."""
+    from .runtime.model import load_pool as _load_pool
+    from .signing import keys_for_loading
+
+    keys = keys_for_loading(options.pop("trusted_keys", None) or (), options.pop("require_signature", False))
+    return _load_pool(path, devices if isinstance(devices, str) else list(devices), trusted_keys=keys, **options)
+
+
 def compile_module(*args: Any, **kwargs: Any) -> Any:
     """Export and AOT-compile an nn.Module into a bundle; see cuda_runner.compile.compile_module."""
     from .compile import compile_module as _compile_module
@@ -96,6 +107,7 @@ __all__ = [
     "compile_module",
     "compile_programs",
     "load",
+    "load_pool",
     "open_bundle",
     "read_manifest",
 ]

@@ -24,8 +24,7 @@ from .io.inputs import ArchiveFile, ArrayFile, GivenInputs, resolve_inputs
 from .io.outputs import OutputPlan, output_filenames, write_outputs
 from .names import safe_filename
 from .report.schema import SCHEMAS
-from .runtime.method import Method
-from .runtime.model import load_model
+from .runtime.model import load_model, load_pool
 from .signing import TrustedKey
 from .verify.compare import Comparison, Tolerances, compare_outputs
 from .verify.reference import load_reference
@@ -74,6 +73,7 @@ class BatchRequest:
     resume: bool = False  # skip sets whose outputs are complete
     fail_fast: bool = False
     lanes: int = 2
+    devices: str | None = None  # "all" or "0,1": one loaded model per GPU, sets shared out
     verify_weights: bool = True
     trusted_keys: tuple[TrustedKey, ...] = ()
 
@@ -154,15 +154,24 @@ def _complete(paths: list[Path]) -> bool:
     return all(path.is_file() for path in paths)
 
 
-def _run_set(request: BatchRequest, method: Method, input_set: InputSet) -> SetResult:
+@dataclass(frozen=True)
+class _Runner:
+    """What the pipeline needs of a method, or of a pool of them on several GPUs."""
+
+    spec: MethodSpec
+    run: Callable[[dict[str, Any]], dict[str, Any]]
+    lanes: int
+
+
+def _run_set(request: BatchRequest, runner: _Runner, input_set: InputSet) -> SetResult:
     started = time.perf_counter()
-    plan, paths = _destinations(request, method.spec, input_set.name)
+    plan, paths = _destinations(request, runner.spec, input_set.name)
     try:
-        inputs = resolve_inputs(method.spec, input_set.plan)
-        outputs = method.run(inputs.arrays)
+        inputs = resolve_inputs(runner.spec, input_set.plan)
+        outputs = runner.run(inputs.arrays)
         result = SetResult(input_set.name, "passed")
         if request.expected_dir is not None:
-            reference = _reference(request.expected_dir, input_set.name, method.spec)
+            reference = _reference(request.expected_dir, input_set.name, runner.spec)
             result.comparison = compare_outputs(outputs, reference, request.tolerances, allow_missing=request.allow_missing)
             if not result.comparison.passed:
                 result.status, result.exit_code = "failed", int(ExitCode.VERIFICATION_FAILED)
@@ -191,19 +200,29 @@ def run_batch(request: BatchRequest, progress: Progress = lambda done, total: No
     OutputPlan(directory=request.out_dir).check()
     started = time.perf_counter()
     methods = None if request.method is None else [request.method]
-    with load_model(request.bundle, request.device, verify_weights=request.verify_weights, methods=methods,
-                    lanes=request.lanes, trusted_keys=request.trusted_keys) as model:
-        method = model.method(request.method)
-        load_timings = model.load_timings(method.spec.name)
-        results = list(_pipelined(request, method, sets, progress))
-        device = str(method.device)
+    options: dict[str, Any] = {"verify_weights": request.verify_weights, "methods": methods, "lanes": request.lanes, "trusted_keys": request.trusted_keys}
+    if request.devices is not None:
+        if request.device is not None:
+            raise InputError("give either one device or several devices, not both", subject="device")
+        with load_pool(request.bundle, request.devices, **options) as pool:
+            method = pool.method(request.method)
+            runner = _Runner(method.spec, lambda arrays: pool.run(arrays, method.spec.name), request.lanes * len(pool.models))
+            results = list(_pipelined(request, runner, sets, progress))
+            device = ",".join(str(device) for device in pool.devices)
+            load_timings = pool.models[0].load_timings(method.spec.name)
+    else:
+        with load_model(request.bundle, request.device, **options) as model:
+            method = model.method(request.method)
+            load_timings = model.load_timings(method.spec.name)
+            results = list(_pipelined(request, _Runner(method.spec, method.run, method.lanes), sets, progress))
+            device = str(method.device)
     return BatchResult(request.bundle, method.spec.name, device, results, time.perf_counter() - started, load_timings)
 
 
-def _pipelined(request: BatchRequest, method: Method, sets: list[InputSet], progress: Progress) -> Iterator[SetResult]:
+def _pipelined(request: BatchRequest, runner: _Runner, sets: list[InputSet], progress: Progress) -> Iterator[SetResult]:
     """Results in set order; up to `lanes + 1` sets in flight, so reading and
     writing files overlaps running."""
-    workers = max(2, request.lanes + 1)
+    workers = max(2, runner.lanes + 1)
     pending: list[tuple[InputSet, Future[SetResult] | SetResult]] = []
     done = 0
     with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="cuda-runner-batch") as pool:
@@ -213,10 +232,10 @@ def _pipelined(request: BatchRequest, method: Method, sets: list[InputSet], prog
             while not stop and index < len(sets) and len(pending) < 2 * workers:
                 input_set = sets[index]
                 index += 1
-                if request.resume and _complete(_destinations(request, method.spec, input_set.name)[1]):
+                if request.resume and _complete(_destinations(request, runner.spec, input_set.name)[1]):
                     pending.append((input_set, SetResult(input_set.name, "skipped")))
                 else:
-                    pending.append((input_set, pool.submit(_run_set, request, method, input_set)))
+                    pending.append((input_set, pool.submit(_run_set, request, runner, input_set)))
             if not pending:
                 break
             _, entry = pending.pop(0)

@@ -63,3 +63,12 @@ def bf16_mlp():
 
 
 BUILDERS = {"dict_mlp": dict_mlp, "embedder": embedder, "bf16_mlp": bf16_mlp}
+
+
+def linear():
+    """One layer with a bounded dynamic batch: what a Ray batch is split against."""
+    torch.manual_seed(3)
+    return torch.nn.Linear(16, 4).eval(), (torch.randn(2, 16),), {"input": {0: Dim("batch", max=64)}}
+
+
+BUILDERS["linear"] = linear

@@ -103,3 +103,24 @@ def test_map_yields_outputs_in_order(compiled, device, lanes):
     for got, want in zip(mapped, expected):
         for name in want:
             np.testing.assert_array_equal(got[name], want[name])
+
+
+def test_a_pool_spreads_calls_and_keeps_order(compiled, tmp_path, device):
+    """On CPU the pool has one member; on a machine with several GPUs, all of them."""
+    bundle = compiled("dict_mlp", device).path
+    devices = ["cpu"] if device == "cpu" else "all"
+    cases = [_set(index) for index in range(12)]
+    with cuda_runner.load(bundle) as model:
+        expected = [model.run(case) for case in cases]
+    with cuda_runner.load_pool(bundle, devices, lanes=2) as pool:
+        assert len(pool.devices) >= 1
+        for got, want in zip(pool.map(cases), expected):
+            np.testing.assert_allclose(got["logits"], want["logits"], rtol=1e-6, atol=1e-6)
+    folder = tmp_path / "sets"
+    folder.mkdir()
+    for index, case in enumerate(cases):
+        np.savez(folder / f"s{index:02d}.npz", **case)
+    spread = "cpu" if device == "cpu" else "all"
+    result = cli("run", str(bundle), "--batch", str(folder), "--out-dir", str(tmp_path / "out"), "--devices", spread, "--json")
+    assert result.returncode == 0, result.stderr
+    assert json.loads(result.stdout)["counts"]["passed"] == 12

@@ -166,7 +166,8 @@ def _quiet_warnings() -> None:
     logging.getLogger("torch").setLevel(logging.CRITICAL)
 
 
-def _run_batch(bundle: str, folder: str, out_dir: str, out_format: str, method: str | None, device: str | None, expected_dir: str | None,
+def _run_batch(bundle: str, folder: str, out_dir: str, out_format: str, method: str | None, device: str | None, devices: str | None,
+               expected_dir: str | None,
                tolerances: Any, allow_missing: bool, resume: bool, fail_fast: bool, lanes: int, verify_weights: bool,
                trusted_keys: tuple[Any, ...], json_output: bool) -> None:
     from ..batch import BatchRequest, run_batch
@@ -177,7 +178,7 @@ def _run_batch(bundle: str, folder: str, out_dir: str, out_format: str, method: 
     request = BatchRequest(
         bundle=Path(bundle), inputs=Path(folder), out_dir=Path(out_dir), out_format=out_format, method=method, device=device,
         expected_dir=_path(expected_dir), tolerances=tolerances, allow_missing=allow_missing, resume=resume, fail_fast=fail_fast,
-        lanes=lanes, verify_weights=verify_weights, trusted_keys=trusted_keys,
+        lanes=lanes, devices=devices, verify_weights=verify_weights, trusted_keys=trusted_keys,
     )
     _quiet_warnings()
     with _native_stderr(), _progress_bar("input sets") as advance:
@@ -384,7 +385,8 @@ def run_command(
         "With --batch: compare each set with REF/NAME.npz or REF/NAME/.")) ] = None,
     resume: Annotated[bool, typer.Option("--resume", help="With --batch: skip sets whose outputs are already complete.")] = False,
     fail_fast: Annotated[bool, typer.Option("--fail-fast", help="With --batch: stop at the first set that fails.")] = False,
-    lanes: Annotated[int, typer.Option(min=1, metavar="INT", help="With --batch: how many sets run at once.")] = 2,
+    lanes: Annotated[int, typer.Option(min=1, metavar="INT", help="With --batch: how many sets run at once (per device).")] = 2,
+    devices: Annotated[Optional[str], typer.Option("--devices", metavar="all|0,1", help="With --batch: spread the sets over these GPUs.")] = None,
 ) -> None:
     """Run a method of a bundle on inputs, write its outputs, and optionally compare them with a reference (exit 1 if they differ)."""
     from ..io.inputs import StoredSamples
@@ -396,10 +398,10 @@ def run_command(
                         save_inputs=save_inputs)
         if out_dir is None:
             raise parse.UsageError("--batch needs --out-dir")
-        _run_batch(bundle, batch, out_dir, out_format, method, device, expected_dir, parse.tolerances(atol, rtol, exact), allow_missing,
-                   resume, fail_fast, lanes, not skip_weights_digest, _trusted_keys(trusted_key, require_signature), json_output)
+        _run_batch(bundle, batch, out_dir, out_format, method, device, devices, expected_dir, parse.tolerances(atol, rtol, exact),
+                   allow_missing, resume, fail_fast, lanes, not skip_weights_digest, _trusted_keys(trusted_key, require_signature), json_output)
         return
-    for value, option in ((expected_dir, "--expected-dir"), (resume, "--resume"), (fail_fast, "--fail-fast")):
+    for value, option in ((expected_dir, "--expected-dir"), (resume, "--resume"), (fail_fast, "--fail-fast"), (devices, "--devices")):
         if value:
             raise parse.UsageError(f"{option} applies to --batch")
     if self_test:

@@ -20,6 +20,7 @@ import numpy as np
 
 from ..dtypes import numpy_dtype
 from ..errors import DeviceError
+from . import pinned
 from .container import Container
 from .executor import Executor
 from .host import buffer_address
@@ -193,12 +194,12 @@ class CudaExecutor(Executor):
         try:
             _mark(events, "computed")
             views = [self.describe(handle) for handle in owned.handles]
-            staged = [self.download(index, view) for index, view in enumerate(views)]
+            staged = [self._download_output(index, view) for index, view in enumerate(views)]
             _mark(events, "downloaded")
             self.stream.synchronize()
             if events is not None and phases is not None:
                 phases.update(events.phases())
-            return [gather(buffer, view) for buffer, view in zip(staged, views)]
+            return [result if pooled else gather(result, view) for (result, pooled), view in zip(staged, views)]
         finally:
             self.stream.synchronize()
             owned.release()
@@ -220,8 +221,12 @@ class CudaExecutor(Executor):
         nbytes = array.nbytes
         device = self.device_buffers.get(index, nbytes) if destination is None else destination
         if nbytes:
-            if array.flags.c_contiguous and self.pinned.owns(array):
+            if array.flags.c_contiguous and (self.pinned.owns(array) or _is_pooled(array)):
                 source = array.ctypes.data  # already pinned: the DMA engine reads it directly
+            elif nbytes >= pinned.PIPELINE_MIN_BYTES:
+                staging = self.pinned.get(("in", index), nbytes)
+                pinned.staged_upload(self.runtime, self.stream.ptr, device, np.ascontiguousarray(array), staging, HOST_TO_DEVICE)
+                return device
             else:
                 staging = self.pinned.get(("in", index), nbytes)
                 np.copyto(staging.reshape(-1), np.ascontiguousarray(array).reshape(-1).view(np.uint8))
@@ -235,6 +240,18 @@ class CudaExecutor(Executor):
             for dtype, (address, shape) in zip(dtypes, inputs)
         ]
         return OwnedHandles(self.shim, container.run(handles, self.stream.ptr))
+
+    def _download_output(self, index: int, view: TensorView) -> tuple[np.ndarray, bool]:
+        """Queue an output's copy to the host. A large contiguous output lands in a
+        pooled pinned buffer that becomes the result itself (True); others in
+        staging, to be gathered into a fresh array after the copy (False)."""
+        dtype = numpy_dtype(view.dtype)
+        nbytes = view.numel * dtype.itemsize
+        if not view.is_contiguous or nbytes < pinned.POOLED_MIN_BYTES:
+            return self.download(index, view), False
+        buffer = pinned.output_pool(self.runtime).array(nbytes)
+        self.runtime.memcpyAsync(buffer.ctypes.data, view.address, nbytes, DEVICE_TO_HOST, self.stream.ptr)
+        return buffer.view(dtype).reshape(view.shape), True
 
     def download(self, index: int, view: TensorView) -> np.ndarray:
         """Queue the copy of an output's whole span into pinned memory; `gather` then reads strided views."""
@@ -326,6 +343,11 @@ class _HandleKeeper:
 
     def __del__(self) -> None:
         self._delete(self._handle)
+
+
+def _is_pooled(array: np.ndarray) -> bool:
+    """Whether `array` views a pooled pinned output (passing an output back in skips staging)."""
+    return isinstance(array.base, pinned.PinnedArrayOwner)
 
 
 def _cupy_dtype(name: str) -> np.dtype:

@@ -10,8 +10,9 @@ from __future__ import annotations
 
 import collections
 import os
+import threading
 import time
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -62,21 +63,7 @@ class Model:
         worker threads at once, so that preparing one set overlaps running
         another, and with several lanes several run together."""
         target = self.method(method)
-        window = in_flight or target.lanes + 1
-        if window < 1:
-            raise InputError("in_flight must be at least 1")
-        with ThreadPoolExecutor(max_workers=window, thread_name_prefix="cuda-runner-map") as pool:
-            queued: collections.deque[Future[dict[str, np.ndarray]]] = collections.deque()
-            try:
-                for item in inputs:
-                    queued.append(pool.submit(target.run, item))
-                    if len(queued) >= window:
-                        yield queued.popleft().result()
-                while queued:
-                    yield queued.popleft().result()
-            finally:
-                for future in queued:
-                    future.cancel()
+        return ordered_map(target.run, inputs, in_flight or target.lanes + 1)
 
     def close(self) -> None:
         for method in reversed(list(self.methods.values())):
@@ -89,6 +76,100 @@ class Model:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def ordered_map(run: Callable[[Any], dict[str, Any]], inputs: Iterable[Any], window: int) -> Iterator[dict[str, Any]]:
+    """run(item) for every item on `window` worker threads, results in input order."""
+    if window < 1:
+        raise InputError("in_flight must be at least 1")
+    with ThreadPoolExecutor(max_workers=window, thread_name_prefix="cuda-runner-map") as pool:
+        queued: collections.deque[Future[dict[str, Any]]] = collections.deque()
+        try:
+            for item in inputs:
+                queued.append(pool.submit(run, item))
+                if len(queued) >= window:
+                    yield queued.popleft().result()
+            while queued:
+                yield queued.popleft().result()
+        finally:
+            for future in queued:
+                future.cancel()
+
+
+class ModelPool:
+    """One loaded model per device; each call goes to the device with the fewest
+    calls in flight, so faster or idler devices take more work."""
+
+    def __init__(self, models: list[Model]):
+        self.models = models
+        self._in_flight = [0] * len(models)
+        self._lock = threading.Lock()
+
+    @property
+    def devices(self) -> list[Device]:
+        return [model.device for model in self.models]
+
+    def method(self, name: str | None = None) -> Method:
+        """The method on the first device (for its signature)."""
+        return self.models[0].method(name)
+
+    def run(self, inputs: Inputs, method: str | None = None) -> dict[str, np.ndarray]:
+        with self._lock:
+            index = min(range(len(self.models)), key=lambda position: self._in_flight[position])
+            self._in_flight[index] += 1
+        try:
+            return self.models[index].run(inputs, method)
+        finally:
+            with self._lock:
+                self._in_flight[index] -= 1
+
+    def map(self, inputs: Iterable[Inputs], method: str | None = None, *, in_flight: int | None = None) -> Iterator[dict[str, np.ndarray]]:
+        """Like Model.map, over every device: outputs in input order."""
+        lanes = sum(model.method(method).lanes for model in self.models)
+        return ordered_map(lambda item: self.run(item, method), inputs, in_flight or lanes + len(self.models))
+
+    def close(self) -> None:
+        for model in self.models:
+            model.close()
+        self.models = []
+
+    def __enter__(self) -> ModelPool:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def parse_devices(text: str | Sequence[int | str]) -> list[Device]:
+    """"all" (every CUDA device), "0,1", or a list of indexes or device names."""
+    from .devices import cuda_device_count, parse_device
+
+    if isinstance(text, str):
+        if text.strip() == "all":
+            count = cuda_device_count()
+            if count == 0:
+                raise InputError("no CUDA device is available for 'all'", subject="device")
+            return [Device("cuda", index) for index in range(count)]
+        items: Sequence[int | str] = [item for item in text.split(",") if item.strip()]
+    else:
+        items = text
+    devices = [Device("cuda", int(item)) if isinstance(item, int) or str(item).strip().isdigit() else parse_device(str(item)) for item in items]
+    if not devices or len(set(devices)) != len(devices):
+        raise InputError(f"give distinct devices, e.g. 'all' or '0,1' (got {text!r})", subject="device")
+    return devices
+
+
+def load_pool(source: str | os.PathLike[str], devices: str | Sequence[int | str] = "all", **options: Any) -> ModelPool:
+    """Load the bundle once per device (load_model's options apply to each)."""
+    models: list[Model] = []
+    try:
+        for device in parse_devices(devices):
+            models.append(load_model(source, device, **options))
+    except BaseException:
+        for model in models:
+            model.close()
+        raise
+    return ModelPool(models)
 
 
 def load_model(

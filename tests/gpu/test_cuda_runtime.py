@@ -163,3 +163,29 @@ def test_self_test_passes_for_a_cuda_bundle(cuda_dict_mlp):
     document = json.loads(result.stdout)
     assert document["device"] == "cuda:0" and document["verdict"] == "PASSED"
     print("self-test on GPU:", [(output["name"], output["max_abs_error"]) for output in document["comparison"]["outputs"]])
+
+
+def test_large_copies_use_chunked_staging_and_pooled_outputs_that_stay_valid(tmp_path):
+    import torch
+
+    from cuda_runner.runtime.pinned import PinnedArrayOwner
+
+    class Scale(torch.nn.Module):
+        def forward(self, x):
+            return x * 2.0 + 1.0
+
+    path = tmp_path / "scale.bundle"
+    cuda_runner.compile_module(Scale().eval(), (torch.randn(2048, 2048),), path, device="cuda")
+    rng = np.random.default_rng(0)
+    first, second = rng.standard_normal((2, 2048, 2048), dtype=np.float32)
+    with cuda_runner.load(path) as model:
+        (out_first,) = model.run([first]).values()
+        (out_second,) = model.run([second]).values()
+        assert isinstance(out_first.base, PinnedArrayOwner)  # no second copy: the DMA wrote it
+        np.testing.assert_allclose(out_first, first * 2 + 1, rtol=1e-6)  # not overwritten by the second run
+        np.testing.assert_allclose(out_second, second * 2 + 1, rtol=1e-6)
+        strided = np.asfortranarray(first)
+        (out_strided,) = model.run([strided]).values()
+        np.testing.assert_allclose(out_strided, first * 2 + 1, rtol=1e-6)
+        (again,) = model.run([out_second]).values()  # a pooled output passed back in
+        np.testing.assert_allclose(again, (second * 2 + 1) * 2 + 1, rtol=1e-5)

@@ -1,0 +1,40 @@
+"""Ray Data: a bundle mapped over a dataset on a local Ray instance (CPU)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import cuda_runner
+from cuda_runner.errors import InputError
+from cuda_runner.ray import BundlePredictor, map_bundle
+
+ray = pytest.importorskip("ray")
+
+
+def test_batches_larger_than_the_bound_are_split(compiled):
+    bundle = compiled("linear", "cpu").path
+    predictor = BundlePredictor(bundle)
+    assert predictor.max_rows == 64
+    x = np.random.default_rng(0).standard_normal((150, 16), dtype=np.float32)
+    columns = predictor({"input": x})
+    with cuda_runner.load(bundle) as model:
+        np.testing.assert_allclose(columns["output_0"], model.run([x[:64]])["output_0"].tolist() + model.run([x[64:128]])["output_0"].tolist()
+                                   + model.run([x[128:]])["output_0"].tolist(), rtol=1e-6)
+    with pytest.raises(InputError, match="no column"):
+        predictor({"other": x})
+
+
+def test_map_bundle_on_a_local_ray(compiled):
+    bundle = compiled("linear", "cpu").path
+    x = np.random.default_rng(1).standard_normal((300, 16), dtype=np.float32)
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, configure_logging=False)
+    try:
+        dataset = ray.data.from_items([{"input": row} for row in x])
+        rows = map_bundle(dataset, bundle, batch_size=100).take_all()
+    finally:
+        ray.shutdown()
+    got = np.stack([row["output_0"] for row in rows])
+    with cuda_runner.load(bundle) as model:
+        expected = np.concatenate([model.run([x[start:start + 64]])["output_0"] for start in range(0, 300, 64)])
+    np.testing.assert_allclose(np.sort(got, axis=0), np.sort(expected, axis=0), rtol=1e-5, atol=1e-6)  # row order is Ray's
