@@ -18,16 +18,16 @@ class HostRuntime:
         self.live: dict[int, ctypes.Array] = {}
         self.freed: list[int] = []
 
-    def hostAlloc(self, size, flags):  # noqa: N802  (the CUDA runtime's names)
+    def hostAlloc(self, size, flags):
         buffer = (ctypes.c_uint8 * size)()
         self.live[ctypes.addressof(buffer)] = buffer
         return ctypes.addressof(buffer)
 
-    def freeHost(self, pointer):  # noqa: N802
+    def freeHost(self, pointer):
         self.freed.append(pointer)
         del self.live[pointer]
 
-    def memcpyAsync(self, destination, source, size, kind, stream):  # noqa: N802
+    def memcpyAsync(self, destination, source, size, kind, stream):
         ctypes.memmove(destination, source, size)
 
 
