@@ -97,7 +97,8 @@ def _write_sets(folder: Path, shape: tuple[int, ...], count: int, name: str) -> 
 def many_sets(torch: Any, work: Path, label: str, module: Any, example: Any, count: int) -> dict[str, Any]:
     bundle = bench_compare.compile_bundle(torch, label, module, (example,), "cuda", work)
     folder = work / f"{label}-sets"
-    _write_sets(folder, tuple(example.shape), count, "input")
+    (input_name,) = [tensor.name for tensor in cuda_runner.read_manifest(bundle).methods["forward"].inputs]
+    _write_sets(folder, tuple(example.shape), count, input_name)
     results: dict[str, Any] = {"sets": count, "set_bytes": example.numel() * 4}
     started = time.perf_counter()
     batch = run_batch(BatchRequest(bundle=bundle, inputs=folder, out_dir=work / f"{label}-batch", lanes=2))
@@ -119,7 +120,7 @@ def many_sets(torch: Any, work: Path, label: str, module: Any, example: Any, cou
     with torch.no_grad():
         for path in files:
             arrays = load_archive(path)
-            result = module(torch.from_numpy(arrays["input"]).cuda()).cpu().numpy()
+            result = module(torch.from_numpy(arrays[input_name]).cuda()).cpu().numpy()
             save_archive(eager_out / path.name, {"output_0": result})
     results["eager_loop_sets_per_s"] = count / (time.perf_counter() - started)
     results["batch_over_loop"] = results["batch_lanes2_sets_per_s"] / results["loop_sets_per_s"]
@@ -168,6 +169,7 @@ def main() -> int:
         report["multi_gpu"] = multi_gpu(torch, work, options.sets)
     else:
         report["copies"] = copies(torch, work)
+        bench_compare.write_report(report, options.output)  # kept if a later part fails
         torch.manual_seed(0)
         mlp = torch.nn.Sequential(torch.nn.Linear(256, 1024), torch.nn.ReLU(), torch.nn.Linear(1024, 256)).eval()
         report["small_mlp"] = many_sets(torch, work, "mlp", mlp, torch.randn(8, 256), options.sets)
