@@ -220,9 +220,10 @@ def run_batch(request: BatchRequest, progress: Progress = lambda done, total: No
 
 
 def _pipelined(request: BatchRequest, runner: _Runner, sets: list[InputSet], progress: Progress) -> Iterator[SetResult]:
-    """Results in set order; up to `lanes + 1` sets in flight, so reading and
-    writing files overlaps running."""
-    workers = max(2, runner.lanes + 1)
+    """Results in set order; twice as many sets in flight as run at once, plus
+    two, so that reading and writing files (each written file is fsynced)
+    overlaps running."""
+    workers = 2 * runner.lanes + 2
     pending: list[tuple[InputSet, Future[SetResult] | SetResult]] = []
     done = 0
     with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="cuda-runner-batch") as pool:

@@ -347,7 +347,10 @@ class _HandleKeeper:
 
 def _is_pooled(array: np.ndarray) -> bool:
     """Whether `array` views a pooled pinned output (passing an output back in skips staging)."""
-    return isinstance(array.base, pinned.PinnedArrayOwner)
+    base: Any = array.base
+    while isinstance(base, np.ndarray):
+        base = base.base
+    return isinstance(base, pinned.PinnedArrayOwner)
 
 
 def _cupy_dtype(name: str) -> np.dtype:
