@@ -23,8 +23,9 @@ from .signing import TrustedKey
 DEFINITIONS = """\
 load_s: the load phases, as in `run --json`: open (the bundle's header, manifest checksum and layout), libtorch
 (libtorch's shim libraries, once per process), verify_library (copy the library segment and check its digest),
-load_library (memfd and dlopen), create_container, load_weights (feed the weights blob; its digest is checked on
-other threads meanwhile), verify_weights_wait (waiting for that check afterwards), capture_graph (--cuda-graph).
+load_library (memfd and dlopen), create_container, load_weights (feed the weights blob; its digest and those of the
+stored samples are checked on other threads meanwhile), verify_weights_wait (waiting for those checks), capture_graph
+(--cuda-graph).
 first_run_s: the first host-to-host run, which also loads the kernels.
 steady_s: wall time of one host-to-host run (copy in, model, copy out, synchronize), after warm-up.
 throughput_per_s: runs completed in the timed phase divided by its wall time.

@@ -126,7 +126,6 @@ def main() -> int:
     # Import and load everything once here; every forked case inherits it.
     import cuda_runner.cli.main
     import cuda_runner.cli.render
-    import cuda_runner.report.documents
     import cuda_runner.running  # noqa: F401
     from cuda_runner.runtime.shim import load_shim
 

@@ -155,17 +155,20 @@ class Method:
         library_bytes = reader.read_verified(spec.library_segment)  # always checked, before it is loaded
         timings["verify_library"] = clock() - started
         weights = reader.segment(spec.weights_segment, verify=False) if spec.weights_segment else memoryview(b"")
-        # Weights are data, not code: they are checked on other threads while
-        # they load, and the method is refused if the check fails.
-        # With a signature they are always checked: skipping the digest must not skip the signature.
+        # The weights and samples are data, not code: they are checked on other
+        # threads while the weights load, and the method is refused if a check
+        # fails. Skipping the weights digest never skips a signature.
         check_weights = verify_weights or reader.signature is not None
-        weights_check = reader.verify_in_background(spec.weights_segment) if check_weights and spec.weights_segment else None
-        started = clock()
-        library = lease_library(library_bytes, f"{spec.name}@{reader.path.name}", native_checks=check_inputs)
-        timings["load_library"] = clock() - started
+        data_segments = [spec.weights_segment] if check_weights and spec.weights_segment else []
+        data_segments += [name for name in (spec.sample_inputs_segment, spec.sample_outputs_segment) if name is not None]
+        data_checks = [reader.verify_in_background(name) for name in data_segments]
+        library: LibraryLease | None = None
         container: Container | None = None
         executors: list[Executor] = []
         try:
+            started = clock()
+            library = lease_library(library_bytes, f"{spec.name}@{reader.path.name}", native_checks=check_inputs)
+            timings["load_library"] = clock() - started
             make = _executor_factory(shim, device)
             executors.append(make())
             started = clock()
@@ -176,18 +179,19 @@ class Method:
             started = clock()
             _load_weights(device, container, weights)
             timings["load_weights"] = clock() - started
-            if weights_check is not None:
+            if data_checks:
                 started = clock()
-                weights_check.result()
+                for check in data_checks:
+                    check.result()
                 timings["verify_weights_wait"] = clock() - started
             if cuda_graph:
                 with _first_run_lock, _native_checks(check_inputs):  # the capture's warm-up runs are the first runs
                     executors[0] = _graph_executor(executors[0], container, spec, timings)
         except BaseException:
-            if weights_check is not None:
-                weights_check.cancel()
+            for check in data_checks:
+                check.cancel()
                 with contextlib.suppress(BaseException):
-                    weights_check.result()  # no thread may read the mapping once it closes
+                    check.result()  # no thread may read the mapping once it closes
             _close_parts(executors, container, library)
             raise
         finally:

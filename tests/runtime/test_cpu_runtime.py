@@ -140,3 +140,10 @@ def test_one_thread_keeps_using_one_lane(dict_mlp_bundle):
         assert len(set(used)) == 1
     with pytest.raises(ClosedError):
         method.pinned_input("x", (1, 16))
+
+
+def test_damaged_samples_are_refused_even_when_the_run_does_not_use_them(dict_mlp_bundle, tmp_path):
+    """Found by scripts/fuzz_bundle.py: every segment a method references is checked before it runs."""
+    damaged = _damaged_copy(dict_mlp_bundle.path, tmp_path / "s.bundle", "forward_sample_inputs")
+    with pytest.raises(BundleError, match="'forward_sample_inputs' is damaged"):
+        cuda_runner.load(damaged)
