@@ -185,6 +185,30 @@ def _run_set(request: BatchRequest, runner: _Runner, input_set: InputSet) -> Set
     return result
 
 
+def _recheck(request: BatchRequest, runner: _Runner, input_set: InputSet) -> SetResult:
+    """A set whose outputs are complete: compared again with the reference, so that
+    a resumed job never turns an earlier failure into a pass."""
+    started = time.perf_counter()
+    plan, paths = _destinations(request, runner.spec, input_set.name)
+    source = plan.archive if plan.archive is not None else plan.directory
+    assert source is not None and request.expected_dir is not None
+    try:
+        outputs = load_reference(source, [output.name for output in runner.spec.outputs])
+    except CudaRunnerError:
+        return _run_set(request, runner, input_set)  # unreadable: run the set again
+    result = SetResult(input_set.name, "skipped", files=paths)
+    try:
+        reference = _reference(request.expected_dir, input_set.name, runner.spec)
+        result.comparison = compare_outputs(outputs, reference, request.tolerances, allow_missing=request.allow_missing)
+    except CudaRunnerError as error:
+        result = SetResult(input_set.name, "error", int(error.exit_code), str(error))
+    else:
+        if not result.comparison.passed:
+            result.status, result.exit_code = "failed", int(ExitCode.VERIFICATION_FAILED)
+    result.seconds = time.perf_counter() - started
+    return result
+
+
 def _reference(folder: Path, name: str, spec: MethodSpec) -> dict[str, Any]:
     archive = folder / f"{name}.npz"
     source = archive if archive.is_file() else folder / name
@@ -199,7 +223,10 @@ def run_batch(request: BatchRequest, progress: Progress = lambda done, total: No
     sets = discover_sets(request.inputs)
     OutputPlan(directory=request.out_dir).check()
     started = time.perf_counter()
-    methods = None if request.method is None else [request.method]
+    from .format.bundle import read_manifest
+    from .format.manifest import choose_method
+
+    methods = [choose_method(list(read_manifest(request.bundle).methods), request.method)]  # load only the method that runs
     options: dict[str, Any] = {"verify_weights": request.verify_weights, "methods": methods, "lanes": request.lanes, "trusted_keys": request.trusted_keys}
     if request.devices is not None:
         if request.device is not None:
@@ -226,7 +253,8 @@ def _pipelined(request: BatchRequest, runner: _Runner, sets: list[InputSet], pro
     workers = 2 * runner.lanes + 2
     pending: list[tuple[InputSet, Future[SetResult] | SetResult]] = []
     done = 0
-    with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="cuda-runner-batch") as pool:
+    pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="cuda-runner-batch")
+    try:
         stop = False
         index = 0
         while index < len(sets) or pending:
@@ -234,7 +262,10 @@ def _pipelined(request: BatchRequest, runner: _Runner, sets: list[InputSet], pro
                 input_set = sets[index]
                 index += 1
                 if request.resume and _complete(_destinations(request, runner.spec, input_set.name)[1]):
-                    pending.append((input_set, SetResult(input_set.name, "skipped")))
+                    if request.expected_dir is not None:
+                        pending.append((input_set, pool.submit(_recheck, request, runner, input_set)))
+                    else:
+                        pending.append((input_set, SetResult(input_set.name, "skipped")))
                 else:
                     pending.append((input_set, pool.submit(_run_set, request, runner, input_set)))
             if not pending:
@@ -252,3 +283,6 @@ def _pipelined(request: BatchRequest, runner: _Runner, sets: list[InputSet], pro
                     done += 1
                     yield later if isinstance(later, SetResult) else later.result()
                 pending = []
+    finally:
+        # On an interrupt, sets not started yet are dropped, not run.
+        pool.shutdown(wait=True, cancel_futures=True)

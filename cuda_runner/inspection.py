@@ -21,7 +21,7 @@ from .format.bundle import BundleReader, open_bundle
 from .format.manifest import DimSpec, Manifest, MethodSpec, SegmentEntry, TensorSpec
 from .report.schema import SCHEMAS
 from .runtime.devices import Device, incompatibility
-from .signing import TrustedKey, signature_path
+from .signing import TrustedKey, read_signature_file, signature_path
 
 # AOTI_CPU_ISA values, as people know them.
 _ISA_NAMES = {"INVALID_VEC_ISA": "none (scalar code)", "VecAVX512": "AVX-512", "VecAVX2": "AVX2", "VecNEON": "NEON", "VecSVE256": "SVE-256"}
@@ -96,7 +96,8 @@ class SignatureReport:
 
 def _signature_report(reader: BundleReader, keys: Sequence[TrustedKey]) -> SignatureReport:
     path = signature_path(reader.path)
-    report = SignatureReport(path, path.is_file(), _key_hint(path))
+    present = path.exists() or path.is_symlink()
+    report = SignatureReport(path, present, _key_hint(path) if present else None)
     if keys:
         try:
             report.signer = reader.require_signature(keys).signer
@@ -107,8 +108,8 @@ def _signature_report(reader: BundleReader, keys: Sequence[TrustedKey]) -> Signa
 
 def _key_hint(path: Path) -> str | None:
     try:
-        hint = json.loads(path.read_bytes())["verificationMaterial"]["publicKey"]["hint"]
-    except (OSError, ValueError, KeyError, TypeError):
+        hint = json.loads(read_signature_file(path))["verificationMaterial"]["publicKey"]["hint"]
+    except (OSError, ValueError, KeyError, TypeError, RecursionError, BundleError):
         return None
     return str(hint)[:128]
 

@@ -42,10 +42,11 @@ class BundlePredictor:
     """A callable class for `Dataset.map_batches`: loads the bundle once per actor."""
 
     def __init__(self, bundle: str | os.PathLike[str], method: str | None = None, device: str | None = None,
-                 trusted_keys: Iterable[str | os.PathLike[str]] | None = None, lanes: int = 1, outputs: list[str] | None = None):
+                 trusted_keys: Iterable[str | os.PathLike[str]] | None = None, lanes: int = 1, outputs: list[str] | None = None,
+                 require_signature: bool = False):
         import cuda_runner
 
-        self.model = cuda_runner.load(bundle, device, trusted_keys=trusted_keys, lanes=lanes)
+        self.model = cuda_runner.load(bundle, device, trusted_keys=trusted_keys, lanes=lanes, require_signature=require_signature)
         self.method = self.model.method(method)
         self.spec = self.method.spec
         self.batch_dim, self.max_rows = _batch_dim(self.spec)
@@ -76,6 +77,10 @@ class BundlePredictor:
         else:
             step = self.max_rows or rows or 1
             results = [self.method.run({name: column[start:start + step] for name, column in columns.items()}) for start in range(0, rows, step)]
+        if not results:  # an empty batch: empty columns of the outputs' dtypes
+            from .dtypes import numpy_dtype
+
+            return {tensor.name: np.empty((0,), numpy_dtype(tensor.dtype)) for tensor in self.spec.outputs if tensor.name in self.outputs}
         return _concatenated(results, stack=self.batch_dim is None, outputs=self.outputs)
 
     def __del__(self) -> None:
@@ -85,21 +90,24 @@ class BundlePredictor:
 
 
 def _concatenated(results: list[dict[str, np.ndarray]], *, stack: bool, outputs: list[str]) -> dict[str, np.ndarray]:
-    if not results:
-        return {name: np.empty((0,)) for name in outputs}
     join = np.stack if stack else np.concatenate
     return {name: join([result[name] for result in results]) for name in outputs}
 
 
 def map_bundle(dataset: Any, bundle: str | os.PathLike[str], *, method: str | None = None, concurrency: int = 1,
                batch_size: int | None = None, trusted_keys: Iterable[str | os.PathLike[str]] | None = None,
-               outputs: list[str] | None = None) -> Any:
-    """`dataset.map_batches` with one BundlePredictor actor per slot; CUDA bundles get one GPU per actor."""
-    from .format.bundle import read_manifest
+               outputs: list[str] | None = None, require_signature: bool = False) -> Any:
+    """`dataset.map_batches` with one BundlePredictor actor per slot; CUDA bundles get one GPU per actor.
 
+    The trusted keys are resolved here, on the driver (with CUDA_RUNNER_TRUSTED_KEYS),
+    and handed to every actor by path: the key files must exist on every node."""
+    from .format.bundle import read_manifest
+    from .signing import keys_for_loading
+
+    keys = [str(key.path) for key in keys_for_loading(trusted_keys or (), require_signature)]
     manifest = read_manifest(bundle)
     on_gpu = manifest.methods[choose_method(list(manifest.methods), method)].device.type == "cuda"
     return dataset.map_batches(
-        BundlePredictor, fn_constructor_args=(str(bundle), method, None, list(trusted_keys or []), 1, outputs), batch_format="numpy",
+        BundlePredictor, fn_constructor_args=(str(bundle), method, None, keys, 1, outputs, bool(keys)), batch_format="numpy",
         concurrency=concurrency, num_gpus=1 if on_gpu else 0, batch_size=batch_size,
     )

@@ -20,7 +20,7 @@ import hashlib
 import json
 import os
 from collections.abc import Iterable, Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import CancelledError, Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -113,8 +113,16 @@ def _ranges(size: int, shard_size: int) -> list[tuple[int, int]]:
     return [(start, min(start + shard_size, size)) for start in range(0, size, shard_size)] or [(0, 0)]
 
 
+_EXTRACT_CHUNK = 8 << 20
+
+
 def _sha256(view: memoryview) -> bytes:
     return hashlib.sha256(view).digest()  # hashlib releases the GIL: shards hash in parallel
+
+
+def _sha256_of(mapping: memoryview, low: int, high: int) -> bytes:
+    # Sliced in the worker, so a queued item holds no export of the mapping of its own.
+    return _sha256(mapping[low:high])
 
 
 def _digests(view: memoryview, ranges: Sequence[tuple[int, int]]) -> list[bytes]:
@@ -216,31 +224,26 @@ class SignedFile:
     method: str  # "files" or "shards"
 
     def __post_init__(self) -> None:
-        self._checked: set[int] = set()
+        self._checked: set[int] = set()  # ranges of the *mapping* found intact (data, not code)
         self._pending: dict[int, Future[bytes]] = {}
+        self._pool: ThreadPoolExecutor | None = None
 
     def prefetch(self, mapping: memoryview) -> None:
         """Start hashing every range of the file's mapping on all cores, so that
         later checks of the mapping mostly wait for work already done."""
-        pool = ThreadPoolExecutor(max_workers=os.cpu_count() or 1, thread_name_prefix="cuda-runner-sha256")
-        try:
-            for index, (low, high) in enumerate(self.ranges):
-                if index not in self._checked:
-                    self._pending[index] = pool.submit(_sha256, mapping[low:high])
-        finally:
-            pool.shutdown(wait=False)
+        if len(self.ranges) < 2:
+            return  # one whole-file digest: the library check hashes it all anyway
+        self._pool = ThreadPoolExecutor(max_workers=os.cpu_count() or 1, thread_name_prefix="cuda-runner-sha256")
+        for index, (low, high) in enumerate(self.ranges):
+            if index not in self._checked:
+                self._pending[index] = self._pool.submit(_sha256_of, mapping, low, high)
 
     def cancel(self) -> None:
         """Stop hashing and wait for the threads still reading (before the mapping closes)."""
-        pending, self._pending = self._pending, {}
-        for future in pending.values():
-            future.cancel()
-        for future in pending.values():
-            if not future.cancelled():
-                try:
-                    future.result()
-                except Exception:  # the mapping may be going away; nothing is waited for any more
-                    pass
+        pool, self._pool = self._pool, None
+        self._pending = {}
+        if pool is not None:
+            pool.shutdown(wait=True, cancel_futures=True)  # queued items (holding the mapping) are dropped
 
     def covering(self, start: int, end: int) -> tuple[int, int]:
         """The span of whole signed ranges that holds the bytes [start, end)."""
@@ -253,32 +256,80 @@ class SignedFile:
         return [index for index, (low, high) in enumerate(self.ranges) if low < end and high > start]
 
     def check_range(self, view: memoryview, start: int, end: int, what: str, base: int = 0, *, mapped: bool = False) -> None:
-        """Hash every signed range overlapping [start, end) of the file; `view`
-        holds the file's bytes from offset `base`: a private copy, or (`mapped`)
-        the whole mapping that `prefetch` was given."""
-        indexes = [index for index in self._covering(start, end) if index not in self._checked]
-        if mapped:  # the prefetched digests are of the mapping: use them
-            fresh = [index for index in indexes if index not in self._pending]
-            computed = dict(zip(fresh, _digests(view, [self.ranges[index] for index in fresh]) if fresh else []))
-            actual = [computed[index] if index in computed else self._pending[index].result() for index in indexes]
+        """Hash every signed range overlapping [start, end) of the file.
+
+        `view` holds the file's bytes from offset `base`. A private copy (the
+        library, about to be loaded) is always hashed in full: what was found
+        intact in the mapping earlier says nothing about this copy. With
+        `mapped`, `view` is the mapping `prefetch` was given, and ranges found
+        intact there before, or being hashed there now, are not hashed again."""
+        indexes = self._covering(start, end)
+        if mapped:
+            indexes = [index for index in indexes if index not in self._checked]
+            try:
+                pending = {index: self._pending[index] for index in indexes if index in self._pending}
+                fresh = [index for index in indexes if index not in pending]
+                computed = dict(zip(fresh, _digests(view, [self.ranges[index] for index in fresh]) if fresh else []))
+                actual = [computed[index] if index in computed else pending[index].result() for index in indexes]
+            except CancelledError:
+                raise BundleError("the bundle was closed while its signature was being checked") from None
         else:
             spans = [(self.ranges[index][0] - base, self.ranges[index][1] - base) for index in indexes]
             actual = _digests(view, spans) if spans else []
         for index, digest in zip(indexes, actual):
             if digest != self.digests[index]:
                 raise BundleError(f"{what} does not match its signature: the bundle changed after it was signed")
-            self._checked.add(index)
+            if mapped:
+                self._checked.add(index)
+
+    def extract_checked(self, mapping: memoryview, start: int, end: int, what: str) -> bytes:
+        """The bytes [start, end) of the file, taken from the very copies that were
+        hashed: the covering ranges are copied chunk by chunk from the mapping,
+        each chunk hashed as it is copied, so a change to the file meanwhile
+        cannot slip in between the check and the use (whole-file signatures
+        included, where the covering range is the whole file)."""
+        kept = bytearray()
+        for index in self._covering(start, end):
+            low, high = self.ranges[index]
+            hasher = hashlib.sha256()
+            for chunk_start in range(low, high, _EXTRACT_CHUNK):
+                chunk = bytes(mapping[chunk_start:min(chunk_start + _EXTRACT_CHUNK, high)])
+                hasher.update(chunk)
+                keep_from, keep_to = max(start, chunk_start), min(end, chunk_start + len(chunk))
+                if keep_from < keep_to:
+                    kept += chunk[keep_from - chunk_start:keep_to - chunk_start]
+            if hasher.digest() != self.digests[index]:
+                raise BundleError(f"{what} does not match its signature: the bundle changed after it was signed")
+            self._checked.add(index)  # the mapping held these bytes just now
+        return bytes(kept)
 
     def to_json(self) -> dict[str, Any]:
         return {"signer": self.signer, "method": self.method, "shards": len(self.ranges)}
 
 
+def read_signature_file(path: Path) -> bytes:
+    """The bytes of a signature file: a regular file of at most MAX_SIGNATURE_BYTES,
+    opened without blocking (a FIFO or a device is refused, never read)."""
+    import stat
+
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise BundleError(f"{path} is not a regular file, so not a signature")
+        data = os.read(fd, MAX_SIGNATURE_BYTES + 1)
+        while len(data) <= MAX_SIGNATURE_BYTES and (more := os.read(fd, MAX_SIGNATURE_BYTES + 1 - len(data))):
+            data += more
+    finally:
+        os.close(fd)
+    if len(data) > MAX_SIGNATURE_BYTES:
+        raise BundleError(f"{path} is larger than any signature ({MAX_SIGNATURE_BYTES} bytes)")
+    return data
+
+
 def read_signature(path: Path, file_size: int, keys: Sequence[TrustedKey]) -> SignedFile:
     """Parse `path` and check its envelope against `keys`; BundleError on anything else."""
     try:
-        if path.stat().st_size > MAX_SIGNATURE_BYTES:
-            raise BundleError(f"{path} is larger than any signature ({MAX_SIGNATURE_BYTES} bytes)")
-        document = json.loads(path.read_bytes())
+        document = json.loads(read_signature_file(path))
     except FileNotFoundError:
         raise BundleError(f"the bundle is not signed: {path} does not exist") from None
     except OSError as error:
@@ -341,7 +392,7 @@ def _signed_ranges(payload: bytes, file_size: int, signer: str, path: Path) -> S
     ranges, digests = [spans[index] for index in order], [digests[index] for index in order]
     expected_start = 0
     for start, end in ranges:
-        if start != expected_start:
+        if start != expected_start or not start < end <= file_size:
             raise BundleError(f"{path}: the signature covers another file (its ranges do not tile {file_size} bytes)")
         expected_start = end
     if expected_start != file_size:

@@ -124,3 +124,18 @@ def test_a_pool_spreads_calls_and_keeps_order(compiled, tmp_path, device):
     result = cli("run", str(bundle), "--batch", str(folder), "--out-dir", str(tmp_path / "out"), "--devices", spread, "--json")
     assert result.returncode == 0, result.stderr
     assert json.loads(result.stdout)["counts"]["passed"] == 12
+
+
+def test_resume_never_turns_a_failed_comparison_into_a_pass(dict_mlp_bundle, sets, tmp_path):
+    (sets / "z_bad.npz").unlink()
+    reference = tmp_path / "ref"
+    cli("run", str(dict_mlp_bundle.path), "--batch", str(sets), "--out-dir", str(reference))
+    wrong = np.load(reference / "s1" / "logits.npy") + 1
+    np.save(reference / "s1" / "logits.npy", wrong)
+    out = tmp_path / "out"
+    first = cli("run", str(dict_mlp_bundle.path), "--batch", str(sets), "--out-dir", str(out), "--expected-dir", str(reference))
+    assert first.returncode == 1
+    again = cli("run", str(dict_mlp_bundle.path), "--batch", str(sets), "--out-dir", str(out), "--expected-dir", str(reference), "--resume", "--json")
+    assert again.returncode == 1, again.stdout
+    statuses = {entry["name"]: entry["status"] for entry in json.loads(again.stdout)["sets"]}
+    assert statuses["s1"] == "failed" and statuses["s0"] == "skipped"

@@ -191,3 +191,61 @@ def test_a_signature_made_by_the_model_signing_tool_verifies():
     with pytest.raises(BundleError):
         read_signature(folder / "model.bin.sig", len(tampered), [load_public_key(folder / "public.pem")]).check_range(
             memoryview(bytes(tampered)), 0, len(tampered), "model.bin")
+
+
+@pytest.mark.parametrize("shard_size", [4096, 16 << 20, None])
+def test_library_bytes_changed_in_place_after_the_check_are_refused(signed, tmp_path, shard_size):
+    """The library is checked on the private copy that gets loaded, not on the mapping checked earlier."""
+    from cuda_runner.format import open_bundle
+    from cuda_runner.runtime.devices import Device
+    from cuda_runner.runtime.method import Method
+    from cuda_runner.signing import load_public_key
+
+    bundle, public, _ = signed
+    sign_file(bundle, tmp_path / "builder.pem", shard_size=shard_size)
+    with open_bundle(bundle) as reader:
+        reader.require_signature([load_public_key(public)])
+        library = reader.manifest.segment("forward_so_blob")
+        with open(bundle, "r+b") as handle:  # an in-place change, visible through the mapping
+            handle.seek(library.offset + 100)
+            original = handle.read(1)
+            handle.seek(library.offset + 100)
+            handle.write(bytes([original[0] ^ 1]))
+        with pytest.raises(BundleError, match="does not match its signature"):
+            Method.load(reader, reader.manifest.methods["forward"], Device("cpu"))
+
+
+def test_a_fifo_or_device_as_signature_is_refused_without_blocking(signed):
+    bundle, public, _ = signed
+    signature_path(bundle).unlink()
+    os.mkfifo(signature_path(bundle))
+    result = cli("run", str(bundle), "--random-inputs", "--trusted-key", str(public))
+    assert result.returncode == 3 and "not a regular file" in result.stderr
+    assert cli("inspect", str(bundle)).returncode == 0  # shown as present, never read
+    signature_path(bundle).unlink()
+    os.symlink("/dev/zero", signature_path(bundle))
+    assert cli("run", str(bundle), "--random-inputs", "--trusted-key", str(public)).returncode == 3
+
+
+def test_closing_a_signed_model_unmaps_the_bundle(signed):
+    bundle, public, _ = signed
+    model = cuda_runner.load(bundle, trusted_keys=[public])
+    reader = model._reader
+    model.close()
+    assert reader._map is None
+
+
+def test_signed_ranges_must_tile_the_file_within_its_size():
+    from pathlib import Path
+
+    from cuda_runner.signing import _signed_ranges
+
+    def payload(names):
+        resources = [{"name": name, "algorithm": "sha256", "digest": "00" * 32} for name in names]
+        return json.dumps({"_type": "https://in-toto.io/Statement/v1", "predicateType": "https://model_signing/signature/v1.0",
+                           "predicate": {"resources": resources, "serialization": {"method": "shards", "hash_type": "sha256"}}}).encode()
+
+    assert len(_signed_ranges(payload([".:0:60", ".:60:100"]), 100, "k", Path("s")).ranges) == 2
+    for names in ([".:0:150", ".:150:100"], [".:0:50"], [".:0:60", ".:50:100"], [".:0:0", ".:0:100"]):
+        with pytest.raises(BundleError):
+            _signed_ranges(payload(names), 100, "k", Path("s"))

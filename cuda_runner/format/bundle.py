@@ -47,7 +47,6 @@ MIN_ALIGNMENT = 64
 MAX_ALIGNMENT = 1 << 20
 MAX_MANIFEST_SIZE = 16 << 20
 _COPY_CHUNK = 8 << 20
-_SIGNED_SPAN_SLACK = 64 << 20  # bytes of neighbouring segments worth copying to check a segment's shards
 
 assert HEADER.size == HEADER_SIZE
 
@@ -239,9 +238,11 @@ class BundleReader:
         if file_size < HEADER_SIZE:
             raise BundleError(f"file is {file_size} bytes, too short for a bundle header ({HEADER_SIZE} bytes)")
         self._map = mmap.mmap(self._file.fileno(), 0, access=mmap.ACCESS_READ)
-        self.header = _parse_header(self._map[:HEADER_SIZE], file_size)
+        prefix = self._map[:HEADER_SIZE]
+        self.header = _parse_header(prefix, file_size)
         manifest_end = self.header.manifest_offset + self.header.manifest_size
         manifest_bytes = self._map[self.header.manifest_offset:manifest_end]
+        self._parsed_prefix = prefix + manifest_bytes  # what was parsed: a signature must cover exactly these bytes
         expected = _checksum(self._map[:CHECKSUMMED_HEADER_BYTES], manifest_bytes)
         if expected != self.header.checksum:
             raise BundleError("header checksum does not match: the header or manifest is damaged")
@@ -259,7 +260,10 @@ class BundleReader:
             raise BundleError("bundle is closed")
         signed = read_signature(signature_path(self.path), self.file_size, keys)
         manifest_end = self.header.manifest_offset + self.header.manifest_size
-        signed.check_range(memoryview(self._map), 0, manifest_end, "the bundle's header and manifest")
+        # The bytes parsed at open must be the signed ones: checked on a private copy.
+        signed_prefix = signed.extract_checked(memoryview(self._map), 0, manifest_end, "the bundle's header and manifest")
+        if signed_prefix != self._parsed_prefix:
+            raise BundleError("the bundle's header and manifest changed while it was opened")
         signed.prefetch(memoryview(self._map))  # hash the rest while the caller loads
         self.signature = signed
         return signed
@@ -298,16 +302,8 @@ class BundleReader:
         elif self._map is None:
             raise BundleError("bundle is closed")
         else:
-            start, stop = self.signature.covering(entry.offset, end)
-            if stop - start <= entry.size + 2 * _SIGNED_SPAN_SLACK:
-                # Copy the signed span once and check that copy, so the bytes
-                # checked against the signature are the bytes that get loaded.
-                span = bytes(memoryview(self._map)[start:stop])
-                self.signature.check_range(memoryview(span), entry.offset, end, f"segment {entry.name!r}", base=start)
-                data = span[entry.offset - start:entry.offset - start + entry.size]
-            else:  # a whole-file signature: check the mapping, not a copy of the whole file
-                self.signature.check_range(memoryview(self._map), entry.offset, end, f"segment {entry.name!r}", mapped=True)
-                data = bytes(self.segment(name, verify=False))
+            # The bytes checked against the signature are the bytes returned (and loaded).
+            data = self.signature.extract_checked(memoryview(self._map), entry.offset, end, f"segment {entry.name!r}")
         # A signature's SHA-256 already vouches for these bytes; the digest is for unsigned bundles.
         if self.signature is None and segment_digest(data) != entry.digest:
             raise BundleError(f"segment {entry.name!r} is damaged: its digest does not match")

@@ -218,6 +218,8 @@ class CudaExecutor(Executor):
     def upload(self, index: int, array: np.ndarray, destination: int | None = None) -> int:
         """Queue the copy of input `index` to the device (into `destination`, or
         this executor's buffer for it) through pinned staging; returns the address."""
+        if not array.dtype.isnative:  # the device reads native byte order; the CPU path converts the same way
+            array = array.astype(array.dtype.newbyteorder("="))
         nbytes = array.nbytes
         device = self.device_buffers.get(index, nbytes) if destination is None else destination
         if nbytes:

@@ -200,6 +200,8 @@ def load_model(
             loaded[spec.name] = Method.load(
                 reader, spec, target, verify_weights=verify_weights, cuda_graph=cuda_graph, lanes=lanes, check_inputs=check_inputs,
             )
+        if reader.signature is not None:
+            reader.signature.cancel()  # what is loaded is checked; hash nothing more while the model runs
         return Model(reader, target, loaded, open_seconds)
     except BaseException:
         for method in reversed(list(loaded.values())):

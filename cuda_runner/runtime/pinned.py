@@ -16,6 +16,7 @@ their base, and so do all their views). Idle pooled memory is bounded.
 
 from __future__ import annotations
 
+import queue
 import threading
 import weakref
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -82,10 +83,14 @@ class PinnedPool:
         self._idle: dict[int, list[int]] = {}  # capacity -> free pointers
         self._idle_bytes = 0
         self._lock = threading.Lock()
+        # Finalizers only queue their buffer: they can run in the middle of any
+        # allocation (a garbage collection), even inside this pool's lock.
+        self._released: queue.SimpleQueue[tuple[int, int]] = queue.SimpleQueue()
 
     def array(self, nbytes: int) -> np.ndarray:
         """A uint8 array of `nbytes` pinned bytes, valid while it (or any view of it) lives."""
         capacity = 1 << max(12, (nbytes - 1).bit_length())
+        self._drain()
         with self._lock:
             free = self._idle.get(capacity)
             pointer = free.pop() if free else 0
@@ -95,19 +100,27 @@ class PinnedPool:
             pointer = self._runtime.hostAlloc(capacity, 0)
         owner = PinnedArrayOwner(pointer, capacity)
         # Not at exit: the CUDA context may be gone by then, and the process frees it all anyway.
-        weakref.finalize(owner, self._release, pointer, capacity).atexit = False
+        weakref.finalize(owner, self._released.put, (pointer, capacity)).atexit = False
         return np.asarray(owner)[:nbytes]
 
-    def _release(self, pointer: int, capacity: int) -> None:
-        with self._lock:
-            if self._idle_bytes + capacity <= MAX_IDLE_POOLED_BYTES:
-                self._idle.setdefault(capacity, []).append(pointer)
-                self._idle_bytes += capacity
+    def _drain(self) -> None:
+        """Take back the buffers whose arrays are gone; free those over the idle cap."""
+        while True:
+            try:
+                pointer, capacity = self._released.get_nowait()
+            except queue.Empty:
                 return
-        self._runtime.freeHost(pointer)
+            with self._lock:
+                keep = self._idle_bytes + capacity <= MAX_IDLE_POOLED_BYTES
+                if keep:
+                    self._idle.setdefault(capacity, []).append(pointer)
+                    self._idle_bytes += capacity
+            if not keep:
+                self._runtime.freeHost(pointer)
 
     @property
     def idle_bytes(self) -> int:
+        self._drain()
         return self._idle_bytes
 
 

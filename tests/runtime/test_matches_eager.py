@@ -74,3 +74,13 @@ def test_two_bundles_loaded_together_give_their_own_results(compiled, device):
         second.close()
         first.close()
         third.close()
+
+
+def test_big_endian_and_fortran_inputs(compiled, device):
+    model_source = compiled("dict_mlp", device)
+    x = np.asfortranarray(np.random.default_rng(4).standard_normal((3, 16)).astype(">f4"))
+    bias = np.linspace(-1, 1, 8).astype(">f4")
+    with cuda_runner.load(model_source.path) as model:
+        swapped = model.run({"x": x, "bias": bias})
+        native = model.run({"x": np.ascontiguousarray(x, dtype="<f4"), "bias": bias.astype("<f4")})
+    np.testing.assert_array_equal(swapped["logits"], native["logits"])
