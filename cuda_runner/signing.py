@@ -293,11 +293,14 @@ class SignedFile:
             low, high = self.ranges[index]
             hasher = hashlib.sha256()
             for chunk_start in range(low, high, _EXTRACT_CHUNK):
-                chunk = bytes(mapping[chunk_start:min(chunk_start + _EXTRACT_CHUNK, high)])
+                chunk_end = min(chunk_start + _EXTRACT_CHUNK, high)
+                keep_from, keep_to = max(start, chunk_start), min(end, chunk_end)
+                if keep_from >= keep_to:  # nothing kept from here: hash the mapping, no copy needed
+                    hasher.update(mapping[chunk_start:chunk_end])
+                    continue
+                chunk = bytes(mapping[chunk_start:chunk_end])
                 hasher.update(chunk)
-                keep_from, keep_to = max(start, chunk_start), min(end, chunk_start + len(chunk))
-                if keep_from < keep_to:
-                    kept += chunk[keep_from - chunk_start:keep_to - chunk_start]
+                kept += chunk[keep_from - chunk_start:keep_to - chunk_start]
             if hasher.digest() != self.digests[index]:
                 raise BundleError(f"{what} does not match its signature: the bundle changed after it was signed")
             self._checked.add(index)  # the mapping held these bytes just now
