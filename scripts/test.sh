@@ -4,7 +4,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 python3 -m venv .venv
-.venv/bin/python -m pip install --quiet --no-compile "torch==2.13.0" -e ".[test,ray]"  # no-compile: byte-compiling every installed file costs more than it saves
+.venv/bin/python -m pip install --quiet "torch==2.13.0" -e ".[test,ray]"
 .venv/bin/ruff check cuda_runner tests scripts examples
 .venv/bin/mypy
 set +e
