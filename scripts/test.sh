@@ -8,7 +8,8 @@ python3 -m venv .venv
 .venv/bin/ruff check cuda_runner tests scripts examples
 .venv/bin/mypy
 set +e
-.venv/bin/python -m pytest "$@"
+# Two workers: the 2-core CI machine compiles fixtures and runs subprocesses side by side.
+.venv/bin/python -m pytest -n "${PYTEST_WORKERS:-2}" "$@"
 status=$?
 set -e
 if [ "$status" -eq 5 ]; then
