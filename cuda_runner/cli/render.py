@@ -111,7 +111,7 @@ def inspect_lines(result: Any) -> list[str]:
             row.append("ok" if result.segment_digests_ok[entry.name] else "MISMATCH")
         rows.append(row)
     lines += table(headers, rows, "  ")
-    lines += _signature_lines(result.signature)
+    lines += _signature_lines(result.signature, result.segment_digests_ok is not None)
     if result.verified is not None:
         skipped = any((report.library_check or "").startswith("skipped") for report in result.methods.values())
         what = "digests only; a library was not checked" if skipped else "digests and library checks"
@@ -120,14 +120,15 @@ def inspect_lines(result: Any) -> list[str]:
     return lines
 
 
-def _signature_lines(signature: Any) -> list[str]:
+def _signature_lines(signature: Any, segments_checked: bool) -> list[str]:
     if signature is None:
         return []
     if not signature.present:
         return ["signature: none"]
     line = f"signature: {signature.path}"
     if signature.signer is not None:
-        line += f", verified, signed by the trusted key {signature.signer[:16]}..."
+        scope = "every segment checked against it" if segments_checked else "header and manifest checked; segments are checked when loaded, or with --verify"
+        line += f", verified, signed by the trusted key {signature.signer[:16]}... ({scope})"
     elif signature.error is not None:
         line += f", NOT verified: {signature.error}"
     else:
