@@ -19,7 +19,8 @@ from pathlib import Path
 from typing import Any
 
 from .errors import CudaRunnerError, ExitCode, InputError
-from .format.manifest import MethodSpec
+from .format.bundle import open_bundle
+from .format.manifest import MethodSpec, choose_method
 from .io.inputs import ArchiveFile, ArrayFile, GivenInputs, resolve_inputs
 from .io.outputs import OutputPlan, output_filenames, write_outputs
 from .names import safe_filename
@@ -222,15 +223,18 @@ def run_batch(request: BatchRequest, progress: Progress = lambda done, total: No
         raise InputError(f"unknown output format {request.out_format!r}; use npy or npz")
     sets = discover_sets(request.inputs)
     OutputPlan(directory=request.out_dir).check()
+    if request.devices is not None and request.device is not None:
+        raise InputError("give either one device or several devices, not both", subject="device")
     started = time.perf_counter()
-    from .format.bundle import read_manifest
-    from .format.manifest import choose_method
-
-    methods = [choose_method(list(read_manifest(request.bundle).methods), request.method)]  # load only the method that runs
+    reader = open_bundle(request.bundle)
+    try:
+        methods = [choose_method(list(reader.manifest.methods), request.method)]  # load only the method that runs
+    except BaseException:
+        reader.close()
+        raise
     options: dict[str, Any] = {"verify_weights": request.verify_weights, "methods": methods, "lanes": request.lanes, "trusted_keys": request.trusted_keys}
     if request.devices is not None:
-        if request.device is not None:
-            raise InputError("give either one device or several devices, not both", subject="device")
+        reader.close()  # each device opens the bundle for itself
         with load_pool(request.bundle, request.devices, **options) as pool:
             method = pool.method(request.method)
             runner = _Runner(method.spec, lambda arrays: pool.run(arrays, method.spec.name), request.lanes * len(pool.models))
@@ -238,7 +242,7 @@ def run_batch(request: BatchRequest, progress: Progress = lambda done, total: No
             device = ",".join(str(device) for device in pool.devices)
             load_timings = pool.models[0].load_timings(method.spec.name)
     else:
-        with load_model(request.bundle, request.device, **options) as model:
+        with load_model(reader, request.device, **options) as model:  # the model takes over the open reader
             method = model.method(request.method)
             load_timings = model.load_timings(method.spec.name)
             results = list(_pipelined(request, _Runner(method.spec, method.run, method.lanes), sets, progress))

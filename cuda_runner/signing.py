@@ -245,13 +245,6 @@ class SignedFile:
         if pool is not None:
             pool.shutdown(wait=True, cancel_futures=True)  # queued items (holding the mapping) are dropped
 
-    def covering(self, start: int, end: int) -> tuple[int, int]:
-        """The span of whole signed ranges that holds the bytes [start, end)."""
-        indexes = self._covering(start, end)
-        if not indexes:
-            return start, start
-        return self.ranges[indexes[0]][0], self.ranges[indexes[-1]][1]
-
     def _covering(self, start: int, end: int) -> list[int]:
         return [index for index, (low, high) in enumerate(self.ranges) if low < end and high > start]
 

@@ -114,17 +114,6 @@ def compute_capability(index: int) -> str:
     return driver.capability(index)
 
 
-def device_name(device: Device) -> str:
-    if device.type == "cpu":
-        return platform.processor() or platform.machine()
-    driver = _driver()
-    return driver.name(device.index) if driver else "unknown"
-
-
-def available_devices() -> list[Device]:
-    return [Device("cpu"), *(Device("cuda", index) for index in range(cuda_device_count()))]
-
-
 def missing_device(device: Device) -> DeviceError | None:
     """Why `device` does not exist on this machine, or None."""
     if device.type == "cpu":

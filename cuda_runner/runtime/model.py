@@ -47,7 +47,7 @@ class Model:
         return self.methods[choose_method(list(self.methods), name)]
 
     def load_timings(self, name: str | None = None) -> dict[str, float]:
-        """Seconds per load phase (runtime.method.LOAD_PHASES) of one method, opening included."""
+        """Seconds per load phase of one method, opening included (names: docs/json.md, "Load phases")."""
         return {"open": self.open_seconds, **self.method(name).load_timings}
 
     def run(self, inputs: Inputs, method: str | None = None) -> dict[str, np.ndarray]:

@@ -124,14 +124,14 @@ class PinnedPool:
         return self._idle_bytes
 
 
-_pools: dict[int, PinnedPool] = {}
-_pools_lock = threading.Lock()
+_pool: PinnedPool | None = None
+_pool_lock = threading.Lock()
 
 
 def output_pool(runtime: Any) -> PinnedPool:
     """The process's pool (pinned host memory is usable with every device)."""
-    with _pools_lock:
-        pool = _pools.get(0)
-        if pool is None:
-            pool = _pools[0] = PinnedPool(runtime)
-        return pool
+    global _pool
+    with _pool_lock:
+        if _pool is None:
+            _pool = PinnedPool(runtime)
+        return _pool
