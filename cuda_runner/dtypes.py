@@ -30,6 +30,15 @@ SCALAR_TYPE_CODES: dict[str, int] = {
 }
 
 DTYPE_NAMES = tuple(SCALAR_TYPE_CODES)
+ITEM_SIZES: dict[str, int] = {
+    "uint8": 1, "int8": 1, "int16": 2, "int32": 4, "int64": 8,
+    "float16": 2, "float32": 4, "float64": 8, "bool": 1, "bfloat16": 2,
+}
+
+
+def itemsize(name: str) -> int:
+    """Bytes per element of a dtype, without importing NumPy."""
+    return ITEM_SIZES[name]
 FLOAT_DTYPES = frozenset({"float16", "bfloat16", "float32", "float64"})
 
 

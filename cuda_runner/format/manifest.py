@@ -21,7 +21,9 @@ from ..shapes import shape_text
 from .digest import DIGEST_ALGORITHM
 
 MAX_METHODS = 64
-MAX_SEGMENTS = 1024
+MAX_SEGMENTS = 65536  # 1024 in format 1.0; per-weight storages (constant tables) need more
+MAX_CONSTANTS = 65536
+MAX_FQN_LENGTH = 1024
 MAX_TENSORS_PER_SIGNATURE = 4096
 MAX_RANK = 32
 MAX_METADATA_ENTRIES = 256
@@ -34,9 +36,11 @@ MAX_METHOD_NAME_LENGTH = MAX_NAME_LENGTH - len("_sample_outputs")
 _DIGEST_PATTERN = re.compile(rf"^{DIGEST_ALGORITHM}:[0-9a-f]{{32}}$")
 _EXPRESSION_PATTERN = re.compile(r"^[A-Za-z0-9_.+\-*/() ]+$")
 
+CONSTANT_TABLE = "constant-table"  # weights as one tensor view per constant (format 1.1)
+
 # Features a reader must understand to use a bundle that lists them as
 # required. A bundle that requires anything else is refused.
-KNOWN_FEATURES = frozenset({"samples"})
+KNOWN_FEATURES = frozenset({"samples", CONSTANT_TABLE})
 
 
 @dataclass(frozen=True)
@@ -86,6 +90,20 @@ class DeviceSpec:
 
 
 @dataclass(frozen=True)
+class ConstantSpec:
+    """One model constant bound by its original name (FQN) to a view of a
+    storage segment, instead of being part of one weights blob."""
+
+    fqn: str
+    segment: str
+    dtype: str
+    device: str  # "cpu" or "cuda": where the library expects it
+    storage_offset: int  # elements
+    sizes: tuple[int, ...]
+    strides: tuple[int, ...]  # elements
+
+
+@dataclass(frozen=True)
 class MethodSpec:
     name: str
     device: DeviceSpec
@@ -98,6 +116,7 @@ class MethodSpec:
     compile_options: Mapping[str, Any] = field(default_factory=dict)
     sample_inputs_segment: str | None = None
     sample_outputs_segment: str | None = None
+    constants: tuple[ConstantSpec, ...] = ()
 
     def input(self, name: str) -> TensorSpec | None:
         return next((spec for spec in self.inputs if spec.name == name), None)
@@ -123,6 +142,7 @@ class Manifest:
         names = []
         for method in self.methods.values():
             names.append(method.library_segment)
+            names += sorted({constant.segment for constant in method.constants})
             for optional in (method.weights_segment, method.sample_inputs_segment, method.sample_outputs_segment):
                 if optional is not None:
                     names.append(optional)
@@ -150,6 +170,12 @@ def _method_to_json(method: MethodSpec) -> dict[str, Any]:
         "torch_version": method.torch_version,
         "compile_options": dict(method.compile_options),
     }
+    if method.constants:
+        data["constants"] = [
+            {"fqn": item.fqn, "segment": item.segment, "dtype": item.dtype, "device": item.device,
+             "storage_offset": item.storage_offset, "sizes": list(item.sizes), "strides": list(item.strides)}
+            for item in method.constants
+        ]
     if method.sample_inputs_segment is not None:
         data["sample_inputs_segment"] = method.sample_inputs_segment
         data["sample_outputs_segment"] = method.sample_outputs_segment
@@ -204,6 +230,8 @@ def manifest_from_json(data: Any) -> Manifest:
         optional_features=features[1],
     )
     _check_references(manifest)
+    if any(method.constants for method in methods.values()) and CONSTANT_TABLE not in manifest.required_features:
+        raise BundleError(f"manifest has constant tables but does not list {CONSTANT_TABLE!r} in required_features")
     return manifest
 
 
@@ -217,10 +245,24 @@ def _features(obj: dict) -> tuple[tuple[str, ...], tuple[str, ...]]:
 
 
 def _check_references(manifest: Manifest) -> None:
-    present = {entry.name for entry in manifest.segments}
+    present = {entry.name: entry for entry in manifest.segments}
     for segment_name in manifest.referenced_segments():
         if segment_name not in present:
             raise BundleError(f"manifest refers to segment {segment_name!r}, which the bundle does not contain")
+    for method in manifest.methods.values():
+        for constant in method.constants:
+            if constant_span_bytes(constant) > present[constant.segment].size:
+                raise BundleError(f"method {method.name!r}: constant {constant.fqn[:80]!r} reaches past the end of segment {constant.segment!r}")
+
+
+def constant_span_bytes(constant: ConstantSpec) -> int:
+    """Bytes of its storage a constant view reaches, from the storage's start."""
+    from ..dtypes import itemsize
+
+    if not all(constant.sizes):
+        return 0
+    last = constant.storage_offset + sum((size - 1) * stride for size, stride in zip(constant.sizes, constant.strides))
+    return (last + 1) * itemsize(constant.dtype)
 
 
 def _segment(data: Any, where: str) -> SegmentEntry:
@@ -245,6 +287,11 @@ def _method(name: str, data: Any) -> MethodSpec:
     sample_outputs = obj.get("sample_outputs_segment")
     if (sample_inputs is None) != (sample_outputs is None):
         raise BundleError(f"{where}: sample inputs and sample outputs must both be present or both absent")
+    constants = tuple(_constant(item, f"{where}.constants[{i}]") for i, item in enumerate(_list(obj.get("constants", []), f"{where}.constants", MAX_CONSTANTS)))
+    if constants and weights is not None:
+        raise BundleError(f"{where}: a method has a weights segment or constants, not both")
+    if len({item.fqn for item in constants}) != len(constants):
+        raise BundleError(f"{where}.constants names a constant twice")
     return MethodSpec(
         name=name,
         device=_device(obj.get("device"), f"{where}.device"),
@@ -257,7 +304,27 @@ def _method(name: str, data: Any) -> MethodSpec:
         compile_options=_object(obj.get("compile_options", {}), f"{where}.compile_options"),
         sample_inputs_segment=None if sample_inputs is None else _checked_name(sample_inputs, f"{where}.sample_inputs_segment"),
         sample_outputs_segment=None if sample_outputs is None else _checked_name(sample_outputs, f"{where}.sample_outputs_segment"),
+        constants=constants,
     )
+
+
+def _constant(data: Any, where: str) -> ConstantSpec:
+    obj = _object(data, where)
+    fqn = _string(obj.get("fqn"), f"{where}.fqn")
+    if not 0 < len(fqn) <= MAX_FQN_LENGTH or any(ord(char) < 32 or 127 <= ord(char) < 160 for char in fqn):
+        raise BundleError(f"manifest field {where + '.fqn'!r} must be 1 to {MAX_FQN_LENGTH} printable characters")
+    dtype = _string(obj.get("dtype"), f"{where}.dtype")
+    if dtype not in DTYPE_NAMES:
+        raise BundleError(f"{where}.dtype {dtype!r} is not one of {', '.join(DTYPE_NAMES)}")
+    device = _string(obj.get("device"), f"{where}.device")
+    if device not in ("cpu", "cuda"):
+        raise BundleError(f"{where}.device must be 'cpu' or 'cuda', not {device!r}")
+    sizes = tuple(_int(item, f"{where}.sizes[]", 0) for item in _list(obj.get("sizes"), f"{where}.sizes", MAX_RANK))
+    strides = tuple(_int(item, f"{where}.strides[]", 0) for item in _list(obj.get("strides"), f"{where}.strides", MAX_RANK))
+    if len(sizes) != len(strides):
+        raise BundleError(f"{where}: sizes and strides differ in length")
+    return ConstantSpec(fqn, _checked_name(obj.get("segment"), f"{where}.segment"), dtype, device,
+                        _int(obj.get("storage_offset"), f"{where}.storage_offset", 0), sizes, strides)
 
 
 def _device(data: Any, where: str) -> DeviceSpec:

@@ -30,7 +30,8 @@ def test_documented_limits_match_the_code():
     code = {
         "HEADER_SIZE": bundle.HEADER_SIZE, "MIN_ALIGNMENT": bundle.MIN_ALIGNMENT, "MAX_ALIGNMENT": bundle.MAX_ALIGNMENT,
         "DEFAULT_ALIGNMENT": bundle.DEFAULT_ALIGNMENT, "MAX_MANIFEST_SIZE": bundle.MAX_MANIFEST_SIZE,
-        "MAX_SEGMENTS": manifest.MAX_SEGMENTS, "MAX_METHODS": manifest.MAX_METHODS, "MAX_NAME_LENGTH": names.MAX_NAME_LENGTH,
+        "MAX_SEGMENTS": manifest.MAX_SEGMENTS, "MAX_CONSTANTS": manifest.MAX_CONSTANTS, "MAX_FQN_LENGTH": manifest.MAX_FQN_LENGTH,
+        "MAX_METHODS": manifest.MAX_METHODS, "MAX_NAME_LENGTH": names.MAX_NAME_LENGTH,
         "MAX_METHOD_NAME_LENGTH": manifest.MAX_METHOD_NAME_LENGTH,
         "MAX_RANK": manifest.MAX_RANK, "MAX_TENSORS_PER_SIGNATURE": manifest.MAX_TENSORS_PER_SIGNATURE,
         "MAX_METADATA_ENTRIES": manifest.MAX_METADATA_ENTRIES, "MAX_METADATA_VALUE_LENGTH": manifest.MAX_METADATA_VALUE_LENGTH,
@@ -57,8 +58,8 @@ def test_documented_dtypes_and_features_match_the_code():
     documented = re.search(r"one of `([a-z0-9 ]+)`", SPEC).group(1).split()
     assert sorted(documented) == sorted(DTYPE_NAMES)
     assert sorted(SCHEMA["$defs"]["dtype"]["enum"]) == sorted(DTYPE_NAMES)
-    known = re.search(r"Known\s+features in 1\.0: ((?:`\w+`(?:, )?)+)", SPEC).group(1)
-    assert set(re.findall(r"`(\w+)`", known)) == manifest.KNOWN_FEATURES
+    known = re.search(r"Known\s+features in 1\.1: ((?:`[\w-]+`(?:, )?)+)", SPEC).group(1)
+    assert set(re.findall(r"`([\w-]+)`", known)) == manifest.KNOWN_FEATURES
 
 
 def test_schema_limits_match_the_code():
