@@ -48,8 +48,12 @@ def load(
     check_inputs: bool = False,
     trusted_keys: Iterable[str | os.PathLike[str]] | None = None,
     require_signature: bool = False,
+    data: str | os.PathLike[str] | None = None,
 ) -> Model:
     """Load a bundle's methods onto a device ("cpu", "cuda", "cuda:1"; None picks the bundle's).
+
+    `path` may also be an ExecuTorch CUDA program (`.pte`); `data` is its data
+    file (`.ptd`), by default the `aoti_cuda_blob.ptd` next to it.
 
     The model is safe to call from any number of threads; `lanes` is how many
     calls of one method run at once (each lane has its own CUDA stream and
@@ -64,7 +68,7 @@ def load(
 
     keys = keys_for_loading(trusted_keys or (), require_signature)
     return load_model(path, device, verify_weights=verify_weights, methods=methods, cuda_graph=cuda_graph, lanes=lanes,
-                      check_inputs=check_inputs, trusted_keys=keys)
+                      check_inputs=check_inputs, trusted_keys=keys, data=data)
 
 
 def load_pool(path: str | os.PathLike[str], devices: str | Iterable[int | str] = "all", **options: Any) -> ModelPool:

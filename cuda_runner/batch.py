@@ -19,8 +19,8 @@ from pathlib import Path
 from typing import Any
 
 from .errors import CudaRunnerError, ExitCode, InputError
-from .format.bundle import open_bundle
 from .format.manifest import MethodSpec, choose_method
+from .format.source import open_model
 from .io.inputs import ArchiveFile, ArrayFile, GivenInputs, resolve_inputs
 from .io.outputs import OutputPlan, output_filenames, write_outputs
 from .names import safe_filename
@@ -77,6 +77,7 @@ class BatchRequest:
     devices: str | None = None  # "all" or "0,1": one loaded model per GPU, sets shared out
     verify_weights: bool = True
     trusted_keys: tuple[TrustedKey, ...] = ()
+    data: Path | None = None  # an ExecuTorch program's data file (.ptd)
 
 
 @dataclass
@@ -226,13 +227,14 @@ def run_batch(request: BatchRequest, progress: Progress = lambda done, total: No
     if request.devices is not None and request.device is not None:
         raise InputError("give either one device or several devices, not both", subject="device")
     started = time.perf_counter()
-    reader = open_bundle(request.bundle)
+    reader = open_model(request.bundle, request.data)
     try:
         methods = [choose_method(list(reader.manifest.methods), request.method)]  # load only the method that runs
     except BaseException:
         reader.close()
         raise
-    options: dict[str, Any] = {"verify_weights": request.verify_weights, "methods": methods, "lanes": request.lanes, "trusted_keys": request.trusted_keys}
+    options: dict[str, Any] = {"verify_weights": request.verify_weights, "methods": methods, "lanes": request.lanes, "trusted_keys": request.trusted_keys,
+                               "data": request.data}
     if request.devices is not None:
         reader.close()  # each device opens the bundle for itself
         with load_pool(request.bundle, request.devices, **options) as pool:

@@ -11,7 +11,7 @@ from typing import Any
 
 import numpy as np
 
-from .format.bundle import open_bundle
+from .format.source import open_model
 from .io.inputs import InputPlan, RandomInputs
 from .report.schema import SCHEMAS
 from .running import prepare_inputs, select_method
@@ -107,6 +107,7 @@ class GateResult:
 class BenchRequest:
     bundle: Path
     inputs: InputPlan = field(default_factory=RandomInputs)
+    data: Path | None = None  # an ExecuTorch program's data file (.ptd)
     method: str | None = None
     device: str | None = None
     verify_weights: bool = True
@@ -184,7 +185,7 @@ def _timed(function: Callable[[], Any]) -> tuple[Any, float]:
 
 def benchmark(request: BenchRequest, progress: Progress = lambda done, total: None) -> BenchResult:
     started = time.perf_counter()
-    reader = open_bundle(request.bundle)
+    reader = open_model(request.bundle, request.data)
     try:
         if request.trusted_keys:
             reader.require_signature(request.trusted_keys)

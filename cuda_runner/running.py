@@ -18,8 +18,8 @@ from typing import Any
 import numpy as np
 
 from .errors import InputError
-from .format.bundle import BundleReader, open_bundle
 from .format.manifest import MethodSpec, choose_method
+from .format.source import AnyReader, open_model
 from .io.inputs import GivenInputs, InputPlan, ResolvedInputs, StoredSamples, resolve_inputs
 from .io.npy import NpzArchive, save_archive
 from .io.outputs import OutputPlan, write_outputs
@@ -40,6 +40,7 @@ class RunRequest:
 
     bundle: Path
     inputs: InputPlan = field(default_factory=GivenInputs)
+    data: Path | None = None  # an ExecuTorch program's data file (.ptd)
     method: str | None = None
     device: str | None = None
     outputs: OutputPlan = field(default_factory=OutputPlan)
@@ -99,12 +100,12 @@ class RunResult:
         }
 
 
-def select_method(reader: BundleReader, name: str | None) -> MethodSpec:
+def select_method(reader: AnyReader, name: str | None) -> MethodSpec:
     methods = reader.manifest.methods
     return methods[choose_method(list(methods), name)]
 
 
-def prepare_inputs(reader: BundleReader, method: MethodSpec, plan: InputPlan) -> tuple[ResolvedInputs, dict[str, np.ndarray] | None]:
+def prepare_inputs(reader: AnyReader, method: MethodSpec, plan: InputPlan) -> tuple[ResolvedInputs, dict[str, np.ndarray] | None]:
     """The inputs, and for stored samples the eager outputs stored with them."""
     if not isinstance(plan, StoredSamples):
         return resolve_inputs(method, plan), None
@@ -119,7 +120,7 @@ def prepare_inputs(reader: BundleReader, method: MethodSpec, plan: InputPlan) ->
 def run_bundle(request: RunRequest, progress: Progress = lambda _: None) -> RunResult:
     request.outputs.check()
     started = time.perf_counter()
-    reader = open_bundle(request.bundle)
+    reader = open_model(request.bundle, request.data)
     try:
         if request.trusted_keys:
             reader.require_signature(request.trusted_keys)  # before anything in the bundle is used

@@ -39,6 +39,9 @@ CUDA_BACKEND = "CudaBackend"
 FQN_MANIFEST_MAGIC = b"ETCUDAFQN3"
 FQN_MANIFEST_FAMILY = b"ETCUDAFQN"
 DEFAULT_DATA_FILE = "aoti_cuda_blob.ptd"  # the CUDA backend's external tag, "aoti_cuda_blob"
+# ExecuTorch names the data file after its backend's device ("aoti_<device>_blob");
+# CPU stand-ins of CUDA programs use "cpu".
+DATA_FILE_NAMES = (DEFAULT_DATA_FILE, "aoti_cpu_blob.ptd")
 
 MAX_PLANS = 64
 MAX_VALUES = 1 << 20

@@ -36,6 +36,9 @@ MAX_METHOD_NAME_LENGTH = MAX_NAME_LENGTH - len("_sample_outputs")
 _DIGEST_PATTERN = re.compile(rf"^{DIGEST_ALGORITHM}:[0-9a-f]{{32}}$")
 _EXPRESSION_PATTERN = re.compile(r"^[A-Za-z0-9_.+\-*/() ]+$")
 
+# A compile_options key: the signature gives only upper bounds for its dims
+# (ExecuTorch programs), so the runtime keeps the library's own input checks on.
+BOUNDS_ONLY_OPTION = "signature_bounds_only"
 CONSTANT_TABLE = "constant-table"  # weights as one tensor view per constant (format 1.1)
 
 # Features a reader must understand to use a bundle that lists them as

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import dataclasses
 import os
 import threading
 from collections.abc import Iterator
@@ -56,6 +57,16 @@ class Container:
         self._blob_size = lib.optional(f"{_PREFIX}GetConstantsBlobSize", (Handle, ctypes.POINTER(ctypes.c_uint64)))
         self._update_from_blob = lib.optional("AOTInductorModelUpdateConstantsFromBlob", (Handle, ctypes.c_void_p))
         self._last_error = lib.optional("AOTInductorGetLastError", (ctypes.POINTER(ctypes.c_char_p),))
+        index_query = (Handle, ctypes.c_size_t)
+        self._constant_name = lib.require(f"{_PREFIX}GetConstantName", (*index_query, ctypes.POINTER(ctypes.c_char_p)))
+        self._constant_fqn = lib.require(f"{_PREFIX}GetConstantOriginalFQN", (*index_query, ctypes.POINTER(ctypes.c_char_p)))
+        self._constant_dtype = lib.require(f"{_PREFIX}GetConstantDtype", (*index_query, ctypes.POINTER(ctypes.c_int32)))
+        self._constant_size = lib.require(f"{_PREFIX}GetConstantDataSize", (*index_query, _SIZE_P))
+        self._constant_folded = lib.optional(f"{_PREFIX}GetConstantFromFolded", (*index_query, ctypes.POINTER(ctypes.c_bool)))
+        self._bind_user_managed = lib.optional(
+            f"{_PREFIX}UpdateUserManagedConstantBufferPairs",
+            (Handle, ctypes.POINTER(ConstantEntry), ctypes.c_size_t, ctypes.c_bool, ctypes.c_bool),
+        )
 
     def _count(self, getter: Any) -> int:
         value = ctypes.c_size_t()
@@ -105,6 +116,36 @@ class Container:
         self._check(self._update_from_blob(self._handle, ctypes.c_void_p(blob_address)), "load the weights")
         self._weights_loaded = True
 
+    def constants(self) -> list[ConstantInfo]:
+        """What the library says about each of its constants."""
+        found = []
+        for index in range(self.num_constants):
+            name, fqn = ctypes.c_char_p(), ctypes.c_char_p()
+            dtype, size, folded = ctypes.c_int32(), ctypes.c_size_t(), ctypes.c_bool(False)
+            self._check(self._constant_name(self._handle, index, ctypes.byref(name)), "query a constant's name")
+            self._check(self._constant_fqn(self._handle, index, ctypes.byref(fqn)), "query a constant's original name")
+            self._check(self._constant_dtype(self._handle, index, ctypes.byref(dtype)), "query a constant's dtype")
+            self._check(self._constant_size(self._handle, index, ctypes.byref(size)), "query a constant's size")
+            if self._constant_folded is not None:
+                self._check(self._constant_folded(self._handle, index, ctypes.byref(folded)), "query whether a constant is folded")
+            found.append(ConstantInfo(
+                (name.value or b"").decode("utf-8", "replace"), (fqn.value or b"").decode("utf-8", "replace"), dtype.value, size.value, folded.value,
+            ))
+        return found
+
+    def bind_constants(self, pairs: list[tuple[str, int]]) -> None:
+        """Point the library's constants at tensors the caller keeps alive
+        (the library takes its own handle to each; the memory stays ours).
+        Every constant must be given: the library checks that too."""
+        if self._weights_loaded:
+            raise ModelRuntimeError("weights were already loaded into this container")
+        if self._bind_user_managed is None:
+            raise BundleError("model library has no AOTInductorModelContainerUpdateUserManagedConstantBufferPairs; it was built by torch older than 2.10")
+        names = [name.encode() for name, _ in pairs]  # kept alive for the call
+        entries = (ConstantEntry * max(1, len(pairs)))(*[ConstantEntry(name, handle) for name, (_, handle) in zip(names, pairs)])
+        self._check(self._bind_user_managed(self._handle, entries, len(pairs), False, True), "bind the constants")
+        self._weights_loaded = True
+
     def run(self, inputs: list[int], stream: int | None, *, single_threaded: bool = False) -> list[int]:
         """Run; input handles are stolen by the library, output handles are new and ours.
 
@@ -135,6 +176,21 @@ class Container:
         if self._handle:
             self._delete(self._handle)
             self._handle = Handle()
+
+
+class ConstantEntry(ctypes.Structure):
+    """AOTInductorConstantMapEntry: an internal constant name and a tensor handle."""
+
+    _fields_ = [("name", ctypes.c_char_p), ("handle", ctypes.c_void_p)]
+
+
+@dataclasses.dataclass(frozen=True)
+class ConstantInfo:
+    name: str  # the library's internal name
+    fqn: str  # the original module attribute path
+    dtype_code: int
+    nbytes: int
+    folded: bool  # computed by constant folding: never given from outside
 
 
 class _Captured:

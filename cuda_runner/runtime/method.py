@@ -29,9 +29,10 @@ import numpy as np
 
 from ..dtypes import dtype_name
 from ..errors import BundleError, ClosedError, InputError, ModelRuntimeError
-from ..format.bundle import BundleReader
-from ..format.manifest import MethodSpec
+from ..format.manifest import BOUNDS_ONLY_OPTION, MethodSpec
+from ..format.source import AnyReader
 from ..validation import check_inputs
+from .constants import ConstantMemory, bind_constants
 from .container import Container
 from .devices import Device
 from .executor import Executor
@@ -135,10 +136,11 @@ class Method:
         self._dtypes = [input_spec.dtype for input_spec in spec.inputs]
         self._accepted: set[tuple[Any, ...]] = set()  # input signatures already validated
         self._last_stream = threading.local()
+        self._constants: ConstantMemory | None = None
 
     @classmethod
     def load(
-        cls, reader: BundleReader, spec: MethodSpec, device: Device, *,
+        cls, reader: AnyReader, spec: MethodSpec, device: Device, *,
         verify_weights: bool = True, cuda_graph: bool = False, lanes: int = 1, check_inputs: bool = False,
     ) -> Method:
         """The load sequence: check the library, load it, create the container, feed the weights."""
@@ -157,12 +159,15 @@ class Method:
         # threads while the weights load, and the method is refused if a check
         # fails. Skipping the weights digest never skips a signature.
         check_weights = verify_weights or reader.signature is not None
-        data_segments = [spec.weights_segment] if check_weights and spec.weights_segment else []
+        weight_segments = [spec.weights_segment] if spec.weights_segment else sorted({item.segment for item in spec.constants})
+        data_segments = weight_segments if check_weights else []
         data_segments += [name for name in (spec.sample_inputs_segment, spec.sample_outputs_segment) if name is not None]
         data_checks = [reader.verify_in_background(name) for name in data_segments]
         library: LibraryLease | None = None
         container: Container | None = None
+        constants: ConstantMemory | None = None
         executors: list[Executor] = []
+        check_inputs = check_inputs or signature_needs_library_checks(spec)
         try:
             started = clock()
             library = lease_library(library_bytes, f"{spec.name}@{reader.path.name}", native_checks=check_inputs)
@@ -175,7 +180,10 @@ class Method:
             _check_counts(spec, container)
             timings["create_container"] = clock() - started
             started = clock()
-            _load_weights(device, container, weights)
+            if spec.constants:
+                constants = bind_constants(container, device, shim, spec.constants, lambda name: reader.segment(name, verify=False))
+            else:
+                _load_weights(device, container, weights)
             timings["load_weights"] = clock() - started
             if data_checks:
                 started = clock()
@@ -190,11 +198,12 @@ class Method:
                 check.cancel()
                 with contextlib.suppress(BaseException):
                     check.result()  # no thread may read the mapping once it closes
-            _close_parts(executors, container, library)
+            _close_parts(executors, container, library, constants)
             raise
         finally:
             weights.release()
         method = cls(spec, device, library, container, _Lanes(make, 1 if cuda_graph else lanes, executors[0]), timings, check_inputs)
+        method._constants = constants
         method._first_run_done = cuda_graph
         return method
 
@@ -339,9 +348,9 @@ class Method:
         if self._lanes.closed:
             return
         executors = self._lanes.close()
-        container, library = self._container, self._library
-        self._container = self._library = None
-        _close_parts(executors, container, library)
+        container, library, constants = self._container, self._library, self._constants
+        self._container = self._library = self._constants = None
+        _close_parts(executors, container, library, constants)
 
     def __enter__(self) -> Method:
         return self
@@ -413,13 +422,24 @@ def _check_counts(spec: MethodSpec, container: Container) -> None:
         )
 
 
-def _close_parts(executors: list[Executor], container: Container | None, library: LibraryLease | None) -> None:
+def _close_parts(executors: list[Executor], container: Container | None, library: LibraryLease | None, constants: ConstantMemory | None = None) -> None:
     for executor in executors:
         executor.close()
     if container is not None:
         container.delete()
+    if constants is not None:  # the container viewed this memory until it was deleted
+        constants.release()
     if library is not None:
         library.release()
+
+
+def signature_needs_library_checks(spec: MethodSpec) -> bool:
+    """Whether the manifest's signature is too loose to guard the library alone.
+
+    An ExecuTorch program states only upper bounds for a dynamic tensor, not
+    which of its dims vary, so every dim is declared dynamic; the library's
+    own checks then refuse a size it was not built for."""
+    return bool(spec.compile_options.get(BOUNDS_ONLY_OPTION))
 
 
 def _as_cupy(cupy: Any, name: str, array: Any) -> Any:

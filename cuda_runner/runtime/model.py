@@ -20,15 +20,15 @@ from typing import Any
 import numpy as np
 
 from ..errors import InputError
-from ..format.bundle import BundleReader, open_bundle
 from ..format.manifest import Manifest, MethodSpec, choose_method
+from ..format.source import AnyReader, open_model
 from ..signing import TrustedKey
 from .devices import Device, choose_device
 from .method import Inputs, Method
 
 
 class Model:
-    def __init__(self, reader: BundleReader, device: Device, methods: dict[str, Method], open_seconds: float = 0.0):
+    def __init__(self, reader: AnyReader, device: Device, methods: dict[str, Method], open_seconds: float = 0.0):
         self._reader = reader
         self.device = device
         self.methods = methods
@@ -173,9 +173,10 @@ def load_pool(source: str | os.PathLike[str], devices: str | Sequence[int | str]
 
 
 def load_model(
-    source: str | os.PathLike[str] | BundleReader,
+    source: str | os.PathLike[str] | AnyReader,
     device: str | Device | None = None,
     *,
+    data: str | os.PathLike[str] | None = None,
     verify_weights: bool = True,
     methods: Iterable[str] | None = None,
     cuda_graph: bool = False,
@@ -188,7 +189,7 @@ def load_model(
     With `trusted_keys`, the bundle must carry a signature (`<bundle>.sig`)
     made by one of them; it is checked before any of the bundle's code is loaded."""
     started = time.perf_counter()
-    reader = source if isinstance(source, BundleReader) else open_bundle(source)
+    reader = open_model(source, data) if isinstance(source, (str, os.PathLike)) else source
     loaded: dict[str, Method] = {}
     try:
         if trusted_keys and reader.signature is None:

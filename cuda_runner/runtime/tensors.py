@@ -60,11 +60,14 @@ def _dims_array(values: tuple[int, ...]) -> ctypes.Array:
     return array
 
 
-def wrap_memory(shim: Shim, address: int, dtype: str, shape: tuple[int, ...], strides: tuple[int, ...], device_type: int, device_index: int) -> int:
+def wrap_memory(
+    shim: Shim, address: int, dtype: str, shape: tuple[int, ...], strides: tuple[int, ...], device_type: int, device_index: int,
+    storage_offset: int = 0,
+) -> int:
     """A handle viewing memory we own; the library steals the handle, not the memory."""
     handle = Handle()
     status = shim.create_tensor_from_blob_v2(
-        address, len(shape), _dims_array(shape), _dims_array(strides), 0, shim.dtype_codes[dtype],
+        address, len(shape), _dims_array(shape), _dims_array(strides), storage_offset, shim.dtype_codes[dtype],
         device_type, device_index, ctypes.byref(handle), shim.layout_strided, None, 0,
     )
     if status != 0:

@@ -1,0 +1,428 @@
+"""An ExecuTorch CUDA program (`.pte` + `.ptd`) seen as a bundle.
+
+`ProgramReader` reads the program with executorch.py, checks that every
+method is one CudaBackend delegate call (optionally between ExecuTorch's
+host/device copies), and presents it through the same interface as
+BundleReader: a Manifest, and segments by name. The runtime, `inspect`,
+`run`, `bench` and `convert` then treat it like any bundle.
+
+What the program does not record is made up in a fixed, documented way:
+inputs are named `input_<i>` and outputs `output_<i>` by their position in
+the method; the dims of a dynamic tensor are named `<tensor>_d<axis>` with
+the program's upper bound as max and example (the program gives no minimum,
+so 1), and the library's own input checks are kept on for such methods.
+
+Integrity: the program carries no digests. Where a key is a SHA-256
+(`<sha256>_so_blob`, ExecuTorch 1.4 on), the bytes are checked against it:
+the library always, before it is loaded; weights while they load.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import mmap
+import os
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, BinaryIO
+
+from ..errors import BundleError, IncompatibleBundleError, InputError
+from . import executorch as et
+from .bundle import _open_regular_file
+from .elf import LibraryFacts, read_library_facts
+from .manifest import (
+    BOUNDS_ONLY_OPTION,
+    CONSTANT_TABLE,
+    ConstantSpec,
+    DeviceSpec,
+    DimSpec,
+    Manifest,
+    MethodSpec,
+    SegmentEntry,
+    ShapeEntry,
+    TensorSpec,
+    method_name_problem,
+)
+
+PROGRAM_SUFFIX = ".pte"
+NO_DIGEST = "none"
+# ExecuTorch's own CUDA kernels, which libtorch does not provide (quantized matmuls).
+EXECUTORCH_ONLY_SHIMS = tuple(f"aoti_torch_cuda_int{bits}_plain_mm" for bits in (4, 5, 6, 8))
+
+
+@dataclass(frozen=True)
+class StoredBytes:
+    """Where a segment's bytes are, and the SHA-256 its key promises (if any)."""
+
+    span: et.Span
+    key: str
+    sha256: str | None = None
+
+
+@dataclass
+class ProgramMethodInfo:
+    """What `inspect` shows about a method beyond its manifest entry."""
+
+    layout: et.PayloadLayout
+    instructions: list[str]
+    compile_specs: dict[str, str]
+    keys: dict[str, str]  # role -> named-data key
+    library: LibraryFacts
+    weights_bytes: int
+    weight_count: int = 0
+
+
+@dataclass
+class ProgramInfo:
+    data_path: Path | None
+    methods: dict[str, ProgramMethodInfo] = field(default_factory=dict)
+
+
+def is_program(path: str | os.PathLike[str]) -> bool:
+    """Whether the file starts like an ExecuTorch program (identifier at bytes 4-8)."""
+    try:
+        with open(path, "rb") as handle:
+            head = handle.read(8)
+    except OSError:
+        return False
+    return len(head) == 8 and head[4:6] == b"ET" and head[6:8].isalnum()
+
+
+class ProgramReader:
+    """A `.pte` (and its `.ptd`) opened for reading, memory-mapped, every method checked."""
+
+    format_name = "ExecuTorch program"
+
+    def __init__(self, path: str | os.PathLike[str], data: str | os.PathLike[str] | None = None):
+        self.path = Path(path)
+        self.signature = None
+        self._files: dict[str, BinaryIO] = {}
+        self._maps: dict[str, mmap.mmap] = {}
+        self._stored: dict[str, StoredBytes] = {}
+        self._verified: set[str] = set()
+        try:
+            self._open(None if data is None else Path(data))
+        except BaseException:
+            self.close()
+            raise
+
+    def _open(self, data_path: Path | None) -> None:
+        program = et.read_program(self._map("pte", self.path))
+        self.file_size = program.file_size
+        if data_path is None:
+            data_path = self._data_file_beside(program)
+        data_file = None
+        if data_path is not None:
+            data_file = et.read_data_file(self._map("ptd", data_path))
+        self.data_path = data_path
+        self.info = ProgramInfo(data_path)
+        lookup = _KeyLookup(program, data_file, self.path, data_path)
+        methods = {name: self._method(plan, lookup) for name, plan in program.plans.items()}
+        segments = tuple(SegmentEntry(name, stored.span.offset, stored.span.size, NO_DIGEST) for name, stored in self._stored.items())
+        uses_constants = any(method.constants for method in methods.values())
+        self.manifest = Manifest(
+            methods=methods, segments=segments, build={"source": "executorch"},
+            required_features=(CONSTANT_TABLE,) if uses_constants else (),
+        )
+
+    def _map(self, role: str, path: Path) -> memoryview:
+        handle = _open_regular_file(path)
+        self._files[role] = handle
+        size = os.fstat(handle.fileno()).st_size
+        if size == 0:
+            raise BundleError(f"{path} is empty")
+        self._maps[role] = mmap.mmap(handle.fileno(), 0, access=mmap.ACCESS_READ)
+        return memoryview(self._maps[role])
+
+    def _data_file_beside(self, program: et.Program) -> Path | None:
+        """The program's data file when it needs one: ExecuTorch names it after the
+        CUDA backend's external tag, next to the program."""
+        for name in et.DATA_FILE_NAMES:
+            candidate = self.path.parent / name
+            if candidate.is_file():
+                return candidate
+        return None
+
+    # -- building the manifest ------------------------------------------------
+
+    def _method(self, plan: et.Plan, lookup: _KeyLookup) -> MethodSpec:
+        problem = method_name_problem(plan.name)
+        if problem:
+            raise BundleError(f"program: method name {plan.name[:40]!r} {problem}")
+        delegate, inputs, outputs = _delegate_signature(plan)
+        payload = et.decode_payload(delegate.processed, delegate.spec_text("method_name") or plan.name)
+        library = self._store(f"{plan.name}_so_blob", lookup.require(payload.library_key, "model library"))
+        facts = read_library_facts(self._view(library))
+        _refuse_foreign_kernels(plan.name, facts)
+        weights_segment: str | None = None
+        constants: tuple[ConstantSpec, ...] = ()
+        weights_bytes = 0
+        if payload.layout is et.PayloadLayout.G3:
+            constants = tuple(self._constant(plan.name, view, lookup) for view in payload.weights)
+            weights_bytes = sum(self._stored[name].span.size for name in {item.segment for item in constants})
+        elif payload.weights_key is not None:
+            weights = lookup.find(payload.weights_key, "weights", required=payload.layout is not et.PayloadLayout.G1)
+            if weights is not None:
+                weights_segment = self._store(f"{plan.name}_weights_blob", weights)
+                weights_bytes = weights.span.size
+        dims: dict[str, DimSpec] = {}
+        signature_in = tuple(_tensor_spec(f"input_{position}", tensor, dims) for position, tensor in inputs)
+        signature_out = tuple(_tensor_spec(f"output_{position}", tensor, dims) for position, tensor in outputs)
+        specs = {key: value.decode("utf-8", "replace") for key, value in delegate.specs.items()}
+        options: dict[str, Any] = {"executorch_payload_layout": payload.layout.value, "executorch_compile_specs": specs}
+        if dims:
+            options[BOUNDS_ONLY_OPTION] = True
+        self.info.methods[plan.name] = ProgramMethodInfo(
+            payload.layout, [item.describe(list(plan.delegates)) for item in plan.instructions], specs,
+            {"library": payload.library_key, **({"weights": payload.weights_key} if weights_segment and payload.weights_key else {})},
+            facts, weights_bytes, len(constants),
+        )
+        return MethodSpec(
+            name=plan.name, device=_device(facts, specs), library_segment=library, weights_segment=weights_segment,
+            inputs=signature_in, outputs=signature_out, dims=dims, torch_version="unknown (not recorded in ExecuTorch programs)",
+            compile_options=options, constants=constants,
+        )
+
+    def _constant(self, method: str, view: et.WeightView, lookup: _KeyLookup) -> ConstantSpec:
+        stored = lookup.require(view.storage_key, f"weight {view.fqn!r}")
+        if stored.span.size != view.storage_nbytes:
+            raise BundleError(f"program: weight {view.fqn[:80]!r} should have {view.storage_nbytes} bytes of storage but its data has {stored.span.size}")
+        existing = next((name for name, item in self._stored.items() if item.key == stored.key and item.span == stored.span), None)
+        segment = existing or self._store(f"weight_{sum(1 for name in self._stored if name.startswith('weight_')):05d}", stored)
+        return ConstantSpec(
+            fqn=view.fqn, segment=segment, dtype=et.DTYPES_BY_CODE[view.dtype_code], device="cuda" if view.on_cuda else "cpu",
+            storage_offset=view.storage_offset, sizes=view.sizes, strides=view.strides,
+        )
+
+    def _store(self, name: str, stored: StoredBytes) -> str:
+        if name in self._stored:
+            raise BundleError(f"program: two methods would share the segment name {name!r}")
+        self._stored[name] = stored
+        return name
+
+    # -- the reader interface -------------------------------------------------
+
+    @property
+    def version(self) -> str:
+        return "ET12"
+
+    def _view(self, name: str) -> memoryview:
+        stored = self._stored.get(name)
+        if stored is None:
+            raise BundleError(f"program has no segment {name!r}")
+        mapping = self._maps.get(stored.span.source)
+        if mapping is None:
+            raise BundleError("program is closed")
+        return memoryview(mapping)[stored.span.offset:stored.span.offset + stored.span.size]
+
+    def segment(self, name: str, *, verify: bool = True) -> memoryview:
+        view = self._view(name)
+        if verify and name not in self._verified:
+            self._check(name, view)
+        return view
+
+    def read_verified(self, name: str) -> bytes:
+        data = bytes(self._view(name))
+        self._check(name, data)
+        return data
+
+    def _check(self, name: str, data: bytes | memoryview) -> None:
+        expected = self._stored[name].sha256
+        if expected is not None and hashlib.sha256(data).hexdigest() != expected:
+            raise BundleError(f"program: {self._stored[name].key[:80]!r} is damaged: its SHA-256 does not match its key")
+        self._verified.add(name)
+
+    def verify_in_background(self, name: str) -> Future:
+        from concurrent.futures import ThreadPoolExecutor
+
+        view = self._view(name)
+        pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="cuda-runner-verify")
+        try:
+            return pool.submit(self._check, name, view)
+        finally:
+            pool.shutdown(wait=False)
+
+    def digest_checked(self, name: str) -> bool:
+        """Whether the segment's bytes can be checked at all (its key is a SHA-256)."""
+        return self._stored[name].sha256 is not None
+
+    def verify_all(self) -> dict[str, bool]:
+        results = {}
+        for name in self._stored:
+            self._verified.discard(name)
+            try:
+                self.segment(name, verify=True)
+                results[name] = True
+            except BundleError:
+                results[name] = False
+        return results
+
+    def stored_key(self, name: str) -> str:
+        return self._stored[name].key
+
+    def require_signature(self, keys: object) -> None:
+        raise BundleError("ExecuTorch programs carry no signature; convert the program to a bundle and sign that (cuda-runner convert, cuda-runner sign)")
+
+    def close(self) -> None:
+        for mapping in self._maps.values():
+            try:
+                mapping.close()
+            except BufferError:
+                pass  # a view is still alive; the mapping goes with it
+        self._maps.clear()
+        for handle in self._files.values():
+            handle.close()
+        self._files.clear()
+
+    def __enter__(self) -> ProgramReader:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+class _KeyLookup:
+    """Named data by key: the data file first, then the program, as ExecuTorch looks them up."""
+
+    def __init__(self, program: et.Program, data_file: et.DataFile | None, path: Path, data_path: Path | None):
+        self._program = program.named_data
+        self._data = data_file.named_data if data_file is not None else {}
+        self._path = path
+        self._data_path = data_path
+
+    def find(self, key: str, role: str, *, required: bool = True) -> StoredBytes | None:
+        in_data, in_program = self._data.get(key), self._program.get(key)
+        if in_data is not None and in_program is not None:
+            raise BundleError(f"program: the key {key[:80]!r} ({role}) is in both the program and the data file")
+        span = in_data or in_program
+        if span is None:
+            if not required:
+                return None
+            if self._data_path is None:
+                raise InputError(
+                    f"the program keeps its {role} in a data file ({et.DEFAULT_DATA_FILE} by default), which is not next to "
+                    f"{self._path.name}; give it", subject="data",
+                )
+            raise BundleError(f"program: its {role} (key {key[:80]!r}) is in neither {self._path.name} nor {self._data_path.name}")
+        return StoredBytes(span, key, et.sha256_of_key(key))
+
+    def require(self, key: str, role: str) -> StoredBytes:
+        found = self.find(key, role)
+        assert found is not None  # find raises for a required key
+        return found
+
+
+def _delegate_signature(plan: et.Plan) -> tuple[et.Delegate, list[tuple[int, et.ValueTensor]], list[tuple[int, et.ValueTensor]]]:
+    """The method's one CUDA delegate, and its inputs and outputs in the
+    library's order, each with its position in the method's signature."""
+    if plan.chains != 1:
+        raise BundleError(f"program: method {plan.name!r} has {plan.chains} chains; only one delegate call can run here")
+    calls = [item for item in plan.instructions if item.kind == "delegate call"]
+    if len(calls) != 1:
+        raise BundleError(f"program: method {plan.name!r} makes {len(calls)} delegate calls; only methods that are one CudaBackend call can run here")
+    call = calls[0]
+    if not 0 <= call.index < len(plan.delegates):
+        raise BundleError(f"program: method {plan.name!r} calls delegate {call.index}, but it has {len(plan.delegates)}")
+    delegate = plan.delegates[call.index]
+    if delegate.backend != et.CUDA_BACKEND:
+        raise BundleError(f"program: method {plan.name!r} is lowered to {delegate.backend[:60]!r}; only {et.CUDA_BACKEND} programs can run here")
+    to_device, to_host = _copies(plan, calls[0])
+    inputs: list[tuple[int, et.ValueTensor]] = []
+    outputs: list[tuple[int, et.ValueTensor]] = []
+    for value in call.args:
+        source, target = to_device.get(value, value), to_host.get(value, value)
+        tensor = plan.values[value]
+        if tensor is None:
+            raise BundleError(f"program: method {plan.name!r} passes a non-tensor value to the delegate, which is not supported")
+        if source in plan.inputs:
+            if outputs:
+                raise BundleError(f"program: method {plan.name!r} gives the delegate an input after an output")
+            inputs.append((plan.inputs.index(source), plan.values[source] or tensor))
+        elif target in plan.outputs:
+            outputs.append((plan.outputs.index(target), plan.values[target] or tensor))
+        else:
+            raise BundleError(f"program: method {plan.name!r} passes the delegate a value that is neither a method input nor an output")
+    if sorted(position for position, _ in inputs) != list(range(len(plan.inputs))):
+        raise BundleError(f"program: method {plan.name!r} has inputs that do not reach the delegate, or reach it twice")
+    if sorted(position for position, _ in outputs) != list(range(len(plan.outputs))):
+        raise BundleError(f"program: method {plan.name!r} has outputs that the delegate does not make, or makes twice")
+    return delegate, inputs, outputs
+
+
+def _copies(plan: et.Plan, call: et.Instruction) -> tuple[dict[int, int], dict[int, int]]:
+    """ExecuTorch's host->device copies before the call and device->host copies
+    after it; any other instruction means the method is not one delegate call."""
+    to_device: dict[int, int] = {}  # device value -> host source
+    to_host: dict[int, int] = {}  # device value -> host destination
+    position = plan.instructions.index(call)
+    for index, item in enumerate(plan.instructions):
+        if item is call:
+            continue
+        copy = et.H2D_COPY if index < position else et.D2H_COPY
+        if item.kind != "kernel call" or item.target != copy or len(item.args) < 2:
+            raise BundleError(
+                f"program: method {plan.name!r} runs {item.describe(list(plan.delegates))} outside the CUDA delegate; "
+                "only methods that are one CudaBackend call (with ExecuTorch's host/device copies) can run here"
+            )
+        source, destination = item.args[0], item.args[-1]
+        if copy == et.H2D_COPY:
+            to_device[destination] = source
+        else:
+            to_host[source] = destination
+    return to_device, to_host
+
+
+def _tensor_spec(name: str, tensor: et.ValueTensor, dims: dict[str, DimSpec]) -> TensorSpec:
+    dtype = tensor.dtype
+    if dtype is None:
+        raise BundleError(f"program: {name} has dtype code {tensor.dtype_code}, which is not supported")
+    if tensor.dynamism is et.Dynamism.STATIC:
+        return TensorSpec(name, dtype, tuple(tensor.sizes))
+    shape: list[ShapeEntry] = []
+    for axis, bound in enumerate(tensor.sizes):
+        dim = f"{name}_d{axis}"
+        unbounded = tensor.dynamism is et.Dynamism.DYNAMIC_UNBOUND
+        dims[dim] = DimSpec(dim, min=min(1, bound), max=None if unbounded else bound, example=bound)
+        shape.append(dim)
+    return TensorSpec(name, dtype, tuple(shape))
+
+
+def _device(facts: LibraryFacts, specs: dict[str, str]) -> DeviceSpec:
+    if facts.uses_cuda:
+        return DeviceSpec("cuda", compute_capability=facts.compute_capability)
+    return DeviceSpec("cpu")
+
+
+def _refuse_foreign_kernels(method: str, facts: LibraryFacts) -> None:
+    foreign = [name for name in facts.shim_symbols if name in EXECUTORCH_ONLY_SHIMS]
+    if foreign:
+        raise IncompatibleBundleError(
+            f"program: method {method!r} uses ExecuTorch-only kernels ({', '.join(foreign)}), which libtorch does not provide"
+        )
+
+
+def open_program(path: str | os.PathLike[str], data: str | os.PathLike[str] | None = None) -> ProgramReader:
+    return ProgramReader(path, data)
+
+
+
+def convert_program(reader: ProgramReader, destination: str | os.PathLike[str]) -> Path:
+    """Write the program as a bundle: the same library and weight bytes, each
+    segment digested, the signature and ExecuTorch details in the manifest.
+    SHA-256 keys are checked on the way."""
+    from .. import __version__
+    from .bundle import write_bundle
+
+    segments = {entry.name: reader.segment(entry.name, verify=True) for entry in reader.manifest.segments}
+    manifest = Manifest(
+        methods=reader.manifest.methods,
+        build={"source": "executorch", "converted_by": f"cuda-runner {__version__}"},
+        metadata={"executorch_program": reader.path.name[:4096], **({"executorch_data": reader.data_path.name[:4096]} if reader.data_path else {})},
+        required_features=reader.manifest.required_features,
+    )
+    try:
+        return write_bundle(destination, manifest, segments)
+    finally:
+        for view in segments.values():
+            view.release()

@@ -1,0 +1,54 @@
+"""Opening a model file, whichever format it is in.
+
+A cuda-runner bundle and an ExecuTorch program (`.pte`, with its `.ptd`) are
+read by different modules but look the same to everything else: a Manifest,
+and segments by name (`ModelFile`). `open_model` tells them apart by their
+first bytes, not by their names.
+"""
+
+from __future__ import annotations
+
+import os
+from concurrent.futures import Future
+from pathlib import Path
+from typing import Protocol, Union
+
+from ..errors import InputError
+from .bundle import BundleReader, open_bundle
+from .manifest import Manifest
+from .program import ProgramReader, is_program
+
+
+class ModelFile(Protocol):
+    path: Path
+    manifest: Manifest
+    file_size: int
+
+    @property
+    def version(self) -> str: ...
+
+    @property
+    def signature(self) -> object | None: ...
+
+    def segment(self, name: str, *, verify: bool = True) -> memoryview: ...
+
+    def read_verified(self, name: str) -> bytes: ...
+
+    def verify_in_background(self, name: str) -> Future: ...
+
+    def verify_all(self) -> dict[str, bool]: ...
+
+    def close(self) -> None: ...
+
+
+AnyReader = Union[BundleReader, ProgramReader]
+
+
+def open_model(path: str | os.PathLike[str], data: str | os.PathLike[str] | None = None) -> AnyReader:
+    """A bundle, or an ExecuTorch program with its data file (`data`, or the
+    one ExecuTorch names `aoti_cuda_blob.ptd`, found next to the program)."""
+    if is_program(path):
+        return ProgramReader(path, data)
+    if data is not None:
+        raise InputError(f"{Path(path).name} is not an ExecuTorch program; a data file goes only with a .pte program", subject="data")
+    return open_bundle(path)

@@ -1,0 +1,132 @@
+"""Binding a constant table (format feature `constant-table`) to a container.
+
+A library built with per-constant weights (ExecuTorch 1.5's CUDA programs)
+has no weights blob to feed. Each constant is found by its original name
+(FQN), checked against the library's own record of it, copied once into
+memory owned here (the device's for CUDA constants), wrapped as a tensor view
+and handed over with UpdateUserManagedConstantBufferPairs, the one binding
+call that libraries from torch 2.10 on all have. The library keeps its own
+handle to each tensor but not the memory: a `ConstantMemory` must outlive
+the container.
+"""
+
+from __future__ import annotations
+
+import collections
+from collections.abc import Callable, Sequence
+
+import numpy as np
+
+from ..dtypes import SCALAR_TYPE_CODES
+from ..errors import BundleError
+from ..format.manifest import ConstantSpec
+from .container import Container
+from .devices import Device
+from .host import aligned_empty
+from .shim import Shim
+from .tensors import wrap_memory
+
+
+class ConstantMemory:
+    """The storages a container's constants view; release after deleting the container."""
+
+    def __init__(self) -> None:
+        self.storages: dict[str, int] = {}  # segment name -> address
+        self._host: list[np.ndarray] = []
+        self._device: list[tuple[int, int]] = []  # (device index, pointer)
+
+    def keep_host(self, array: np.ndarray) -> int:
+        self._host.append(array)
+        return int(array.ctypes.data)
+
+    def keep_device(self, index: int, pointer: int) -> int:
+        self._device.append((index, pointer))
+        return pointer
+
+    def release(self) -> None:
+        if self._device:
+            from .cuda import cuda_runtime
+
+            runtime = cuda_runtime()
+            for index, pointer in self._device:
+                runtime.setDevice(index)
+                runtime.free(pointer)
+        self._device.clear()
+        self._host.clear()
+        self.storages.clear()
+
+
+def bind_constants(
+    container: Container, device: Device, shim: Shim, constants: Sequence[ConstantSpec], segment: Callable[[str], memoryview],
+) -> ConstantMemory:
+    internal = _internal_names(container, constants)
+    memory = ConstantMemory()
+    handles: list[int] = []
+    try:
+        pairs = []
+        for constant in constants:
+            address = _storage_address(memory, constant, device, segment)
+            on_cuda = constant.device == "cuda"
+            handle = wrap_memory(
+                shim, address, constant.dtype, constant.sizes, constant.strides,
+                shim.device_cuda if on_cuda else shim.device_cpu, device.index if on_cuda else 0, constant.storage_offset,
+            )
+            handles.append(handle)
+            pairs += [(name, handle) for name in internal[constant.fqn]]
+        container.bind_constants(pairs)
+    except BaseException:
+        memory.release()
+        raise
+    finally:
+        for handle in handles:  # the library made its own handles; ours go
+            shim.delete_tensor_object(handle)
+    return memory
+
+
+def _internal_names(container: Container, constants: Sequence[ConstantSpec]) -> dict[str, list[str]]:
+    """The library's internal names for each listed FQN, after checking that the
+    table and the library agree on which constants there are and their dtypes."""
+    by_fqn: dict[str, list[str]] = collections.defaultdict(list)
+    dtypes: dict[str, int] = {}
+    for info in container.constants():
+        if not info.folded:
+            by_fqn[info.fqn].append(info.name)
+            dtypes[info.fqn] = info.dtype_code
+    listed = {constant.fqn: constant for constant in constants}
+    missing = sorted(set(by_fqn) - set(listed))
+    if missing:
+        raise BundleError(f"the model library has constants the weights do not supply: {', '.join(repr(name[:80]) for name in missing[:5])}")
+    extra = sorted(set(listed) - set(by_fqn))
+    if extra:
+        raise BundleError(f"the weights supply constants the model library does not have: {', '.join(repr(name[:80]) for name in extra[:5])}")
+    for fqn, constant in listed.items():
+        if SCALAR_TYPE_CODES[constant.dtype] != dtypes[fqn]:
+            raise BundleError(f"constant {fqn[:80]!r} is {constant.dtype} in the weights but has dtype code {dtypes[fqn]} in the model library")
+    return by_fqn
+
+
+def _storage_address(memory: ConstantMemory, constant: ConstantSpec, device: Device, segment: Callable[[str], memoryview]) -> int:
+    """Copy a storage segment once (constants may share one) to where the library wants it."""
+    address = memory.storages.get(constant.segment)
+    if address is None:
+        source = segment(constant.segment)
+        if constant.device == "cuda":
+            address = _device_copy(memory, source, device.index)
+        else:
+            copy = aligned_empty((source.nbytes,), np.dtype(np.uint8))
+            copy[...] = np.frombuffer(source, dtype=np.uint8)
+            address = memory.keep_host(copy)
+        memory.storages[constant.segment] = address
+    return address
+
+
+def _device_copy(memory: ConstantMemory, source: memoryview, index: int) -> int:
+    from .cuda import HOST_TO_DEVICE, cuda_runtime
+    from .host import buffer_address
+
+    runtime = cuda_runtime()
+    runtime.setDevice(index)
+    pointer = memory.keep_device(index, runtime.malloc(max(1, source.nbytes)))
+    if source.nbytes:
+        runtime.memcpy(pointer, buffer_address(source), source.nbytes, HOST_TO_DEVICE)
+    return pointer
