@@ -17,8 +17,10 @@ from pathlib import Path
 from typing import Any
 
 from .errors import BundleError, CudaRunnerError
-from .format.bundle import BundleReader, open_bundle
+from .format.bundle import BundleReader
 from .format.manifest import DimSpec, Manifest, MethodSpec, SegmentEntry, TensorSpec
+from .format.program import ProgramInfo, ProgramReader
+from .format.source import AnyReader, open_model
 from .report.schema import SCHEMAS
 from .runtime.devices import Device, incompatibility
 from .signing import TrustedKey, read_signature_file, signature_path
@@ -122,8 +124,9 @@ class InspectResult:
     manifest: Manifest
     methods: dict[str, MethodReport]
     signature: SignatureReport | None = None
-    segment_digests_ok: dict[str, bool] | None = None  # with verify
+    segment_digests_ok: dict[str, bool] | None = None  # with verify; a segment that cannot be checked is absent
     warnings: list[str] = field(default_factory=list)
+    program: ProgramInfo | None = None  # for an ExecuTorch program
 
     @property
     def verified(self) -> bool | None:
@@ -143,9 +146,9 @@ class InspectResult:
         for entry in self.manifest.segments:
             segment: dict[str, Any] = {"name": entry.name, "offset": entry.offset, "size": entry.size, "digest": entry.digest}
             if self.segment_digests_ok is not None:
-                segment["verified"] = self.segment_digests_ok[entry.name]
+                segment["verified"] = self.segment_digests_ok.get(entry.name)
             segments.append(segment)
-        return {
+        document = {
             "schema": SCHEMAS["inspect"],
             "path": str(self.path),
             "format_version": self.format_version,
@@ -160,6 +163,34 @@ class InspectResult:
             "runnable_here": self.runnable_here,
             "verified": self.verified,
         }
+        if self.program is not None:
+            document["executorch"] = program_json(self.program)
+        return document
+
+
+def program_json(info: ProgramInfo) -> dict[str, Any]:
+    from .runtime.shim import missing_symbols
+
+    methods = {}
+    for name, method in info.methods.items():
+        facts = method.library
+        missing, searched = missing_symbols(facts.shim_symbols, "cuda" if facts.uses_cuda else "cpu")
+        methods[name] = {
+            "payload_layout": method.layout.value,
+            "instructions": method.instructions,
+            "compile_specs": method.compile_specs,
+            "keys": method.keys,
+            "weights_bytes": method.weights_bytes,
+            "weight_count": method.weight_count,
+            "library": {
+                "needed": list(facts.needed),
+                "gpu_kernels": list(facts.kernels),
+                "shim_symbols": list(facts.shim_symbols),
+                "missing_here": missing,
+                "searched_libtorch": searched,
+            },
+        }
+    return {"data_file": None if info.data_path is None else str(info.data_path), "methods": methods}
 
 
 def runnable_problem(spec: MethodSpec) -> str | None:
@@ -168,8 +199,13 @@ def runnable_problem(spec: MethodSpec) -> str | None:
     return None if problem is None else str(problem)
 
 
-def inspect_bundle(path: str | os.PathLike[str], *, verify: bool = False, trusted_keys: Sequence[TrustedKey] = ()) -> InspectResult:
-    with open_bundle(path) as reader:
+def inspect_bundle(
+    path: str | os.PathLike[str], *, verify: bool = False, trusted_keys: Sequence[TrustedKey] = (), data: str | os.PathLike[str] | None = None,
+) -> InspectResult:
+    """Describe a bundle, or an ExecuTorch program (with its data file)."""
+    with open_model(path, data) as reader:
+        if isinstance(reader, ProgramReader):
+            return _inspect_program(reader, verify)
         signature = _signature_report(reader, trusted_keys)
         manifest = reader.manifest
         reports = {
@@ -185,7 +221,23 @@ def inspect_bundle(path: str | os.PathLike[str], *, verify: bool = False, truste
         return result
 
 
-def _check_library(reader: BundleReader, report: MethodReport, digests_ok: bool) -> str:
+def _inspect_program(reader: ProgramReader, verify: bool) -> InspectResult:
+    """A program has no signature, and only SHA-256-named keys can be checked."""
+    manifest = reader.manifest
+    reports = {
+        name: MethodReport(spec, manifest.segment(spec.library_segment), manifest.segment(spec.weights_segment) if spec.weights_segment else None,
+                           runnable_problem(spec))
+        for name, spec in manifest.methods.items()
+    }
+    result = InspectResult(reader.path, f"ExecuTorch {reader.version}", reader.file_size, manifest, reports, None, program=reader.info)
+    if verify:
+        result.segment_digests_ok = reader.verify_all()
+        for report in reports.values():
+            report.library_check = _check_library(reader, report, all(result.segment_digests_ok.values()))
+    return result
+
+
+def _check_library(reader: AnyReader, report: MethodReport, digests_ok: bool) -> str:
     """Load the method and run it once with the library's own input checks."""
     if not digests_ok:
         return "skipped: digests do not match"

@@ -169,7 +169,7 @@ def _quiet_warnings() -> None:
 def _run_batch(bundle: str, folder: str, out_dir: str, out_format: str, method: str | None, device: str | None, devices: str | None,
                expected_dir: str | None,
                tolerances: Any, allow_missing: bool, resume: bool, fail_fast: bool, lanes: int, verify_weights: bool,
-               trusted_keys: tuple[Any, ...], json_output: bool) -> None:
+               trusted_keys: tuple[Any, ...], json_output: bool, data: str | None) -> None:
     from ..batch import BatchRequest, run_batch
     from .render import json_text
 
@@ -178,7 +178,7 @@ def _run_batch(bundle: str, folder: str, out_dir: str, out_format: str, method: 
     request = BatchRequest(
         bundle=Path(bundle), inputs=Path(folder), out_dir=Path(out_dir), out_format=out_format, method=method, device=device,
         expected_dir=_path(expected_dir), tolerances=tolerances, allow_missing=allow_missing, resume=resume, fail_fast=fail_fast,
-        lanes=lanes, devices=devices, verify_weights=verify_weights, trusted_keys=trusted_keys,
+        lanes=lanes, devices=devices, verify_weights=verify_weights, trusted_keys=trusted_keys, data=_path(data),
     )
     _quiet_warnings()
     with _native_stderr(), _progress_bar("input sets") as advance:
@@ -279,10 +279,41 @@ def sign_command(
         _out().line(printable(f"wrote {path}"))
 
 
+@app.command("convert")
+@handles_errors
+def convert_command(
+    program: Annotated[str, typer.Argument(metavar="PROGRAM.pte", help="An ExecuTorch CUDA program.")],
+    data: Annotated[Optional[str], typer.Option("--data", metavar="FILE.ptd", help=(
+        "The program's data file (default: aoti_cuda_blob.ptd next to it)."))] = None,
+    output: Annotated[str, typer.Option("--output", "-o", metavar="BUNDLE", help="The bundle to write.")] = "model.bundle",
+    sign_key: Annotated[Optional[str], typer.Option("--sign-key", metavar="PRIVATE.pem", help="Sign the bundle as it is written (BUNDLE.sig).")] = None,
+) -> None:
+    """Turn an ExecuTorch CUDA program (.pte + .ptd) into a bundle that runs exactly like it, every byte digested."""
+    from ..errors import BundleError
+    from ..format.program import ProgramReader, convert_program, is_program
+
+    if not is_program(program):
+        raise BundleError(f"{program} is not an ExecuTorch program") if Path(program).is_file() else parse.UsageError(f"no such file: {program}")
+    if sign_key is not None and not Path(sign_key).is_file():
+        raise parse.UsageError(f"--sign-key {sign_key}: no such file")
+    with ProgramReader(program, data) as reader:
+        convert_program(reader, output)
+        methods = ", ".join(reader.manifest.methods)
+    signed = ""
+    if sign_key is not None:
+        from ..signing import sign_file
+
+        signed = f", signed in {sign_file(output, sign_key)}"
+    if not _State.quiet:
+        _out().line(printable(f"wrote {output}: {methods}{signed}"))
+
+
 @app.command("inspect")
 @handles_errors
 def inspect_command(
-    bundle: Annotated[str, typer.Argument(metavar="BUNDLE", help="The bundle to describe.")],
+    bundle: Annotated[str, typer.Argument(metavar="BUNDLE", help="The bundle, or an ExecuTorch program (.pte), to describe.")],
+    data: Annotated[Optional[str], typer.Option("--data", metavar="FILE.ptd", help=(
+        "An ExecuTorch program's data file (default: aoti_cuda_blob.ptd next to it)."))] = None,
     json_output: Annotated[bool, typer.Option("--json", help="Print one JSON document (docs/json.md).")] = False,
     verify: Annotated[bool, typer.Option("--verify", help="Re-check every digest, and run each method once with the library's own input checks.")] = False,
     trusted_key: TrustedKeyOption = [],  # noqa: B006
@@ -294,7 +325,7 @@ def inspect_command(
 
     keys = _trusted_keys(trusted_key, require_signature)
     with _native_stderr():
-        result = inspect_bundle(bundle, verify=verify, trusted_keys=keys)
+        result = inspect_bundle(bundle, verify=verify, trusted_keys=keys, data=data)
     if json_output:
         _out().line(json_text(result.to_json()))
     else:
@@ -309,7 +340,9 @@ def inspect_command(
 
 
 # Options shared by run and bench.
-BundleArgument = Annotated[str, typer.Argument(metavar="BUNDLE", help="The bundle.")]
+BundleArgument = Annotated[str, typer.Argument(metavar="BUNDLE", help="The bundle, or an ExecuTorch program (.pte).")]
+DataOption = Annotated[Optional[str], typer.Option("--data", metavar="FILE.ptd", help=(
+    "An ExecuTorch program's data file (default: aoti_cuda_blob.ptd next to the program)."))]
 InputsOption = Annotated[list[str], typer.Option(
     "--inputs", "-i", metavar="INPUT", help="PATH.npy by position, NAME=PATH.npy, @PATH.npy, PATH.npz, or NAME=VALUE inline (repeatable).")]
 MethodOption = Annotated[Optional[str], typer.Option(metavar="NAME", help="Method to run (default: the only one, or 'forward').")]
@@ -347,6 +380,7 @@ def _input_plan(inputs: list[str], random_inputs: bool, seed: int, shape: list[s
 @handles_errors
 def run_command(
     bundle: BundleArgument,
+    data: DataOption = None,
     inputs: InputsOption = [],  # noqa: B006
     method: MethodOption = None,
     device: DeviceOption = None,
@@ -399,7 +433,8 @@ def run_command(
         if out_dir is None:
             raise parse.UsageError("--batch needs --out-dir")
         _run_batch(bundle, batch, out_dir, out_format, method, device, devices, expected_dir, parse.tolerances(atol, rtol, exact),
-                   allow_missing, resume, fail_fast, lanes, not skip_weights_digest, _trusted_keys(trusted_key, require_signature), json_output)
+                   allow_missing, resume, fail_fast, lanes, not skip_weights_digest, _trusted_keys(trusted_key, require_signature), json_output,
+                   data)
         return
     for value, option in ((expected_dir, "--expected-dir"), (resume, "--resume"), (fail_fast, "--fail-fast"), (devices, "--devices")):
         if value:
@@ -412,7 +447,7 @@ def run_command(
     if bf16_as not in (None, "float32"):
         raise parse.UsageError(f"--bf16-as {bf16_as!r}: only float32 is supported")
     request = RunRequest(
-        bundle=Path(bundle), inputs=plan, method=method, device=device,
+        bundle=Path(bundle), inputs=plan, data=_path(data), method=method, device=device,
         outputs=OutputPlan(_path(out_dir), _path(out), bf16_as), save_inputs=_path(save_inputs), expected=_path(expected),
         tolerances=parse.tolerances(atol, rtol, exact), allow_missing=allow_missing,
         verify_weights=not skip_weights_digest, cuda_graph=cuda_graph, check_inputs=check_inputs or self_test,
@@ -441,6 +476,7 @@ def run_command(
 @handles_errors
 def bench_command(
     bundle: BundleArgument,
+    data: DataOption = None,
     inputs: InputsOption = [],  # noqa: B006  (none: --random-inputs)
     method: MethodOption = None,
     device: DeviceOption = None,
@@ -469,7 +505,7 @@ def bench_command(
         parse.positive(value, option)
     plan = _input_plan(inputs, random_inputs or not inputs, seed, shape, value_range)
     request = BenchRequest(
-        bundle=Path(bundle), inputs=plan, method=method, device=device, verify_weights=not skip_weights_digest, cuda_graph=cuda_graph,
+        bundle=Path(bundle), inputs=plan, data=_path(data), method=method, device=device, verify_weights=not skip_weights_digest, cuda_graph=cuda_graph,
         warmup=warmup, iterations=iterations, duration=duration, gates=Gates(max_p50_ms, max_p99_ms, min_throughput, max_load_s),
         trusted_keys=_trusted_keys(trusted_key, require_signature),
     )

@@ -175,4 +175,5 @@ SUBJECT_HINTS = {
     "tolerance": "see --atol/--rtol",
     "cuda_graph": "run without --cuda-graph",
     "trusted_key": "see --trusted-key",
+    "data": "give it with --data FILE.ptd",
 }

@@ -95,20 +95,27 @@ def ms(seconds: float) -> str:
 def inspect_lines(result: Any) -> list[str]:
     """`result` is an inspection.InspectResult."""
     manifest = result.manifest
-    lines = [clean(f"bundle {result.path}  (format {result.format_version}, {human_bytes(result.file_size)})")]
+    kind = "program" if result.program is not None else "bundle"
+    lines = [clean(f"{kind} {result.path}  (format {result.format_version}, {human_bytes(result.file_size)})")]
+    if result.program is not None:
+        data_file = result.program.data_path
+        lines.append(clean(f"data file {data_file}" if data_file is not None else "data file: none (everything is in the program)"))
     build = ", ".join(f"{key} {value}" for key, value in manifest.build.items())
     if build:
         lines.append(clean(f"built with {build}"))
     lines += [clean(f"meta {key} = {value}") for key, value in manifest.metadata.items()]
     for name, report in result.methods.items():
         lines += _method_lines(name, report)
+        if result.program is not None:
+            lines += _program_method_lines(result.program.methods[name])
     lines += ["", "segments"]
     headers = ["name", "offset", "size", "digest"] + (["verified"] if result.segment_digests_ok is not None else [])
     rows = []
     for entry in manifest.segments:
         row = [clean(entry.name), str(entry.offset), human_bytes(entry.size), entry.digest]
         if result.segment_digests_ok is not None:
-            row.append("ok" if result.segment_digests_ok[entry.name] else "MISMATCH")
+            ok = result.segment_digests_ok.get(entry.name)
+            row.append("not checkable" if ok is None else "ok" if ok else "MISMATCH")
         rows.append(row)
     lines += table(headers, rows, "  ")
     lines += _signature_lines(result.signature, result.segment_digests_ok is not None)
@@ -117,6 +124,32 @@ def inspect_lines(result: Any) -> list[str]:
         what = "digests only; a library was not checked" if skipped else "digests and library checks"
         lines.append(f"verified: yes ({what})" if result.verified else "verified: NO")
     lines.append(f"runnable here: {'yes' if result.runnable_here else 'no'}")
+    return lines
+
+
+def _program_method_lines(method: Any) -> list[str]:
+    """What an ExecuTorch program says about a method (format.program.ProgramMethodInfo)."""
+    from ..runtime.shim import missing_symbols
+
+    facts = method.library
+    specs = ", ".join(f"{key}={value}" for key, value in method.compile_specs.items())
+    lines = [
+        clean(f"  executorch: payload layout {method.layout.value}, CudaBackend ({specs})"),
+        clean(f"  plan: {'; '.join(method.instructions)}"),
+    ]
+    lines += [clean(f"  key {role}: {key}") for role, key in method.keys.items()]
+    if method.weight_count:
+        lines.append(clean(f"  weights: {method.weight_count} tensors by name, {human_bytes(method.weights_bytes)}"))
+    lines.append(clean(f"  GPU kernels: {', '.join(facts.kernels) or 'none (a CPU library)'}"))
+    missing, searched = missing_symbols(facts.shim_symbols, "cuda" if facts.uses_cuda else "cpu")
+    scope = "this libtorch" if searched == "cuda" or not facts.uses_cuda else "this libtorch (without CUDA)"
+    if missing is None:
+        verdict = "libtorch is not installed here to check them"
+    elif missing:
+        verdict = f"{scope} lacks {len(missing)}: {', '.join(missing[:6])}"
+    else:
+        verdict = f"{scope} has all of them"
+    lines.append(clean(f"  shim functions: {len(facts.shim_symbols)} needed, {verdict}"))
     return lines
 
 

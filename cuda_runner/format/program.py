@@ -119,7 +119,10 @@ class ProgramReader:
         self.info = ProgramInfo(data_path)
         lookup = _KeyLookup(program, data_file, self.path, data_path)
         methods = {name: self._method(plan, lookup) for name, plan in program.plans.items()}
-        segments = tuple(SegmentEntry(name, stored.span.offset, stored.span.size, NO_DIGEST) for name, stored in self._stored.items())
+        segments = tuple(
+            SegmentEntry(name, stored.span.offset, stored.span.size, f"sha256:{stored.sha256}" if stored.sha256 else NO_DIGEST)
+            for name, stored in self._stored.items()
+        )
         uses_constants = any(method.constants for method in methods.values())
         self.manifest = Manifest(
             methods=methods, segments=segments, build={"source": "executorch"},
@@ -162,7 +165,10 @@ class ProgramReader:
             constants = tuple(self._constant(plan.name, view, lookup) for view in payload.weights)
             weights_bytes = sum(self._stored[name].span.size for name in {item.segment for item in constants})
         elif payload.weights_key is not None:
-            weights = lookup.find(payload.weights_key, "weights", required=payload.layout is not et.PayloadLayout.G1)
+            # G1 names its weights by convention, so a model without weights has no such key;
+            # without any data file, though, the weights are more likely just not found.
+            optional = payload.layout is et.PayloadLayout.G1 and lookup.has_data_file
+            weights = lookup.find(payload.weights_key, "weights", required=not optional)
             if weights is not None:
                 weights_segment = self._store(f"{plan.name}_weights_blob", weights)
                 weights_bytes = weights.span.size
@@ -248,8 +254,9 @@ class ProgramReader:
         return self._stored[name].sha256 is not None
 
     def verify_all(self) -> dict[str, bool]:
+        """{segment: ok} for every segment whose key is a SHA-256; the others cannot be checked."""
         results = {}
-        for name in self._stored:
+        for name in (name for name, stored in self._stored.items() if stored.sha256 is not None):
             self._verified.discard(name)
             try:
                 self.segment(name, verify=True)
@@ -291,6 +298,10 @@ class _KeyLookup:
         self._path = path
         self._data_path = data_path
 
+    @property
+    def has_data_file(self) -> bool:
+        return self._data_path is not None
+
     def find(self, key: str, role: str, *, required: bool = True) -> StoredBytes | None:
         in_data, in_program = self._data.get(key), self._program.get(key)
         if in_data is not None and in_program is not None:
@@ -301,8 +312,8 @@ class _KeyLookup:
                 return None
             if self._data_path is None:
                 raise InputError(
-                    f"the program keeps its {role} in a data file ({et.DEFAULT_DATA_FILE} by default), which is not next to "
-                    f"{self._path.name}; give it", subject="data",
+                    f"the program keeps its {role} in a data file ({et.DEFAULT_DATA_FILE} by default), and none is next to {self._path.name}",
+                    subject="data",
                 )
             raise BundleError(f"program: its {role} (key {key[:80]!r}) is in neither {self._path.name} nor {self._data_path.name}")
         return StoredBytes(span, key, et.sha256_of_key(key))

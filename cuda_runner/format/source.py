@@ -49,6 +49,8 @@ def open_model(path: str | os.PathLike[str], data: str | os.PathLike[str] | None
     one ExecuTorch names `aoti_cuda_blob.ptd`, found next to the program)."""
     if is_program(path):
         return ProgramReader(path, data)
+    reader = open_bundle(path)  # a file that is neither is refused as a bad bundle
     if data is not None:
-        raise InputError(f"{Path(path).name} is not an ExecuTorch program; a data file goes only with a .pte program", subject="data")
-    return open_bundle(path)
+        reader.close()
+        raise InputError(f"{Path(path).name} is a bundle, not an ExecuTorch program; a data file goes only with a program")
+    return reader

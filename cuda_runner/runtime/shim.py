@@ -116,3 +116,16 @@ def load_shim(device_type: str) -> Shim:
 def _load_global(lib_dir: Path, names: tuple[str, ...]) -> list[ctypes.CDLL]:
     mode = os.RTLD_NOW | os.RTLD_GLOBAL
     return [ctypes.CDLL(str(lib_dir / name), mode=mode) for name in names]
+
+
+def missing_symbols(names: tuple[str, ...] | list[str], device_type: str) -> tuple[list[str] | None, str | None]:
+    """Which of the shim functions `names` this machine's libtorch lacks, and
+    which of its libraries were searched: "cuda", or "cpu" (also when the CUDA
+    ones cannot be loaded here); (None, None) when there is no libtorch at all."""
+    try:
+        shim = load_shim(device_type)
+    except Exception:
+        if device_type == "cpu":
+            return None, None
+        return missing_symbols(names, "cpu")
+    return [name for name in names if not any(hasattr(library, name) for library in shim._libraries)], device_type
