@@ -290,7 +290,7 @@ def _pte(methods: list[MethodPlan], payloads: list[bytes], named: dict[str, byte
     # Segment order as ExecuTorch writes it: the (empty) constant segment,
     # the non-empty delegate payloads, then the named data.
     nonempty = [payload for payload in payloads if payload]
-    blobs = [b""] + nonempty + list(named.values())
+    blobs = [b"", *nonempty, *list(named.values())]
     placed, segment_data = _segments_blob(blobs)
     builder = flatbuffers.Builder(1024)
     references, inline = [], []

@@ -1,0 +1,139 @@
+"""ExecuTorch programs run end to end: programs written by tests/et_writer.py
+around the dict_mlp library compiled in this session (two inputs, three
+outputs, a dynamic batch), in all three payload layouts, run directly and
+converted, and compared with the bundle the library came from."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+from et_writer import MethodPlan, TensorValue, Weight, write_program
+from helpers import cli
+
+import cuda_runner
+from cuda_runner.dtypes import SCALAR_TYPE_CODES
+from cuda_runner.errors import BundleError
+from cuda_runner.format.bundle import open_bundle
+
+FLOAT32 = SCALAR_TYPE_CODES["float32"]
+BOUND = 1  # ExecuTorch's DYNAMIC_BOUND
+
+
+def _library_constants(bundle: Path) -> set[str]:
+    """The FQNs the library holds as constants: a bias the compiler folded into
+    the code is not one (ExecuTorch lists exactly these in its manifest)."""
+    with cuda_runner.load(bundle) as model:
+        return {info.fqn for info in model.method()._live_container().constants()}
+
+
+def _weights(module, keep: set[str]) -> list[Weight]:
+    weights = []
+    for fqn, tensor in module.state_dict().items():
+        if fqn not in keep:
+            continue
+        array = tensor.detach().contiguous().numpy()
+        strides = tuple(stride // array.itemsize for stride in array.strides)
+        weights.append(Weight(fqn, array.tobytes(), SCALAR_TYPE_CODES[str(array.dtype)], tuple(array.shape), strides))
+    return weights
+
+
+@pytest.fixture(scope="module")
+def programs(compiled, tmp_path_factory) -> dict[str, Path]:
+    """layout -> model.pte, with its aoti_cuda_blob.ptd beside it."""
+    model = compiled("dict_mlp", "cpu")
+    with open_bundle(model.path) as reader:
+        library = bytes(reader.read_verified("forward_so_blob"))
+        blob = bytes(reader.segment("forward_weights_blob"))
+    inputs = [TensorValue(FLOAT32, (64, 16), BOUND), TensorValue(FLOAT32, (8,))]
+    outputs = [TensorValue(FLOAT32, (64, 8), BOUND), TensorValue(FLOAT32, ()), TensorValue(FLOAT32, (64, 32), BOUND)]
+    paths = {}
+    for layout in ("G1", "G2", "G3"):
+        method = MethodPlan("forward", library, inputs, outputs, weights_blob=blob, weights=_weights(model.module, _library_constants(model.path)), copies=layout != "G1")
+        folder = tmp_path_factory.mktemp(f"et_{layout}")
+        pte, ptd = write_program([method], layout)
+        (folder / "model.pte").write_bytes(pte)
+        (folder / "aoti_cuda_blob.ptd").write_bytes(ptd)
+        paths[layout] = folder / "model.pte"
+    return paths
+
+
+def _inputs(batch: int = 5) -> dict[str, np.ndarray]:
+    rng = np.random.default_rng(3)
+    return {"input_0": rng.standard_normal((batch, 16), dtype=np.float32), "input_1": rng.standard_normal(8, dtype=np.float32)}
+
+
+def _reference(compiled, arrays: dict[str, np.ndarray]) -> list[np.ndarray]:
+    with cuda_runner.load(compiled("dict_mlp", "cpu").path) as bundle:
+        outputs = bundle.run({"x": arrays["input_0"], "bias": arrays["input_1"]})
+    return [outputs["logits"], outputs["aux.loss"], outputs["aux.hidden"]]
+
+
+@pytest.mark.parametrize("layout", ["G1", "G2", "G3"])
+def test_programs_run_exactly_like_their_bundle(programs, compiled, layout):
+    arrays = _inputs()
+    with cuda_runner.load(programs[layout]) as model:
+        method = model.method()
+        assert method.check_inputs  # bounds only: the library's own checks stay on
+        outputs = model.run(arrays)
+    for got, expected in zip([outputs["output_0"], outputs["output_1"], outputs["output_2"]], _reference(compiled, arrays)):
+        np.testing.assert_array_equal(got, expected)
+
+
+@pytest.mark.parametrize("layout", ["G1", "G3"])
+def test_a_converted_program_runs_exactly_like_the_program(programs, tmp_path, layout):
+    converted = tmp_path / "m.bundle"
+    assert cli("convert", str(programs[layout]), "-o", str(converted)).returncode == 0
+    arrays = _inputs(7)
+    with cuda_runner.load(programs[layout]) as program, cuda_runner.load(converted) as bundle:
+        assert program.manifest.methods == bundle.manifest.methods
+        direct, through_bundle = program.run(arrays), bundle.run(arrays)
+    for name in direct:
+        np.testing.assert_array_equal(direct[name], through_bundle[name])
+
+
+def test_a_size_the_library_was_not_built_for_is_refused(programs):
+    """The program only bounds input_0's dims; the library's checks refuse 15 columns."""
+    arrays = _inputs()
+    arrays["input_0"] = np.zeros((5, 15), np.float32)
+    with cuda_runner.load(programs["G2"]) as model, pytest.raises(BundleError, match="does not match the library"):
+        model.run(arrays)
+
+
+def test_run_cli_with_expected_and_data(programs, compiled, tmp_path):
+    arrays = _inputs()
+    np.savez(tmp_path / "in.npz", **arrays)
+    reference = _reference(compiled, arrays)
+    np.savez(tmp_path / "ref.npz", output_0=reference[0], output_1=reference[1], output_2=reference[2])
+    folder = programs["G3"].parent
+    result = cli("run", str(programs["G3"]), "--data", str(folder / "aoti_cuda_blob.ptd"), "--inputs", str(tmp_path / "in.npz"),
+                 "--expected", str(tmp_path / "ref.npz"), "--out-dir", str(tmp_path / "out"))
+    assert result.returncode == 0, result.stderr
+    assert "VERDICT: PASSED" in result.stdout
+    assert sorted(path.name for path in (tmp_path / "out").iterdir()) == ["output_0.npy", "output_1.npy", "output_2.npy"]
+    bench = cli("bench", str(programs["G3"]), "--iterations", "5", "--warmup", "1", "--json")
+    assert bench.returncode == 0, bench.stderr
+
+
+def test_weights_that_do_not_match_the_library_are_refused(compiled, tmp_path):
+    model = compiled("dict_mlp", "cpu")
+    with open_bundle(model.path) as reader:
+        library = bytes(reader.read_verified("forward_so_blob"))
+    weights = _weights(model.module, _library_constants(model.path))
+    inputs = [TensorValue(FLOAT32, (64, 16), BOUND), TensorValue(FLOAT32, (8,))]
+    outputs = [TensorValue(FLOAT32, (64, 8), BOUND), TensorValue(FLOAT32, ()), TensorValue(FLOAT32, (64, 32), BOUND)]
+    cases = {
+        "missing": (weights[1:], "do not supply"),
+        "extra": ([*weights, Weight("stray.weight", b"\0" * 4, FLOAT32, (1,), (1,))], "does not have"),
+        "dtype": ([Weight(weights[0].fqn, weights[0].storage, SCALAR_TYPE_CODES["int32"], weights[0].sizes, weights[0].strides), *weights[1:]], "dtype"),
+    }
+    for name, (given, message) in cases.items():
+        folder = tmp_path / name
+        folder.mkdir()
+        pte, ptd = write_program([MethodPlan("forward", library, inputs, outputs, weights=given)], "G3")
+        (folder / "model.pte").write_bytes(pte)
+        (folder / "aoti_cuda_blob.ptd").write_bytes(ptd)
+        with pytest.raises(BundleError, match=message):
+            cuda_runner.load(folder / "model.pte")
+        assert cli("run", str(folder / "model.pte"), "--random-inputs").returncode == 3
