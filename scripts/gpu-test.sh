@@ -9,6 +9,19 @@ out="${OUT:-$PWD/gpu-out}"
 mkdir -p "$out"
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 python3 -c 'import torch, cupy, numpy, typer; print("torch", torch.__version__, "cupy", cupy.__version__, "numpy", numpy.__version__, "typer", typer.__version__, "gpu", torch.cuda.get_device_name(0))' | tee "$out/versions.txt"
+# Wheels carried to a machine without registry access (.gpu-wheels/: cryptography
+# for the signing tests, executorch and what its exporter imports), installed
+# into a private folder, then a real ExecuTorch program exported on this GPU.
+if ls .gpu-wheels/*.whl >/dev/null 2>&1; then
+  pkgs="${TMPDIR:-/tmp}/cuda-runner-gpu-pkgs"
+  python3 -m pip install -q --no-deps --target "$pkgs" .gpu-wheels/*.whl 2>&1 | tail -2
+  export PYTHONPATH="$PYTHONPATH:$pkgs" PATH="$pkgs/bin:$PATH"
+  if [ "${GPU_ET_EXPORT:-1}" = 1 ] && [ -d "$pkgs/executorch" ]; then
+    python3 scripts/make_et_program.py --out-dir "$out/et_two_io" > "$out/et-export.log" 2>&1
+    tail -1 "$out/et-export.log"
+    [ -f "$out/et_two_io/model.pte" ] && export CUDA_RUNNER_ET_EXTRA="$out/et_two_io"
+  fi
+fi
 python3 -X faulthandler -m pytest -m gpu tests -p no:cacheprovider -p no:logging -rA -s ${GPU_TEST_ARGS:-} 2>&1 | tee "$out/gpu-tests.log"
 status=${PIPESTATUS[0]}
 [ "${GPU_COLDSTART:-1}" = 1 ] && {
