@@ -47,6 +47,15 @@ def test_real_programs_read_as_one_cuda_delegate_call(layout):
         assert set(reader.verify_all()) == expected_checks and all(reader.verify_all().values())
 
 
+def test_a_dynamic_two_input_program_from_the_gpu_machine():
+    with ProgramReader(DATA / "g3_two_io_et151_torch211" / "model.pte") as reader:
+        spec = reader.manifest.methods["forward"]
+    assert [t.name for t in spec.inputs] == ["input_0", "input_1"] and [t.name for t in spec.outputs] == ["output_0", "output_1"]
+    assert spec.inputs[0].shape == ("input_0_d0", "input_0_d1") and spec.dims["input_0_d0"].max == 32
+    assert spec.outputs[1].shape == ("output_1_d0",) and spec.compile_options["signature_bounds_only"] is True
+    assert len(spec.constants) == 5
+
+
 def _as_plan(folder: Path, copies: bool) -> tuple[MethodPlan, str]:
     """The test writer's description of a real program: its own library, weights and signature."""
     program = _program(folder)
