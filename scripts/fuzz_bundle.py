@@ -1,4 +1,4 @@
-"""Fuzz the bundle reader through the CLI: mutate a valid bundle N times and count outcomes.
+"""Fuzz the bundle and ExecuTorch program readers through the CLI: mutate a valid file N times and count outcomes.
 
 Each case runs `cuda-runner run BUNDLE --random-inputs` (which must verify the
 bundle before loading its library) in a forked child of a process that has
@@ -6,6 +6,12 @@ already imported the CLI and loaded libtorch, so a case costs milliseconds
 and a crash or hang is seen as a signal or a timeout of that child alone.
 
     python scripts/fuzz_bundle.py --cases 10000 [--bundle model.bundle] [--json out.json]
+    python scripts/fuzz_bundle.py --program model.pte [--target ptd] --cases 3000
+
+For a program (`--program`, a CPU one that runs here; its data file next to
+it), only the keys that are SHA-256s protect bytes, so an unchanged exit 0 is
+possible (padding, unused flatbuffer bytes, unhashed weights); crashes, hangs
+and tracebacks are what must not happen.
 
 Outcomes: exit 3 (refused as a bad bundle) is the only right answer for a
 changed file. Anything else is reported: exit 0 on a changed file is an
@@ -26,11 +32,16 @@ import tempfile
 import time
 from pathlib import Path
 
+BUNDLE_FIELDS = [(8, 2), (10, 2), (12, 4), (16, 8), (24, 8), (32, 8), (40, 4), (44, 4), (48, 16)]
+PROGRAM_FIELDS = [(0, 4), (4, 4), (8, 4), (12, 4), (16, 8), (24, 8), (32, 8), (40, 8)]  # root, identifier, eh00/FH01 fields
 
-def mutate(data: bytes, rng: random.Random) -> bytes:
+
+def mutate(data: bytes, rng: random.Random, program: bool = False) -> bytes:
     """One random damage: bit flips, byte rewrites, truncation, extension, header rewrites, splices."""
     buffer = bytearray(data)
-    manifest_end = 64 + struct.unpack_from("<Q", data, 24)[0]
+    # The part every reader parses first: the header and manifest, or the flatbuffer.
+    manifest_end = min(len(data), 4096) if program else 64 + struct.unpack_from("<Q", data, 24)[0]
+    fields = PROGRAM_FIELDS if program else BUNDLE_FIELDS
     kind = rng.choice(["flip", "flip_head", "byte", "truncate", "extend", "header_field", "zero_run", "splice", "shift"])
     if kind == "flip":
         offset = rng.randrange(len(buffer))
@@ -46,7 +57,7 @@ def mutate(data: bytes, rng: random.Random) -> bytes:
     elif kind == "extend":
         buffer.extend(rng.randbytes(rng.randint(1, 5000)))
     elif kind == "header_field":
-        offset, width = rng.choice([(8, 2), (10, 2), (12, 4), (16, 8), (24, 8), (32, 8), (40, 4), (44, 4), (48, 16)])
+        offset, width = rng.choice(fields)
         buffer[offset:offset + width] = rng.randbytes(width)
     elif kind == "zero_run":
         start = rng.randrange(len(buffer))
@@ -118,11 +129,22 @@ def main() -> int:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--timeout", type=float, default=20.0, help="seconds before a case counts as a hang")
     parser.add_argument("--json", type=Path, help="write the counts here")
+    parser.add_argument("--program", type=Path, help="fuzz this ExecuTorch program (.pte, its .ptd beside it) instead of a bundle")
+    parser.add_argument("--target", choices=["pte", "ptd"], default="pte", help="with --program: which of its two files to damage")
     options = parser.parse_args()
 
     work = Path(tempfile.mkdtemp(prefix="cuda-runner-fuzz-"))
-    bundle = options.bundle or seed_bundle(work)
-    original = bundle.read_bytes()
+    if options.program is not None:
+        import shutil
+
+        for path in options.program.parent.glob("*.pt[ed]"):
+            shutil.copy(path, work / ("case.pte" if path.suffix == ".pte" else path.name))
+        bundle = work / "case.pte"
+        damaged = bundle if options.target == "pte" else next(work.glob("*.ptd"))
+    else:
+        bundle = options.bundle or seed_bundle(work)
+        damaged = work / "case.bundle"
+    original = (bundle if options.program is None else damaged).read_bytes()
     # Import and load everything once here; every forked case inherits it.
     import cuda_runner.cli.main
     import cuda_runner.cli.render
@@ -137,21 +159,25 @@ def main() -> int:
     rng = random.Random(options.seed)
     outcomes: collections.Counter[str] = collections.Counter()
     accepted = []
-    case_path = work / "case.bundle"
+    odd: list[tuple[int, str]] = []  # (case, outcome) for anything but a refusal or a run
+    case_path = damaged
     started = time.perf_counter()
     for index in range(options.cases):
-        data = mutate(original, rng)
+        data = mutate(original, rng, program=options.program is not None)
         if data == original:
             outcomes["unchanged (skipped)"] += 1
             continue
         case_path.write_bytes(data)
-        outcome = run_case(case_path, options.timeout)
+        outcome = run_case(bundle if options.program is not None else case_path, options.timeout)
         outcomes[outcome] += 1
         if outcome == "exit 0":
             accepted.append(index)
+        elif outcome not in ("exit 3",):
+            odd.append((index, outcome))
     elapsed = time.perf_counter() - started
     crashes = sum(count for outcome, count in outcomes.items() if outcome.startswith("signal"))
-    unexpected = {outcome: count for outcome, count in outcomes.items() if outcome not in ("exit 3", "unchanged (skipped)")}
+    allowed = ("exit 3", "unchanged (skipped)") + (("exit 0",) if options.program is not None else ())
+    unexpected = {outcome: count for outcome, count in outcomes.items() if outcome not in allowed}
     report = {
         "cases": options.cases,
         "seconds": round(elapsed, 1),
@@ -161,7 +187,9 @@ def main() -> int:
         "tracebacks": outcomes.get("exit 99", 0),
         "accepted_tamperings": len(accepted),
         "unexpected_outcomes": unexpected,
-        "bundle_bytes": len(original),
+        "odd_cases": odd[:50],
+        "file": "bundle" if options.program is None else f"program {options.target}",
+        "bytes": len(original),
     }
     print(json.dumps(report, indent=2))
     if options.json:

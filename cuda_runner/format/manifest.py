@@ -36,9 +36,13 @@ MAX_METHOD_NAME_LENGTH = MAX_NAME_LENGTH - len("_sample_outputs")
 _DIGEST_PATTERN = re.compile(rf"^{DIGEST_ALGORITHM}:[0-9a-f]{{32}}$")
 _EXPRESSION_PATTERN = re.compile(r"^[A-Za-z0-9_.+\-*/() ]+$")
 
-# A compile_options key: the signature gives only upper bounds for its dims
-# (ExecuTorch programs), so the runtime keeps the library's own input checks on.
-BOUNDS_ONLY_OPTION = "signature_bounds_only"
+# A compile_options key: nothing vouches for the signature, or it gives only
+# upper bounds for its dims (ExecuTorch programs), so the runtime keeps the
+# library's own input checks on.
+LIBRARY_CHECKS_OPTION = "library_checks_required"
+# A compile_options key: the buffers a run writes to (torch.export's
+# buffers_to_mutate), recorded at compile time; [] says a run changes no state.
+MUTATED_BUFFERS_OPTION = "mutated_buffers"
 CONSTANT_TABLE = "constant-table"  # weights as one tensor view per constant (format 1.1)
 
 # Features a reader must understand to use a bundle that lists them as

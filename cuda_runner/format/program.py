@@ -32,8 +32,8 @@ from . import executorch as et
 from .bundle import _open_regular_file
 from .elf import LibraryFacts, read_library_facts
 from .manifest import (
-    BOUNDS_ONLY_OPTION,
     CONSTANT_TABLE,
+    LIBRARY_CHECKS_OPTION,
     ConstantSpec,
     DeviceSpec,
     DimSpec,
@@ -77,16 +77,6 @@ class ProgramMethodInfo:
 class ProgramInfo:
     data_path: Path | None
     methods: dict[str, ProgramMethodInfo] = field(default_factory=dict)
-
-
-def is_program(path: str | os.PathLike[str]) -> bool:
-    """Whether the file starts like an ExecuTorch program (identifier at bytes 4-8)."""
-    try:
-        with open(path, "rb") as handle:
-            head = handle.read(8)
-    except OSError:
-        return False
-    return len(head) == 8 and head[4:6] == b"ET" and head[6:8].isalnum()
 
 
 class ProgramReader:
@@ -176,9 +166,12 @@ class ProgramReader:
         signature_in = tuple(_tensor_spec(f"input_{position}", tensor, dims) for position, tensor in inputs)
         signature_out = tuple(_tensor_spec(f"output_{position}", tensor, dims) for position, tensor in outputs)
         specs = {key: value.decode("utf-8", "replace") for key, value in delegate.specs.items()}
-        options: dict[str, Any] = {"executorch_payload_layout": payload.layout.value, "executorch_compile_specs": specs}
-        if dims:
-            options[BOUNDS_ONLY_OPTION] = True
+        # Nothing in a program vouches for its signature (no digest covers it),
+        # and for dynamic tensors it gives only bounds: the library's own input
+        # checks stay on for every program method (docs/executorch.md).
+        options: dict[str, Any] = {
+            "executorch_payload_layout": payload.layout.value, "executorch_compile_specs": specs, LIBRARY_CHECKS_OPTION: True,
+        }
         self.info.methods[plan.name] = ProgramMethodInfo(
             payload.layout, [item.describe(list(plan.delegates)) for item in plan.instructions], specs,
             {"library": payload.library_key, **({"weights": payload.weights_key} if weights_segment and payload.weights_key else {})},

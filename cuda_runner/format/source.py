@@ -11,12 +11,14 @@ from __future__ import annotations
 import os
 from concurrent.futures import Future
 from pathlib import Path
-from typing import Protocol, Union
+from typing import TYPE_CHECKING, Protocol, Union
 
 from ..errors import InputError
 from .bundle import BundleReader, open_bundle
 from .manifest import Manifest
-from .program import ProgramReader, is_program
+
+if TYPE_CHECKING:  # the ExecuTorch reader is imported only for a program
+    from .program import ProgramReader
 
 
 class ModelFile(Protocol):
@@ -41,13 +43,26 @@ class ModelFile(Protocol):
     def close(self) -> None: ...
 
 
-AnyReader = Union[BundleReader, ProgramReader]
+AnyReader = Union[BundleReader, "ProgramReader"]
+
+
+def is_program(path: str | os.PathLike[str]) -> bool:
+    """Whether the file starts like an ExecuTorch program: "ET" and two letters
+    or digits at bytes 4-8, where a bundle has its magic."""
+    try:
+        with open(path, "rb") as handle:
+            head = handle.read(8)
+    except OSError:
+        return False
+    return len(head) == 8 and head[4:6] == b"ET" and head[6:8].isalnum()
 
 
 def open_model(path: str | os.PathLike[str], data: str | os.PathLike[str] | None = None) -> AnyReader:
     """A bundle, or an ExecuTorch program with its data file (`data`, or the
     one ExecuTorch names `aoti_cuda_blob.ptd`, found next to the program)."""
     if is_program(path):
+        from .program import ProgramReader
+
         return ProgramReader(path, data)
     reader = open_bundle(path)  # a file that is neither is refused as a bad bundle
     if data is not None:

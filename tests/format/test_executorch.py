@@ -52,7 +52,7 @@ def test_a_dynamic_two_input_program_from_the_gpu_machine():
         spec = reader.manifest.methods["forward"]
     assert [t.name for t in spec.inputs] == ["input_0", "input_1"] and [t.name for t in spec.outputs] == ["output_0", "output_1"]
     assert spec.inputs[0].shape == ("input_0_d0", "input_0_d1") and spec.dims["input_0_d0"].max == 32
-    assert spec.outputs[1].shape == ("output_1_d0",) and spec.compile_options["signature_bounds_only"] is True
+    assert spec.outputs[1].shape == ("output_1_d0",) and spec.compile_options["library_checks_required"] is True
     assert len(spec.constants) == 5
 
 
@@ -237,7 +237,7 @@ def test_a_dynamic_program_names_its_dims_and_keeps_the_library_checks_on(tmp_pa
         spec = reader.manifest.methods["forward"]
     assert spec.inputs[0].shape == ("input_0_d0", "input_0_d1")
     assert spec.dims["input_0_d0"].max == 64 and spec.dims["input_0_d0"].min == 1
-    assert spec.compile_options["signature_bounds_only"] is True
+    assert spec.compile_options["library_checks_required"] is True
 
 
 # ---------------------------------------------------------------------------
