@@ -4,6 +4,7 @@ start-up imports stay light."""
 from __future__ import annotations
 
 import ast
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -49,7 +50,9 @@ def _modules_after(*argv: str) -> list[str]:
         "try:\n    main()\nexcept SystemExit:\n    pass\n"
         "print(sorted(m for m in ('torch', 'cupy', 'numpy', 'rich', 'pydantic') if m in sys.modules))\n"
     )
-    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    # A full exit, so that the code after main() runs and can list the modules.
+    environment = dict(os.environ, CUDA_RUNNER_FULL_EXIT="1")
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, env=environment)
     return eval(result.stdout.strip().splitlines()[-1])  # the list printed last
 
 

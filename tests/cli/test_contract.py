@@ -211,3 +211,17 @@ def test_bench_gates_exit_5_with_the_figure_and_the_limit(dict_mlp_bundle):
     document = json.loads(passed.stdout)
     assert passed.returncode == 0 and document["verdict"] == "PASSED"
     assert document["throughput_per_s"] == pytest.approx(document["steady_s"]["count"] / document["timed_wall_s"])
+
+
+def test_the_console_script_exits_at_once_with_its_outputs_written(dict_mlp_bundle, tmp_path):
+    """main() leaves through os._exit after flushing (the interpreter's and
+    libtorch's teardown cost 0.3 s of a cold run): outputs, stdout and the
+    exit code must be whole."""
+    from helpers import run_cli
+
+    result = run_cli("run", str(dict_mlp_bundle.path), "--random-inputs", "--out-dir", str(tmp_path / "out"), "--json")
+    assert result.returncode == 0, result.stderr
+    assert json.loads(result.stdout)["verdict"] == "PASSED"
+    assert sorted(path.name for path in (tmp_path / "out").iterdir()) == ["aux.hidden.npy", "aux.loss.npy", "logits.npy"]
+    failed = run_cli("run", str(dict_mlp_bundle.path), "--random-inputs", "--shape", "x=100x16")
+    assert failed.returncode == 2 and failed.stderr.startswith("error:")
