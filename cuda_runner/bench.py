@@ -25,8 +25,8 @@ load_s: the load phases, as in `run --json`: open (the bundle's header, manifest
 (libtorch's shim libraries, once per process), verify_library (copy the library segment and check its digest),
 load_library (memfd and dlopen), create_container, load_weights (feed the weights blob; its digest and those of the
 stored samples are checked on other threads meanwhile), verify_weights_wait (waiting for those checks), capture_graph
-(--cuda-graph).
-first_run_s: the first host-to-host run, which also loads the kernels.
+(--cuda-graph), warm_up (CUDA: one run on zeros, so the first call does not load kernels or create cuBLAS handles).
+first_run_s: the first host-to-host run after the load (on CUDA the load's warm_up phase has already run the model once).
 steady_s: wall time of one host-to-host run (copy in, model, copy out, synchronize), after warm-up.
 throughput_per_s: runs completed in the timed phase divided by its wall time.
 split_s: the same run in separate passes with its phases timed: on a GPU by CUDA events (device time of copy_in, the
@@ -117,6 +117,7 @@ class BenchRequest:
     duration: float | None = None  # seconds; replaces iterations
     gates: Gates = field(default_factory=Gates)
     trusted_keys: tuple[TrustedKey, ...] = ()
+    warm_up: bool = True  # CUDA: run once during the load (see Method.load)
 
 
 @dataclass
@@ -195,7 +196,8 @@ def benchmark(request: BenchRequest, progress: Progress = lambda done, total: No
     except BaseException:
         reader.close()
         raise
-    with load_model(reader, request.device, verify_weights=request.verify_weights, methods=[spec.name], cuda_graph=request.cuda_graph) as model:
+    with load_model(reader, request.device, verify_weights=request.verify_weights, methods=[spec.name], cuda_graph=request.cuda_graph,
+                    warm_up=request.warm_up) as model:
         result = _measure(request, model, spec.name, inputs.arrays, progress)
         result.load["open"] = opened
     result.check_gates(request.gates)

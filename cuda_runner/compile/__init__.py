@@ -17,8 +17,8 @@ from typing import Any
 from .. import __version__
 from ..errors import CompileError, InputError
 from ..format import Manifest, MethodSpec, write_bundle
-from ..format.manifest import method_name_problem
-from .aot import Progress, check_device, compile_program, import_torch
+from ..format.manifest import MUTATED_BUFFERS_OPTION, method_name_problem
+from .aot import Progress, check_device, check_options, compile_program, import_torch
 from .signature import dim_names_from_dynamic_shapes, program_signature
 
 __all__ = ["MethodSource", "compile_module", "compile_programs", "export_module"]
@@ -60,8 +60,12 @@ def compile_module(
     metadata: Mapping[str, str] | None = None,
     sample_inputs: Mapping[str, Any] | None = None,
     progress: Progress = _quiet,
+    options: Mapping[str, Any] | None = None,
 ) -> Manifest:
-    """Export `module` with example `args` and compile it into a one-method bundle."""
+    """Export `module` with example `args` and compile it into a one-method bundle.
+
+    `options` are Inductor config values ({"max_autotune": True}, or
+    AUTOTUNE_OPTIONS); they are recorded in the manifest."""
     torch = import_torch()
     target = check_device(torch, device)
     if target != "cpu":
@@ -71,7 +75,7 @@ def compile_module(
     progress(f"exporting {method}")
     source = export_module(module, args, kwargs, dynamic_shapes)
     source = MethodSource(source.program, source.dim_names, sample_inputs)
-    return compile_sources({method: source}, path, device=target, metadata=metadata, progress=progress)
+    return compile_sources({method: source}, path, device=target, metadata=metadata, progress=progress, options=options)
 
 
 def compile_programs(
@@ -82,6 +86,7 @@ def compile_programs(
     metadata: Mapping[str, str] | None = None,
     sample_inputs: Mapping[str, Mapping[str, Any]] | None = None,
     progress: Progress = _quiet,
+    options: Mapping[str, Any] | None = None,
 ) -> Manifest:
     """Compile saved ExportedPrograms (torch.export.save) into one bundle; keys are method names."""
     torch = import_torch()
@@ -92,7 +97,7 @@ def compile_programs(
         program = _load_program(torch, Path(program_path))
         samples = (sample_inputs or {}).get(method)
         sources[method] = MethodSource(program, None, samples)
-    return compile_sources(sources, path, device=target, metadata=metadata, progress=progress)
+    return compile_sources(sources, path, device=target, metadata=metadata, progress=progress, options=options)
 
 
 def _load_program(torch: Any, path: Path) -> Any:
@@ -113,9 +118,11 @@ def compile_sources(
     device: str,
     metadata: Mapping[str, str] | None = None,
     progress: Callable[[str], None] = _quiet,
+    options: Mapping[str, Any] | None = None,
 ) -> Manifest:
     """Compile each method and write the bundle atomically."""
     torch = import_torch()
+    user_options = check_options(torch, options or {})
     if not sources:
         raise InputError("nothing to compile: give at least one method")
     methods: dict[str, MethodSpec] = {}
@@ -124,7 +131,7 @@ def compile_sources(
         problem = method_name_problem(method)
         if problem:
             raise InputError(f"method name {method!r} {problem}")
-        spec, method_segments = _compile_method(torch, method, source, device, progress)
+        spec, method_segments = _compile_method(torch, method, source, device, progress, user_options)
         methods[method] = spec
         segments.update(method_segments)
     manifest = Manifest(
@@ -138,7 +145,9 @@ def compile_sources(
     return manifest
 
 
-def _compile_method(torch: Any, method: str, source: MethodSource, device: str, progress: Progress) -> tuple[MethodSpec, dict[str, bytes]]:
+def _compile_method(
+    torch: Any, method: str, source: MethodSource, device: str, progress: Progress, options: Mapping[str, Any],
+) -> tuple[MethodSpec, dict[str, bytes]]:
     program = source.program
     if device != "cpu":
         from torch.export.passes import move_to_device_pass
@@ -147,7 +156,7 @@ def _compile_method(torch: Any, method: str, source: MethodSource, device: str, 
     signature = program_signature(program, source.dim_names)
     args, kwargs = _example_inputs(program, device)
     progress(f"compiling method {method!r} for {device}")
-    compiled = compile_program(program, args, kwargs, device, progress)
+    compiled = compile_program(program, args, kwargs, device, progress, options)
     segments = {f"{method}_so_blob": compiled.library, f"{method}_weights_blob": compiled.weights}
     spec = MethodSpec(
         name=method,
@@ -158,7 +167,7 @@ def _compile_method(torch: Any, method: str, source: MethodSource, device: str, 
         outputs=signature.outputs,
         dims=signature.dims,
         torch_version=torch.__version__,
-        compile_options=compiled.options,
+        compile_options={**compiled.options, MUTATED_BUFFERS_OPTION: sorted(program.graph_signature.buffers_to_mutate.values())},
     )
     if source.sample_inputs is not None:
         from .samples import sample_segments

@@ -27,6 +27,7 @@ from .library import ModelLibrary
 Handle = ctypes.c_void_p
 _SIZE_P = ctypes.POINTER(ctypes.c_size_t)
 _PREFIX = "AOTInductorModelContainer"
+_BUFFER_CONSTANT = 2  # torch::aot_inductor::ConstantType::Buffer
 
 
 class Container:
@@ -62,6 +63,7 @@ class Container:
         self._constant_fqn = lib.require(f"{_PREFIX}GetConstantOriginalFQN", (*index_query, ctypes.POINTER(ctypes.c_char_p)))
         self._constant_dtype = lib.require(f"{_PREFIX}GetConstantDtype", (*index_query, ctypes.POINTER(ctypes.c_int32)))
         self._constant_size = lib.require(f"{_PREFIX}GetConstantDataSize", (*index_query, _SIZE_P))
+        self._constant_type = lib.optional(f"{_PREFIX}GetConstantType", (*index_query, ctypes.POINTER(ctypes.c_int32)))
         self._constant_folded = lib.optional(f"{_PREFIX}GetConstantFromFolded", (*index_query, ctypes.POINTER(ctypes.c_bool)))
         self._bind_user_managed = lib.optional(
             f"{_PREFIX}UpdateUserManagedConstantBufferPairs",
@@ -132,6 +134,17 @@ class Container:
                 (name.value or b"").decode("utf-8", "replace"), (fqn.value or b"").decode("utf-8", "replace"), dtype.value, size.value, folded.value,
             ))
         return found
+
+    def has_buffers(self) -> bool | None:
+        """Whether any constant is a module buffer (state a run may change); None if the library cannot say."""
+        if self._constant_type is None:
+            return None
+        for index in range(self.num_constants):
+            kind = ctypes.c_int32()
+            self._check(self._constant_type(self._handle, index, ctypes.byref(kind)), "query a constant's type")
+            if kind.value == _BUFFER_CONSTANT:
+                return True
+        return False
 
     def bind_constants(self, pairs: list[tuple[str, int]]) -> None:
         """Point the library's constants at tensors the caller keeps alive

@@ -183,6 +183,7 @@ def load_model(
     lanes: int = 1,
     check_inputs: bool = False,
     trusted_keys: Sequence[TrustedKey] = (),
+    warm_up: bool = True,
 ) -> Model:
     """Load methods (all by default) onto `device`. The Model takes over an open reader.
 
@@ -199,7 +200,7 @@ def load_model(
         target = choose_device(specs, device)
         for spec in specs:
             loaded[spec.name] = Method.load(
-                reader, spec, target, verify_weights=verify_weights, cuda_graph=cuda_graph, lanes=lanes, check_inputs=check_inputs,
+                reader, spec, target, verify_weights=verify_weights, cuda_graph=cuda_graph, lanes=lanes, check_inputs=check_inputs, warm_up=warm_up,
             )
         if reader.signature is not None:
             reader.signature.cancel()  # what is loaded is checked; hash nothing more while the model runs
