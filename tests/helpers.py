@@ -51,10 +51,14 @@ def compile_fixture(tmp_path_factory: pytest.TempPathFactory, builder: str, devi
     samples = SAMPLES.get(builder)
     cuda_runner.compile_module(
         module, args, path, device=device, dynamic_shapes=dynamic_shapes, metadata={"fixture": builder},
-        sample_inputs=samples() if samples else None,
+        sample_inputs=samples() if samples else None, options=OPTIONS.get(builder),
     )
     return CompiledModel(path, module, args)
 
+
+# Inductor options some fixtures are compiled with (tests/compile/test_options.py);
+# coordinate descent tuning only tunes Triton kernels, so a CPU build is unchanged.
+OPTIONS = {"linear": {"coordinate_descent_tuning": True}}
 
 # Sample inputs stored in fixture bundles, for --self-test.
 SAMPLES = {

@@ -129,6 +129,26 @@ def key_values(items: Sequence[str], option: str) -> dict[str, str]:
     return result
 
 
+def option_values(items: Sequence[str], autotune: bool) -> dict[str, object]:
+    """--option KEY=VALUE values typed as written (true/false, numbers, JSON
+    lists and objects, else text), on top of the --autotune preset."""
+    import json
+
+    from ..compile.aot import AUTOTUNE_OPTIONS
+
+    values: dict[str, object] = dict(AUTOTUNE_OPTIONS) if autotune else {}
+    for key, text in key_values(items, "--option").items():
+        lowered = text.strip().lower()
+        if lowered in ("true", "false"):
+            values[key] = lowered == "true"
+            continue
+        try:
+            values[key] = json.loads(text) if text.strip()[:1] in "[{-0123456789" else text
+        except ValueError:
+            values[key] = text
+    return values
+
+
 def tolerances(atol: Sequence[str], rtol: Sequence[str], exact: bool = False) -> Tolerances:
     """--atol 1e-3 (every output) or --atol logits=1e-3 (one output)."""
     from ..verify.compare import Tolerances
@@ -176,4 +196,6 @@ SUBJECT_HINTS = {
     "cuda_graph": "run without --cuda-graph",
     "trusted_key": "see --trusted-key",
     "data": "give it with --data FILE.ptd",
+    "option": "see --option",
+    "batch_size": "run without --batch-size",
 }

@@ -33,7 +33,33 @@ SELF_CONTAINED_OPTIONS: dict[str, Any] = {
     "aot_inductor.link_libtorch": False,
 }
 
+# `compile --autotune`: Inductor benchmarks its GEMM and convolution choices
+# (Triton templates against the ATen/cuBLAS kernels) and tunes the tile sizes
+# of its generated kernels, picking the fastest on this GPU.
+AUTOTUNE_OPTIONS: dict[str, Any] = {"max_autotune": True, "coordinate_descent_tuning": True}
+
+# What the runtime relies on: a user option may not change these.
+_PROTECTED_OPTIONS = frozenset(SELF_CONTAINED_OPTIONS) | {"aot_inductor.output_path", "cpp.cxx", "aot_inductor.check_lowerbound"}
+
 Progress = Callable[[str], None]
+
+
+def check_options(torch: Any, options: Mapping[str, Any]) -> dict[str, Any]:
+    """Inductor config values given by the user: known keys, values of the default's type."""
+    known = torch._inductor.config.get_config_copy()
+    checked = {}
+    for key, value in options.items():
+        if key in _PROTECTED_OPTIONS:
+            raise InputError(f"option {key!r} is set by cuda-runner (the bundle depends on it) and cannot be changed", subject="option")
+        if key not in known:
+            raise InputError(f"{key!r} is not an Inductor option (see torch._inductor.config)", subject="option")
+        default = known[key]
+        if isinstance(default, bool) and not isinstance(value, bool):
+            raise InputError(f"option {key!r} takes true or false, not {value!r}", subject="option")
+        if isinstance(default, (int, float)) and not isinstance(default, bool) and (isinstance(value, bool) or not isinstance(value, (int, float))):
+            raise InputError(f"option {key!r} takes a number, not {value!r}", subject="option")
+        checked[key] = value
+    return checked
 
 
 @dataclass(frozen=True)
@@ -69,11 +95,14 @@ def check_device(torch: Any, device: str) -> str:
     return f"cuda:{index}"
 
 
-def compile_program(program: Any, example_args: tuple, example_kwargs: Mapping[str, Any], device: str, progress: Progress) -> CompiledLibrary:
+def compile_program(
+    program: Any, example_args: tuple, example_kwargs: Mapping[str, Any], device: str, progress: Progress,
+    user_options: Mapping[str, Any] | None = None,
+) -> CompiledLibrary:
     """Compile an ExportedProgram that already lives on `device`."""
     torch = import_torch()
     work_dir = Path(tempfile.mkdtemp(prefix="cuda-runner-compile-"))
-    options = dict(SELF_CONTAINED_OPTIONS, **{"aot_inductor.output_path": str(work_dir)})
+    options = {**(user_options or {}), **SELF_CONTAINED_OPTIONS, "aot_inductor.output_path": str(work_dir)}
     try:
         options["cpp.cxx"] = (None, _unloadable_compiler(work_dir))
         if hasattr(torch._inductor.config.aot_inductor, "check_lowerbound"):
