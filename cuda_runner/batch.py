@@ -27,6 +27,7 @@ from .names import safe_filename
 from .report.schema import SCHEMAS
 from .runtime.model import load_model, load_pool
 from .signing import TrustedKey
+from .stacking import Stacker, batch_dim
 from .verify.compare import Comparison, Tolerances, compare_outputs
 from .verify.reference import load_reference
 
@@ -78,6 +79,7 @@ class BatchRequest:
     verify_weights: bool = True
     trusted_keys: tuple[TrustedKey, ...] = ()
     data: Path | None = None  # an ExecuTorch program's data file (.ptd)
+    batch_size: int = 1  # sets stacked into one call along the method's batch dim (stacking.py)
 
 
 @dataclass
@@ -106,6 +108,7 @@ class BatchResult:
     sets: list[SetResult]
     wall: float
     load_timings: dict[str, float] = field(default_factory=dict)
+    batch_size: int = 1
 
     def count(self, status: str) -> int:
         return sum(1 for result in self.sets if result.status == status)
@@ -133,7 +136,7 @@ class BatchResult:
         return {
             "schema": SCHEMAS["batch"],
             "bundle": str(self.bundle), "method": self.method, "device": self.device,
-            "wall_s": self.wall, "sets_per_s": self.sets_per_second,
+            "wall_s": self.wall, "sets_per_s": self.sets_per_second, "batch_size": self.batch_size,
             "counts": {status: self.count(status) for status in ("passed", "failed", "error", "skipped")},
             "load_s": self.load_timings,
             "sets": [result.to_json() for result in self.sets],
@@ -230,6 +233,8 @@ def run_batch(request: BatchRequest, progress: Progress = lambda done, total: No
     reader = open_model(request.bundle, request.data)
     try:
         methods = [choose_method(list(reader.manifest.methods), request.method)]  # load only the method that runs
+        if request.batch_size > 1:
+            batch_dim(reader.manifest.methods[methods[0]])  # refuse before loading anything
     except BaseException:
         reader.close()
         raise
@@ -240,16 +245,27 @@ def run_batch(request: BatchRequest, progress: Progress = lambda done, total: No
         with load_pool(request.bundle, request.devices, **options) as pool:
             method = pool.method(request.method)
             runner = _Runner(method.spec, lambda arrays: pool.run(arrays, method.spec.name), request.lanes * len(pool.models))
-            results = list(_pipelined(request, runner, sets, progress))
+            results = _run_all(request, runner, sets, progress)
             device = ",".join(str(device) for device in pool.devices)
             load_timings = pool.models[0].load_timings(method.spec.name)
     else:
         with load_model(reader, request.device, **options) as model:  # the model takes over the open reader
             method = model.method(request.method)
             load_timings = model.load_timings(method.spec.name)
-            results = list(_pipelined(request, _Runner(method.spec, method.run, method.lanes), sets, progress))
+            results = _run_all(request, _Runner(method.spec, method.run, method.lanes), sets, progress)
             device = str(method.device)
-    return BatchResult(request.bundle, method.spec.name, device, results, time.perf_counter() - started, load_timings)
+    return BatchResult(request.bundle, method.spec.name, device, results, time.perf_counter() - started, load_timings, request.batch_size)
+
+
+def _run_all(request: BatchRequest, runner: _Runner, sets: list[InputSet], progress: Progress) -> list[SetResult]:
+    if request.batch_size <= 1:
+        return list(_pipelined(request, runner, sets, progress))
+    stacker = Stacker(runner.spec, runner.run, request.batch_size, runner.lanes)
+    try:
+        # Enough sets in flight to fill every lane's stack.
+        return list(_pipelined(request, _Runner(runner.spec, stacker.run, runner.lanes * request.batch_size), sets, progress))
+    finally:
+        stacker.close()
 
 
 def _pipelined(request: BatchRequest, runner: _Runner, sets: list[InputSet], progress: Progress) -> Iterator[SetResult]:

@@ -139,3 +139,54 @@ def test_resume_never_turns_a_failed_comparison_into_a_pass(dict_mlp_bundle, set
     assert again.returncode == 1, again.stdout
     statuses = {entry["name"]: entry["status"] for entry in json.loads(again.stdout)["sets"]}
     assert statuses["s1"] == "failed" and statuses["s0"] == "skipped"
+
+
+def test_batch_size_stacks_sets_and_splits_outputs_back(compiled, tmp_path):
+    """The linear fixture ([batch, 16] -> [batch, 4], batch up to 64): 12 sets of
+    1 to 12 rows, stacked up to 5 at a time, give each set its own rows."""
+    bundle = compiled("linear", "cpu").path
+    folder = tmp_path / "sets"
+    folder.mkdir()
+    rng = np.random.default_rng(0)
+    arrays = {f"s{index:02d}": rng.standard_normal((1 + index, 16), dtype=np.float32) for index in range(12)}
+    for name, array in arrays.items():
+        np.savez(folder / f"{name}.npz", input=array)
+    result = cli("run", str(bundle), "--batch", str(folder), "--out-dir", str(tmp_path / "out"), "--batch-size", "5", "--lanes", "1", "--json")
+    assert result.returncode == 0, result.stderr
+    assert json.loads(result.stdout)["batch_size"] == 5
+    with cuda_runner.load(bundle) as model:
+        for name, array in arrays.items():
+            np.testing.assert_allclose(np.load(tmp_path / "out" / name / "output_0.npy"), model.run([array])["output_0"], rtol=1e-6, atol=1e-6)
+
+
+def test_stacking_groups_and_bounds(compiled):
+    from cuda_runner.runtime.model import load_model
+    from cuda_runner.stacking import Stacker
+
+    calls = []
+    with load_model(compiled("linear", "cpu").path) as model:
+        method = model.method()
+
+        def counted(arrays):
+            calls.append(arrays["input"].shape[0])
+            return method.run(arrays)
+
+        stacker = Stacker(method.spec, counted, size=8, lanes=1)
+        try:
+            from concurrent.futures import ThreadPoolExecutor
+
+            rows = [30, 30, 30, 2, 2]  # 64 rows at most per call: 30+30, then 30+2+2
+            with ThreadPoolExecutor(5) as pool:
+                outputs = list(pool.map(lambda n: stacker.run({"input": np.full((n, 16), float(n), np.float32)}), rows))
+        finally:
+            stacker.close()
+    assert [out["output_0"].shape[0] for out in outputs] == rows
+    assert all(n <= 64 for n in calls) and sum(calls) == sum(rows)
+
+
+def test_batch_size_is_refused_where_outputs_do_not_lead_with_the_batch(dict_mlp_bundle, sets, tmp_path):
+    result = cli("run", str(dict_mlp_bundle.path), "--batch", str(sets), "--out-dir", str(tmp_path / "out"), "--batch-size", "4")
+    assert result.returncode == 2
+    assert "output 'aux.loss' does not start with a dynamic dim" in result.error_lines[0]
+    assert "--batch-size" in result.error_lines[0]
+    assert not (tmp_path / "out").exists()
