@@ -88,8 +88,10 @@ def compile_bundle(torch: Any, name: str, module: Any, args: tuple, device: str,
 # Contenders
 
 
-def cli_cold(bundle: Path, input_file: Path, repeats: int) -> dict[str, Any]:
-    env = dict(os.environ)
+def cli_cold(bundle: Path, input_file: Path, repeats: int, full_exit: bool = False) -> dict[str, Any]:
+    """Wall time of whole `cuda-runner run` processes; `full_exit` makes the CLI tear the
+    interpreter down as Python normally does instead of leaving at once (the old way)."""
+    env = dict(os.environ, **({"CUDA_RUNNER_FULL_EXIT": "1"} if full_exit else {}))
     samples = []
     for _ in range(repeats):
         started = time.perf_counter()
@@ -100,9 +102,9 @@ def cli_cold(bundle: Path, input_file: Path, repeats: int) -> dict[str, Any]:
     return spread(samples)
 
 
-def api(bundle: Path, input_file: Path, device: str, iterations: int, cuda_graph: bool = False) -> dict[str, Any]:
+def api(bundle: Path, input_file: Path, device: str, iterations: int, cuda_graph: bool = False, warm_up: bool = True) -> dict[str, Any]:
     plan = GivenInputs((ArrayFile(input_file),))
-    request = BenchRequest(bundle=bundle, inputs=plan, device=device, cuda_graph=cuda_graph, warmup=20, iterations=iterations)
+    request = BenchRequest(bundle=bundle, inputs=plan, device=device, cuda_graph=cuda_graph, warmup=20, iterations=iterations, warm_up=warm_up)
     return benchmark(request).to_json()
 
 
@@ -432,8 +434,12 @@ def main() -> int:
             entry: dict[str, Any] = {"input_shape": list(array.shape)}
             log(f"{name}: cold CLI")
             entry["cli_cold_s"] = cli_cold(bundle, work / f"{name}-x.npy", options.cold_repeats)
+            entry["cli_cold_full_exit_s"] = cli_cold(bundle, work / f"{name}-x.npy", options.cold_repeats, full_exit=True)
             log(f"{name}: in-process API")
             entry["api"] = api(bundle, work / f"{name}-x.npy", device, iterations)
+            if device == "cuda":
+                log(f"{name}: in-process API, loaded without the warm-up run")
+                entry["api_no_warm_up"] = api(bundle, work / f"{name}-x.npy", device, 50, warm_up=False)
             log(f"{name}: eager")
             entry["eager_s"] = eager(torch, module, array, device, iterations)
             if name == "mlp" and device == "cuda":
@@ -501,6 +507,8 @@ def render_markdown(report: dict[str, Any]) -> str:
             "| --- | --- | --- |",
             f"| cuda-runner CLI, cold process | `cuda-runner run` wall, {entry['cli_cold_s'].get('n', 0)} processes | {_cell(entry['cli_cold_s'])} |",
         ]
+        if "cli_cold_full_exit_s" in entry:
+            lines.append(f"| cuda-runner CLI, cold, full interpreter teardown | as above with CUDA_RUNNER_FULL_EXIT=1 | {_cell(entry['cli_cold_full_exit_s'])} |")
         if loader:
             loader_cell = _cell(loader.get("cold_process")) if "cold_process" in loader else loader.get("error", "n/a")
             lines.append(f"| torch `aoti_load_package` script, cold process | import torch, load package, run once | {loader_cell} |")
@@ -521,7 +529,9 @@ def render_markdown(report: dict[str, Any]) -> str:
         lines += ["", "Split of the API run (" + ("CUDA events" if report["device"] == "cuda" else "host timers") + "): "
                   + ", ".join(f"{key} {_ms(stats['median'])} ms" for key, stats in split.items())
                   + "; load: " + ", ".join(f"{key} {_ms(value)} ms" for key, value in api_result["load_s"].items())
-                  + f"; first run {_ms(api_result['first_run_s'])} ms.", ""]
+                  + f"; first run {_ms(api_result['first_run_s'])} ms"
+                  + (f" (loaded without the warm-up run: first run {_ms(entry['api_no_warm_up']['first_run_s'])} ms)" if "api_no_warm_up" in entry else "")
+                  + ".", ""]
         if "copies" in entry:
             copies = entry["copies"]
             lines += [
