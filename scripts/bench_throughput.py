@@ -12,6 +12,13 @@
    eager PyTorch loop; for a small MLP and a copy-heavy model.
 3. With --multi-gpu: sets per second of a compute-bound model on every GPU
    (load_pool) against one GPU.
+4. --parts stacked: 1,000 small sets (8 rows) of an MLP with a dynamic batch:
+   `run --batch` one set per call against `--batch-size 16` (stacked calls).
+5. --parts compute: a compute-heavy model (8 x Linear 4096, 512 rows):
+   `run --batch` from .npz files against pure compute (resident inputs, calls
+   back to back), and the GPU's utilisation while the batch runs (nvidia-smi).
+
+    python scripts/bench_throughput.py --parts stacked,compute --output part.json
 """
 
 from __future__ import annotations
@@ -127,6 +134,88 @@ def many_sets(torch: Any, work: Path, label: str, module: Any, example: Any, cou
     return results
 
 
+def stacked_sets(torch: Any, work: Path, count: int) -> dict[str, Any]:
+    from torch.export import Dim
+
+    torch.manual_seed(0)
+    mlp = torch.nn.Sequential(torch.nn.Linear(256, 1024), torch.nn.ReLU(), torch.nn.Linear(1024, 256)).eval()
+    bundle = work / "mlp-dynamic.bundle"
+    cuda_runner.compile_module(mlp, (torch.randn(8, 256),), bundle, device="cuda", dynamic_shapes={"input": {0: Dim("batch", max=1024)}})
+    folder = work / "stacked-sets"
+    _write_sets(folder, (8, 256), count, "input")
+    results: dict[str, Any] = {"sets": count, "rows_per_set": 8}
+    for size in (1, 16):
+        rounds = []
+        for attempt in range(3):
+            started = time.perf_counter()
+            batch = run_batch(BatchRequest(bundle=bundle, inputs=folder, out_dir=work / f"stacked-{size}-{attempt}", lanes=2, batch_size=size))
+            rounds.append(count / (time.perf_counter() - started))
+            assert batch.exit_code == 0
+        results[f"batch_size_{size}_sets_per_s"] = _median(rounds)
+    results["stacked_over_single"] = results["batch_size_16_sets_per_s"]["median"] / results["batch_size_1_sets_per_s"]["median"]
+    return results
+
+
+class _Utilisation:
+    """GPU utilisation samples from nvidia-smi every 100 ms, while running."""
+
+    def __enter__(self) -> _Utilisation:
+        import subprocess
+
+        self.samples: list[int] = []
+        try:
+            self._process: Any = subprocess.Popen(["nvidia-smi", "--query-gpu=utilization.gpu", "--format=csv,noheader,nounits", "-i", "0", "-lms", "100"],
+                                                  stdout=subprocess.PIPE, text=True)
+        except OSError:
+            self._process = None
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self._process is None:
+            return
+        self._process.terminate()
+        output, _ = self._process.communicate()
+        self.samples = [int(line) for line in output.split() if line.strip().isdigit()]
+
+    def summary(self) -> dict[str, Any]:
+        busy = self.samples[2:-2] or self.samples  # leave out the ramp up and down
+        return {"samples": len(self.samples), "median_percent": statistics.median(busy) if busy else None}
+
+
+def compute_heavy(torch: Any, work: Path, count: int) -> dict[str, Any]:
+    import cupy
+
+    # Half a MiB in and out per set, about 140 GFLOP of float32 matmuls between.
+    torch.manual_seed(0)
+    layers = [torch.nn.Linear(256, 4096)] + [torch.nn.Linear(4096, 4096) for _ in range(8)] + [torch.nn.Linear(4096, 256)]
+    module = torch.nn.Sequential(*[part for layer in layers for part in (layer, torch.nn.GELU())]).eval()
+    x = torch.randn(512, 256)
+    bundle = bench_compare.compile_bundle(torch, "compute", module, (x,), "cuda", work)
+    folder = work / "compute-sets"
+    _write_sets(folder, (512, 256), count, "input")
+    results: dict[str, Any] = {"sets": count, "set_bytes": 512 * 256 * 4}
+    with cuda_runner.load(bundle) as model:
+        method = model.method()
+        resident = {"input": cupy.asarray(x.numpy())}
+        for _ in range(5):
+            method.run_device(resident)
+        method.stream.synchronize()
+        started = time.perf_counter()
+        for _ in range(count):
+            method.run_device(resident)
+        method.stream.synchronize()
+        results["pure_compute_sets_per_s"] = count / (time.perf_counter() - started)
+    run_batch(BatchRequest(bundle=bundle, inputs=folder, out_dir=work / "compute-warm", lanes=2))  # page cache and kernels warm
+    with _Utilisation() as utilisation:
+        started = time.perf_counter()
+        batch = run_batch(BatchRequest(bundle=bundle, inputs=folder, out_dir=work / "compute-batch", lanes=2))
+        results["batch_sets_per_s"] = count / (time.perf_counter() - started)
+    results["batch_failed"] = batch.count("error") + batch.count("failed")
+    results["gpu_utilisation_during_batch"] = utilisation.summary()
+    results["batch_over_pure_compute"] = results["batch_sets_per_s"] / results["pure_compute_sets_per_s"]
+    return results
+
+
 def multi_gpu(torch: Any, work: Path, count: int) -> dict[str, Any]:
     from cuda_runner.runtime.devices import cuda_device_count
 
@@ -159,13 +248,21 @@ def main() -> int:
     parser.add_argument("--sets", type=int, default=1000)
     parser.add_argument("--copy-heavy-sets", type=int, default=300)
     parser.add_argument("--multi-gpu", action="store_true", help="only the several-GPU comparison")
+    parser.add_argument("--parts", help="only these comma-separated parts: stacked, compute")
     parser.add_argument("--output", type=Path)
     options = parser.parse_args()
     import torch
 
     work = Path(tempfile.mkdtemp(prefix="cuda-runner-throughput-"))
     report: dict[str, Any] = {"machine": bench_compare.machine_info(torch, "cuda")}
-    if options.multi_gpu:
+    if options.parts:
+        parts = set(options.parts.split(","))
+        if "stacked" in parts:
+            report["stacked"] = stacked_sets(torch, work, options.sets)
+            bench_compare.write_report(report, options.output)
+        if "compute" in parts:
+            report["compute_heavy"] = compute_heavy(torch, work, 200)
+    elif options.multi_gpu:
         report["multi_gpu"] = multi_gpu(torch, work, options.sets)
     else:
         report["copies"] = copies(torch, work)
