@@ -49,11 +49,15 @@ def load(
     trusted_keys: Iterable[str | os.PathLike[str]] | None = None,
     require_signature: bool = False,
     data: str | os.PathLike[str] | None = None,
+    warm_up: bool = True,
 ) -> Model:
     """Load a bundle's methods onto a device ("cpu", "cuda", "cuda:1"; None picks the bundle's).
 
     `path` may also be an ExecuTorch CUDA program (`.pte`); `data` is its data
     file (`.ptd`), by default the `aoti_cuda_blob.ptd` next to it.
+
+    On CUDA each method runs once on zeros while it loads (`warm_up`), so the
+    first real call does not pay for the library's lazy set-up.
 
     The model is safe to call from any number of threads; `lanes` is how many
     calls of one method run at once (each lane has its own CUDA stream and
@@ -68,7 +72,7 @@ def load(
 
     keys = keys_for_loading(trusted_keys or (), require_signature)
     return load_model(path, device, verify_weights=verify_weights, methods=methods, cuda_graph=cuda_graph, lanes=lanes,
-                      check_inputs=check_inputs, trusted_keys=keys, data=data)
+                      check_inputs=check_inputs, trusted_keys=keys, data=data, warm_up=warm_up)
 
 
 def load_pool(path: str | os.PathLike[str], devices: str | Iterable[int | str] = "all", **options: Any) -> ModelPool:
