@@ -150,8 +150,16 @@ class Method:
         timings: dict[str, float] = {}
         clock = time.perf_counter
         started = clock()
+        if device.type == "cuda":
+            from .cuda import start_context, wait_for_context
+
+            start_context(device.index)  # while libtorch loads
         shim = load_shim(device.type)
         timings["libtorch"] = clock() - started
+        if device.type == "cuda":
+            started = clock()
+            wait_for_context(device.index)
+            timings["cuda_context"] = clock() - started
         started = clock()
         library_bytes = reader.read_verified(spec.library_segment)  # always checked, before it is loaded
         timings["verify_library"] = clock() - started
