@@ -217,18 +217,27 @@ def compute_heavy(torch: Any, work: Path, count: int) -> dict[str, Any]:
 
 
 def multi_gpu(torch: Any, work: Path, count: int) -> dict[str, Any]:
+    """Both models: 8 MiB in and out per set (8 x Linear 4096), and half a MiB
+    (Linear 256->4096, 8 x Linear 4096, Linear 4096->256), about the same compute."""
     from cuda_runner.runtime.devices import cuda_device_count
 
     gpus = cuda_device_count()
     if gpus < 2:
         return {"skipped": f"{gpus} GPU(s)"}
     torch.manual_seed(0)
-    layers = [torch.nn.Linear(4096, 4096) for _ in range(8)]
-    module = torch.nn.Sequential(*[part for layer in layers for part in (layer, torch.nn.GELU())]).eval()
-    x = torch.randn(512, 4096)
-    bundle = bench_compare.compile_bundle(torch, "compute", module, (x,), "cuda", work)
+    wide = [torch.nn.Linear(4096, 4096) for _ in range(8)]
+    narrow_io = [torch.nn.Linear(256, 4096), *[torch.nn.Linear(4096, 4096) for _ in range(8)], torch.nn.Linear(4096, 256)]
+    results: dict[str, Any] = {"gpus": gpus}
+    for label, layers, columns in (("io_8mib", wide, 4096), ("io_half_mib", narrow_io, 256)):
+        module = torch.nn.Sequential(*[part for layer in layers for part in (layer, torch.nn.GELU())]).eval()
+        results[label] = _pool_speedup(torch, work, label, module, torch.randn(512, columns), count)
+    return results
+
+
+def _pool_speedup(torch: Any, work: Path, label: str, module: Any, x: Any, count: int) -> dict[str, Any]:
+    bundle = bench_compare.compile_bundle(torch, label, module, (x,), "cuda", work)
     cases = [{"input": x.numpy()} for _ in range(count)]
-    results: dict[str, Any] = {"gpus": gpus, "sets": count}
+    results: dict[str, Any] = {"sets": count}
     with cuda_runner.load_pool(bundle, "0", lanes=2) as one:
         list(one.map(cases[:20]))
         started = time.perf_counter()
