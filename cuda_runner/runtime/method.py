@@ -18,8 +18,8 @@ to `lanes` calls run at once. Closing waits for the calls in flight.
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
-import queue
 import threading
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
@@ -52,70 +52,85 @@ _NATIVE_CHECK_PHRASES = (
 
 
 class _Lanes:
-    """A pool of executors; each call borrows one for its whole duration."""
+    """A pool of executors; each call borrows one for its whole duration.
+
+    One lock guards it all (a call costs one acquire to borrow and one to give
+    back, where a queue.Queue took several); a caller waits only when every
+    lane is busy and no more may be made."""
 
     def __init__(self, make: Callable[[], Executor], limit: int, first: Executor):
         self._make = make
         self.limit = limit
         # Last in, first out: one thread calling alone keeps getting the same lane.
-        self._idle: queue.LifoQueue[Executor] = queue.LifoQueue()
+        self._idle = [first]
         self._all = [first]
-        self._idle.put(first)
         self._lock = threading.Lock()
+        self._changed = threading.Condition(self._lock)  # a lane came back, or the last call ended
         self._created = 1
         self._busy = 0
-        self._drained = threading.Condition(self._lock)
         self.closed = False
 
     @property
     def first(self) -> Executor:
         return self._all[0]
 
-    @contextlib.contextmanager
-    def borrow(self) -> Iterator[Executor]:
-        counted = grow = False
-        executor: Executor | None = None
-        try:
-            with self._lock:
-                if self.closed:
-                    raise ClosedError("the method is closed")
-                self._busy += 1
-                counted = True
-                grow = self._idle.empty() and self._created < self.limit
-                if grow:
-                    self._created += 1
-            executor = self._grow() if grow else self._idle.get()
-            yield executor
-        except BaseException:
-            if executor is None and grow:
-                with self._lock:
-                    self._created -= 1
-            raise
-        finally:
-            if executor is not None:
-                self._idle.put(executor)
-            if counted:
-                self._done()
+    def borrow(self) -> _Borrowed:
+        return _Borrowed(self)
 
-    def _grow(self) -> Executor:
-        executor = self._make()
+    def take(self) -> Executor:
+        with self._lock:
+            if self.closed:
+                raise ClosedError("the method is closed")
+            self._busy += 1
+            while not self._idle:
+                if self._created < self.limit:
+                    self._created += 1
+                    break
+                self._changed.wait()
+            else:
+                return self._idle.pop()
+        try:
+            executor = self._make()
+        except BaseException:
+            with self._lock:
+                self._created -= 1
+                self._busy -= 1
+                self._changed.notify_all()
+            raise
         with self._lock:
             self._all.append(executor)
         return executor
 
-    def _done(self) -> None:
+    def give_back(self, executor: Executor) -> None:
         with self._lock:
+            self._idle.append(executor)
             self._busy -= 1
-            self._drained.notify_all()
+            self._changed.notify_all()
 
     def close(self) -> list[Executor]:
         """Refuse new calls, wait for those in flight, and hand back every executor."""
         with self._lock:
             self.closed = True
             while self._busy:
-                self._drained.wait()
+                self._changed.wait()
             executors, self._all = self._all, []
         return executors
+
+
+class _Borrowed:
+    """`with lanes.borrow() as executor:` without a generator's cost per call."""
+
+    __slots__ = ("_executor", "_lanes")
+
+    def __init__(self, lanes: _Lanes):
+        self._lanes = lanes
+
+    def __enter__(self) -> Executor:
+        self._executor = self._lanes.take()
+        return self._executor
+
+    def __exit__(self, *exc: object) -> None:
+        self._lanes.give_back(self._executor)
 
 
 class Method:
@@ -407,8 +422,9 @@ def _native_checks(enabled: bool) -> Iterator[None]:
             os.environ[_NATIVE_CHECKS] = previous
 
 
+@functools.cache
 def _cuda_executor_type() -> type:
-    from .cuda import CudaExecutor
+    from .cuda import CudaExecutor  # imported on first use: CPU-only runs never load CuPy's bindings
 
     return CudaExecutor
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import ctypes
+import functools
 from dataclasses import dataclass
 
 import numpy as np
@@ -75,6 +76,7 @@ def wrap_memory(
     return int(handle.value or 0)
 
 
+@functools.lru_cache(maxsize=1024)  # the same shapes recur on every call
 def contiguous_strides(shape: tuple[int, ...]) -> tuple[int, ...]:
     """Row-major strides in elements."""
     strides, running = [], 1
