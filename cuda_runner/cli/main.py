@@ -213,6 +213,25 @@ def _path(value: str | None) -> Path | None:
 # in newer versions, whose import alone costs about 0.3 s of every start-up.
 
 
+DataOption = Annotated[Optional[str], typer.Option("--data", metavar="FILE.ptd", help=(
+    "An ExecuTorch program's data file (default: aoti_cuda_blob.ptd next to the program)."))]
+SignKeyOption = Annotated[Optional[str], typer.Option("--sign-key", metavar="PRIVATE.pem", help="Sign the bundle as it is written (BUNDLE.sig).")]
+
+
+def _check_sign_key(sign_key: str | None) -> None:
+    if sign_key is not None and not Path(sign_key).is_file():
+        raise parse.UsageError(f"--sign-key {sign_key}: no such file")
+
+
+def _sign(output: str, sign_key: str | None) -> str:
+    """Sign the written bundle if asked; the words to add to the 'wrote' line."""
+    if sign_key is None:
+        return ""
+    from ..signing import sign_file
+
+    return f", signed in {sign_file(output, sign_key)}"
+
+
 @app.command("compile")
 @handles_errors
 def compile_command(
@@ -223,7 +242,7 @@ def compile_command(
     meta: Annotated[list[str], typer.Option("--meta", metavar="KEY=VALUE", help="Free-form metadata (repeatable).")] = [],  # noqa: B006
     sample_inputs: Annotated[list[str], typer.Option(
         "--sample-inputs", metavar="[METHOD=]FILE.npz", help="Inputs to store with their eager outputs, for run --self-test (repeatable).")] = [],  # noqa: B006
-    sign_key: Annotated[Optional[str], typer.Option("--sign-key", metavar="PRIVATE.pem", help="Sign the bundle as it is written (BUNDLE.sig).")] = None,
+    sign_key: SignKeyOption = None,
     option: Annotated[list[str], typer.Option("--option", metavar="KEY=VALUE", help=(
         "An Inductor option, e.g. max_autotune=true (repeatable; recorded in the manifest)."))] = [],  # noqa: B006
     autotune: Annotated[bool, typer.Option("--autotune", help=(
@@ -253,16 +272,11 @@ def compile_command(
 
     _quiet_warnings()
     arrays = {name: load_archive(path) for name, path in samples.items()}
-    if sign_key is not None and not Path(sign_key).is_file():
-        raise parse.UsageError(f"--sign-key {sign_key}: no such file")
+    _check_sign_key(sign_key)
     with _native_stderr():
         manifest = compile_programs(programs, output, device=device, metadata=metadata, sample_inputs=arrays, progress=_progress,
                                     options=parse.option_values(option, autotune))
-    signed = ""
-    if sign_key is not None:
-        from ..signing import sign_file
-
-        signed = f", signed in {sign_file(output, sign_key)}"
+    signed = _sign(output, sign_key)
     if not _State.quiet:
         _out().line(printable(f"wrote {output}: {', '.join(manifest.methods)} for {device}{signed}"))
 
@@ -289,10 +303,9 @@ def sign_command(
 @handles_errors
 def convert_command(
     program: Annotated[str, typer.Argument(metavar="PROGRAM.pte", help="An ExecuTorch CUDA program.")],
-    data: Annotated[Optional[str], typer.Option("--data", metavar="FILE.ptd", help=(
-        "The program's data file (default: aoti_cuda_blob.ptd next to it)."))] = None,
+    data: DataOption = None,
     output: Annotated[str, typer.Option("--output", "-o", metavar="BUNDLE", help="The bundle to write.")] = "model.bundle",
-    sign_key: Annotated[Optional[str], typer.Option("--sign-key", metavar="PRIVATE.pem", help="Sign the bundle as it is written (BUNDLE.sig).")] = None,
+    sign_key: SignKeyOption = None,
 ) -> None:
     """Turn an ExecuTorch CUDA program (.pte + .ptd) into a bundle that runs exactly like it, every byte digested."""
     from ..errors import BundleError
@@ -301,16 +314,11 @@ def convert_command(
 
     if not is_program(program):
         raise BundleError(f"{program} is not an ExecuTorch program") if Path(program).is_file() else parse.UsageError(f"no such file: {program}")
-    if sign_key is not None and not Path(sign_key).is_file():
-        raise parse.UsageError(f"--sign-key {sign_key}: no such file")
+    _check_sign_key(sign_key)
     with ProgramReader(program, data) as reader:
         convert_program(reader, output)
         methods = ", ".join(reader.manifest.methods)
-    signed = ""
-    if sign_key is not None:
-        from ..signing import sign_file
-
-        signed = f", signed in {sign_file(output, sign_key)}"
+    signed = _sign(output, sign_key)
     if not _State.quiet:
         _out().line(printable(f"wrote {output}: {methods}{signed}"))
 
@@ -319,8 +327,7 @@ def convert_command(
 @handles_errors
 def inspect_command(
     bundle: Annotated[str, typer.Argument(metavar="BUNDLE", help="The bundle, or an ExecuTorch program (.pte), to describe.")],
-    data: Annotated[Optional[str], typer.Option("--data", metavar="FILE.ptd", help=(
-        "An ExecuTorch program's data file (default: aoti_cuda_blob.ptd next to it)."))] = None,
+    data: DataOption = None,
     json_output: Annotated[bool, typer.Option("--json", help="Print one JSON document (docs/json.md).")] = False,
     verify: Annotated[bool, typer.Option("--verify", help="Re-check every digest, and run each method once with the library's own input checks.")] = False,
     trusted_key: TrustedKeyOption = [],  # noqa: B006
@@ -348,8 +355,6 @@ def inspect_command(
 
 # Options shared by run and bench.
 BundleArgument = Annotated[str, typer.Argument(metavar="BUNDLE", help="The bundle, or an ExecuTorch program (.pte).")]
-DataOption = Annotated[Optional[str], typer.Option("--data", metavar="FILE.ptd", help=(
-    "An ExecuTorch program's data file (default: aoti_cuda_blob.ptd next to the program)."))]
 InputsOption = Annotated[list[str], typer.Option(
     "--inputs", "-i", metavar="INPUT", help="PATH.npy by position, NAME=PATH.npy, @PATH.npy, PATH.npz, or NAME=VALUE inline (repeatable).")]
 MethodOption = Annotated[Optional[str], typer.Option(metavar="NAME", help="Method to run (default: the only one, or 'forward').")]
