@@ -12,7 +12,6 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -41,13 +40,14 @@ def to_tensor(torch: Any, array: np.ndarray) -> Any:
     return torch.from_numpy(array)
 
 
-def compile_fixture(tmp_path_factory: pytest.TempPathFactory, builder: str, device: str = "cpu") -> CompiledModel:
+def compile_fixture(folder: Path, builder: str, device: str = "cpu") -> CompiledModel:
+    """Compile tests/models.py's `builder` into `folder`/<builder>.bundle."""
     import models
 
     import cuda_runner
 
     module, args, dynamic_shapes = models.BUILDERS[builder]()
-    path = tmp_path_factory.mktemp(builder) / f"{builder}.bundle"
+    path = folder / f"{builder}.bundle"
     samples = SAMPLES.get(builder)
     cuda_runner.compile_module(
         module, args, path, device=device, dynamic_shapes=dynamic_shapes, metadata={"fixture": builder},
