@@ -9,7 +9,7 @@ python3 -m venv .venv
 .venv/bin/mypy
 set +e
 # Two workers: the 2-core CI machine compiles fixtures and runs subprocesses side by side.
-.venv/bin/python -m pytest -n "${PYTEST_WORKERS:-2}" "$@"
+.venv/bin/python -m pytest -n "${PYTEST_WORKERS:-2}" --dist loadgroup "$@"
 status=$?
 set -e
 if [ "$status" -eq 5 ]; then

@@ -10,6 +10,9 @@ from cuda_runner.errors import InputError
 from cuda_runner.ray import BundlePredictor, map_bundle
 
 ray = pytest.importorskip("ray")
+# The heaviest tests (many processes each) run one after another on one
+# worker, so that they never compete for the 2-core CI machine at once.
+pytestmark = pytest.mark.xdist_group("heavy")
 
 
 def test_batches_larger_than_the_bound_are_split(compiled):
