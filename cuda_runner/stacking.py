@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import hashlib
 import queue
+import re
 import threading
 import time
 from collections.abc import Callable
@@ -24,8 +25,10 @@ from typing import Any
 
 import numpy as np
 
-from .errors import InputError, ModelRuntimeError
+from .dtypes import dtype_name
+from .errors import ClosedError, InputError, ModelRuntimeError
 from .format.manifest import MethodSpec
+from .validation import check_inputs
 
 LINGER_SECONDS = 0.002  # how long a dispatcher waits for more sets to stack
 
@@ -35,7 +38,11 @@ def batch_dim(spec: MethodSpec) -> str:
     for name in spec.dims:
         leads_outputs = all(output.shape[:1] == (name,) for output in spec.outputs)
         leads_an_input = any(tensor.shape[:1] == (name,) for tensor in spec.inputs)
-        used_elsewhere = any(name in tensor.shape[1:] for tensor in (*spec.inputs, *spec.outputs))
+        mentions = re.compile(rf"(?<![A-Za-z0-9_.]){re.escape(name)}(?![A-Za-z0-9_.])")
+        used_elsewhere = any(
+            isinstance(entry, str) and mentions.search(entry) and (axis > 0 or entry != name)
+            for tensor in (*spec.inputs, *spec.outputs) for axis, entry in enumerate(tensor.shape)
+        )
         if leads_outputs and leads_an_input and not used_elsewhere:
             return name
     leading = [output.name for output in spec.outputs if not output.shape or output.shape[0] not in spec.dims]
@@ -62,6 +69,8 @@ class Stacker:
         self._max_rows = spec.dims[self.dim].max
         self._batched = [tensor.name for tensor in spec.inputs if tensor.shape[:1] == (self.dim,)]
         self._queue: queue.Queue[_Request | None] = queue.Queue()
+        self._closed = False
+        self._lock = threading.Lock()
         self._threads = [threading.Thread(target=self._dispatch, name="cuda-runner-stack", daemon=True) for _ in range(max(1, lanes))]
         for thread in self._threads:
             thread.start()
@@ -69,9 +78,14 @@ class Stacker:
     def run(self, arrays: dict[str, Any]) -> dict[str, Any]:
         """Run one set (from any thread); returns its own outputs."""
         arrays = {name: np.asarray(value) for name, value in arrays.items()}
+        # Each set must be valid on its own: stacked, a wrong size could pass unseen.
+        check_inputs(self._spec, {name: (dtype_name(array.dtype), array.shape) for name, array in arrays.items()})
         rows = int(arrays[self._batched[0]].shape[0])
         request = _Request(self._key(arrays), arrays, rows, Future())
-        self._queue.put(request)
+        with self._lock:
+            if self._closed:
+                raise ClosedError("the stacker is closed")
+            self._queue.put(request)
         return request.future.result()
 
     def _key(self, arrays: dict[str, np.ndarray]) -> tuple[Any, ...]:
@@ -140,6 +154,11 @@ class Stacker:
         return split
 
     def close(self) -> None:
-        self._queue.put(None)
+        """Refuse new sets, run those already queued, and stop the dispatchers."""
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            self._queue.put(None)
         for thread in self._threads:
             thread.join()

@@ -190,3 +190,19 @@ def test_batch_size_is_refused_where_outputs_do_not_lead_with_the_batch(dict_mlp
     assert "output 'aux.loss' does not start with a dynamic dim" in result.error_lines[0]
     assert "--batch-size" in result.error_lines[0]
     assert not (tmp_path / "out").exists()
+
+
+def test_the_stacker_refuses_invalid_sets_and_calls_after_close(compiled):
+    from cuda_runner.errors import ClosedError, InputError
+    from cuda_runner.runtime.model import load_model
+    from cuda_runner.stacking import Stacker
+
+    with load_model(compiled("linear", "cpu").path) as model:
+        method = model.method()
+        stacker = Stacker(method.spec, method.run, size=4, lanes=1)
+        with pytest.raises(InputError):
+            stacker.run({"input": np.zeros((3, 15), np.float32)})  # alone it is refused; stacked it must be too
+        assert stacker.run({"input": np.ones((2, 16), np.float32)})["output_0"].shape == (2, 4)
+        stacker.close()
+        with pytest.raises(ClosedError):
+            stacker.run({"input": np.ones((2, 16), np.float32)})

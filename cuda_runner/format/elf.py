@@ -27,7 +27,7 @@ FATBIN_MAGIC = struct.pack("<I", 0xBA55ED50)
 _FATBIN_HEADER = struct.Struct("<IHHQ")
 _FATBIN_ENTRY = struct.Struct("<HHIQ")  # kind, version, header size, payload size
 _FATBIN_KINDS = {1: "ptx", 2: "sass"}
-_MAX_FATBIN_ENTRIES = 4096
+_MAX_FATBIN_ENTRIES = 1 << 16  # over the whole file: a large model embeds thousands of kernels
 
 
 @dataclass(frozen=True)
@@ -68,22 +68,29 @@ def read_library_facts(data: bytes | memoryview) -> LibraryFacts:
     if count > _MAX_SECTIONS or (count and entry_size != _SECTION.size) or section_offset + count * _SECTION.size > len(view):
         raise _fail("its section table lies outside the file")
     sections = [_SECTION.unpack_from(view, section_offset + index * _SECTION.size) for index in range(count)]
-    needed: list[str] = []
+    needed: dict[str, None] = {}  # ordered, without repeats
     undefined: set[str] = set()
+    seen: set[tuple[int, int, int]] = set()  # several headers may describe one section: read it once
     for section in sections:
         kind, offset, size, link, entsize = section[1], section[4], section[5], section[6], section[9]
-        if kind not in (_SHT_DYNAMIC, _SHT_DYNSYM):
+        if kind not in (_SHT_DYNAMIC, _SHT_DYNSYM) or (kind, offset, size) in seen:
             continue
+        seen.add((kind, offset, size))
         if offset + size > len(view) or link >= len(sections):
             raise _fail("a dynamic section lies outside the file")
         strings = _span(view, sections[link])
         if kind == _SHT_DYNAMIC:
-            needed += [_string(strings, value) for tag, value in _DYNAMIC.iter_unpack(view[offset:offset + size - size % _DYNAMIC.size]) if tag == _DT_NEEDED]
+            for tag, value in _DYNAMIC.iter_unpack(view[offset:offset + size - size % _DYNAMIC.size]):
+                if tag == _DT_NEEDED and len(needed) < _MAX_NEEDED:
+                    needed[_string(strings, value)] = None
         elif entsize == _SYMBOL.size and size // _SYMBOL.size <= _MAX_SYMBOLS:
             for name, _info, _other, section_index, _value, _size in _SYMBOL.iter_unpack(view[offset:offset + size - size % _SYMBOL.size]):
                 if name and section_index == 0:
                     undefined.add(_string(strings, name))
     return LibraryFacts(tuple(needed), tuple(sorted(undefined)), fatbin_kernels(view))
+
+
+_MAX_NEEDED = 256
 
 
 def _span(view: memoryview, section: tuple[int, ...]) -> memoryview:
@@ -105,27 +112,30 @@ def fatbin_kernels(view: memoryview) -> tuple[str, ...]:
     """Architectures of every fatbin entry embedded anywhere in the file, e.g. ("sm_90 (sass)",)."""
     raw = bytes(view)
     found: set[str] = set()
+    budget = [_MAX_FATBIN_ENTRIES]  # entries read over the whole file, not per fatbin
     position = raw.find(FATBIN_MAGIC)
-    while position >= 0:
-        found.update(_fatbin_entries(raw, position))
-        position = raw.find(FATBIN_MAGIC, position + 4)
+    while position >= 0 and budget[0] > 0:
+        entries, end = _fatbin_entries(raw, position, budget)
+        found.update(entries)
+        position = raw.find(FATBIN_MAGIC, max(position + 4, end))  # past the fatbin just read
     return tuple(sorted(found))
 
 
-def _fatbin_entries(raw: bytes, start: int) -> set[str]:
+def _fatbin_entries(raw: bytes, start: int, budget: list[int]) -> tuple[set[str], int]:
     if start + _FATBIN_HEADER.size > len(raw):
-        return set()
+        return set(), start
     _magic, _version, header_size, fat_size = _FATBIN_HEADER.unpack_from(raw, start)
     end = min(len(raw), start + header_size + fat_size)
     cursor = start + header_size
-    found = set()
-    for _ in range(_MAX_FATBIN_ENTRIES):
+    found: set[str] = set()
+    while budget[0] > 0:
+        budget[0] -= 1
         if cursor + 32 > end:
             break
         kind, _entry_version, entry_header, payload = _FATBIN_ENTRY.unpack_from(raw, cursor)
         arch = int(struct.unpack_from("<I", raw, cursor + 28)[0])
         if kind not in _FATBIN_KINDS or entry_header < 32 or not 10 <= arch < 1000:
-            break  # not a fatbin entry after all (the magic can occur by chance)
+            return found, start + 4 if not found else cursor  # not a fatbin entry (the magic can occur by chance)
         found.add(f"sm_{arch} ({_FATBIN_KINDS[kind]})")
         cursor += entry_header + payload
-    return found
+    return found, cursor

@@ -48,6 +48,8 @@ MAX_VALUES = 1 << 20
 MAX_INSTRUCTIONS = 1 << 20
 MAX_ENTRIES = 1 << 20  # segments, named data, manifest entries (ExecuTorch's own manifest limit)
 MAX_SPEC_BYTES = 1 << 20
+MAX_PAYLOAD_BYTES = 64 << 20  # a delegate's processed bytes
+MAX_DELEGATES = 1024
 MAX_RANK = 32
 MAX_KEY_LENGTH = 1 << 16
 
@@ -120,7 +122,7 @@ class Instruction:
 class Delegate:
     backend: str
     specs: Mapping[str, bytes]
-    processed: bytes
+    processed: memoryview  # a view of the file: copied only for the delegate a method calls
 
     def spec_text(self, key: str) -> str | None:
         value = self.specs.get(key)
@@ -204,7 +206,7 @@ def read_program(data: memoryview) -> Program:
     spans = [_segment_span("pte", segment_base, offset, size, file_size, f"program segment {index}") for index, (offset, size) in enumerate(segments)]
     if spans and segment_base == 0:
         raise BundleError("program: it lists segments but has no extended header saying where they start")
-    inline = root.each(3, "backend_delegate_data", MAX_ENTRIES, lambda item: bytes(item.bytes(0, "data", MAX_SPEC_BYTES * 64) or b""))
+    inline = root.each(3, "backend_delegate_data", MAX_ENTRIES, lambda item: item.bytes(0, "data", MAX_PAYLOAD_BYTES) or memoryview(b""))
     named = _named_data(root.tables(7, "named_data", MAX_ENTRIES), spans, "program")
     plans: dict[str, Plan] = {}
     for plan_table in root.tables(1, "execution_plan", MAX_PLANS):
@@ -225,6 +227,8 @@ def _extended_header(data: memoryview) -> tuple[int, int]:
     if length < 24 or 8 + length > file_size:
         raise BundleError(f"program: the extended header length {length} is invalid")
     program_size, segment_base = _u64(data, 16), _u64(data, 24)
+    if length > 24 and file_size < 40:
+        raise BundleError("program: the extended header is cut short")
     segment_data_size = _u64(data, 32) if length > 24 else None
     if not 8 + length <= program_size <= file_size:
         raise BundleError(f"program: the extended header gives a program size of {program_size} bytes for a {file_size}-byte file")
@@ -257,7 +261,7 @@ def _named_data(tables: list[Table], spans: list[Span], what: str) -> dict[str, 
     return named
 
 
-def _plan(table: Table, inline: list[bytes], spans: list[Span], data: memoryview) -> Plan:
+def _plan(table: Table, inline: list[memoryview], spans: list[Span], data: memoryview) -> Plan:
     name = table.string(0, "method name", 1024)
     if not name:
         raise BundleError("program: a method has no name")
@@ -273,7 +277,7 @@ def _plan(table: Table, inline: list[bytes], spans: list[Span], data: memoryview
         _instruction(item, operators, len(values), name)
         for chain in chains for item in chain.tables(2, "instructions", MAX_INSTRUCTIONS)
     )
-    delegates = tuple(_delegate(item, inline, spans, data) for item in table.tables(7, "delegates", MAX_INSTRUCTIONS))
+    delegates = tuple(_delegate(item, inline, spans, data) for item in table.tables(7, "delegates", MAX_DELEGATES))
     return Plan(name, values, inputs, outputs, instructions, delegates, len(chains))
 
 
@@ -316,14 +320,14 @@ def _instruction(table: Table, operators: list[str], value_count: int, method: s
     return Instruction(kind, index=index, args=args)
 
 
-def _delegate(table: Table, inline: list[bytes], spans: list[Span], data: memoryview) -> Delegate:
+def _delegate(table: Table, inline: list[memoryview], spans: list[Span], data: memoryview) -> Delegate:
     backend = table.string(0, "delegate id", 1024) or ""
     specs: dict[str, bytes] = {}
     for item in table.tables(2, "compile_specs", 4096):
         key = item.string(0, "compile spec key", 1024) or ""
         specs[key] = bytes(item.bytes(1, "compile spec value", MAX_SPEC_BYTES) or b"")
     reference = table.table(1, "processed")
-    processed = b""
+    processed = memoryview(b"")
     if reference is not None:
         location, index = reference.scalar(0, "u8"), reference.scalar(1, "u32")
         if location == _INLINE:
@@ -334,9 +338,9 @@ def _delegate(table: Table, inline: list[bytes], spans: list[Span], data: memory
             if index >= len(spans):
                 raise BundleError(f"program: delegate {backend!r} refers to segment {index}, but there are {len(spans)}")
             span = spans[index]
-            if span.size > MAX_SPEC_BYTES * 64:
+            if span.size > MAX_PAYLOAD_BYTES:
                 raise BundleError(f"program: delegate {backend!r} has {span.size} bytes of payload, over the limit")
-            processed = bytes(data[span.offset:span.offset + span.size])
+            processed = data[span.offset:span.offset + span.size]
         else:
             raise BundleError(f"program: delegate {backend!r} has an unknown data location {location}")
     return Delegate(backend, specs, processed)
@@ -372,8 +376,9 @@ def read_data_file(data: memoryview) -> DataFile:
 # The CudaBackend payload
 
 
-def decode_payload(processed: bytes, method_name: str) -> CudaPayload:
+def decode_payload(processed: bytes | memoryview, method_name: str) -> CudaPayload:
     """Which keys hold a method's library and weights, from its delegate payload."""
+    processed = bytes(processed)
     if not processed:
         return CudaPayload(PayloadLayout.G1, f"{method_name}_so_blob", f"{method_name}_weights_blob")
     if processed.startswith(FQN_MANIFEST_FAMILY):
@@ -421,10 +426,14 @@ def _fqn_manifest(processed: bytes) -> CudaPayload:
     cursor.take(len(FQN_MANIFEST_MAGIC), "its magic")
     library_key = cursor.text("library key")
     count = cursor.unpack("<I", "entry count")
-    # Each entry takes at least 44 bytes: a count beyond that is a lie, caught before any loop.
-    if count > MAX_ENTRIES or count * 44 > len(processed):
+    # Each entry takes at least 38 bytes (one-character names, rank 0): a count
+    # beyond that is a lie, caught before any loop.
+    if count > MAX_ENTRIES or count * 38 > len(processed):
         raise BundleError(f"program: the weight manifest claims {count} entries")
     views = tuple(_weight_view(cursor, index) for index in range(count))
+    names = [view.fqn for view in views]
+    if len(set(names)) != len(names):
+        raise BundleError("program: the weight manifest names a weight twice")
     if cursor.position != len(processed):
         raise BundleError(f"program: the weight manifest has {len(processed) - cursor.position} unexpected trailing bytes")
     if not library_key:

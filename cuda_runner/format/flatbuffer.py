@@ -41,6 +41,16 @@ class FlatBuffer:
     def __init__(self, data: bytes | memoryview, what: str):
         self.data = memoryview(data).cast("B") if not isinstance(data, bytes) else memoryview(data)
         self.what = what
+        # Offsets may point many times at one table or vector, so that a small
+        # file describes a huge structure. A well-formed file visits each part
+        # about once: these budgets refuse anything that reads much more.
+        self._tables_left = len(self.data) // 4 + 4096
+        self._items_left = 2 * len(self.data) + 4096
+
+    def charge(self, items: int, field: str) -> None:
+        self._items_left -= items
+        if self._items_left < 0:
+            raise self.fail(f"{field} is read over and over (its data is referred to many times)")
 
     def fail(self, message: str) -> BundleError:
         return BundleError(f"{self.what}: {message}")
@@ -58,6 +68,9 @@ class FlatBuffer:
         return self.table_at(self._read(_U32, 0, "the root offset"), "the root table")
 
     def table_at(self, position: int, field: str) -> Table:
+        self._tables_left -= 1
+        if self._tables_left < 0:
+            raise self.fail(f"{field}: more tables are referred to than the data can hold")
         vtable = position - self._read(_I32, position, field)
         vtable_size = self._read(_U16, vtable, f"the vtable of {field}")
         table_size = self._read(_U16, vtable + 2, f"the vtable of {field}")
@@ -128,6 +141,7 @@ class Table:
         if target is None:
             return None
         first, count = self.buffer.vector_span(target, 1, f"{name} of {self.field}", limit)
+        self.buffer.charge(count, name)
         return self.buffer.data[first:first + count]
 
     def string(self, slot: int, name: str, limit: int = 1 << 16) -> str | None:
@@ -145,6 +159,7 @@ class Table:
             return []
         layout = _SCALARS[kind]
         first, count = self.buffer.vector_span(target, layout.size, f"{name} of {self.field}", limit)
+        self.buffer.charge(count, name)
         return [int(value[0]) for value in layout.iter_unpack(self.buffer.data[first:first + count * layout.size])]
 
     def tables(self, slot: int, name: str, limit: int) -> list[Table]:
@@ -152,6 +167,7 @@ class Table:
         if target is None:
             return []
         first, count = self.buffer.vector_span(target, 4, f"{name} of {self.field}", limit)
+        self.buffer.charge(count, name)
         return [
             self.buffer.table_at(self.buffer.follow(first + 4 * index, f"{name}[{index}]"), f"{name}[{index}] of {self.field}")
             for index in range(count)

@@ -90,6 +90,9 @@ class ProgramReader:
         self._files: dict[str, BinaryIO] = {}
         self._maps: dict[str, mmap.mmap] = {}
         self._stored: dict[str, StoredBytes] = {}
+        self._segment_of: dict[tuple[str, et.Span], str] = {}  # (key, span) -> segment name: shared storages
+        self._weight_segments = 0
+        self._decoded = 0  # payload bytes decoded, over all methods
         self._verified: set[str] = set()
         try:
             self._open(None if data is None else Path(data))
@@ -144,6 +147,10 @@ class ProgramReader:
         if problem:
             raise BundleError(f"program: method name {plan.name[:40]!r} {problem}")
         delegate, inputs, outputs = _delegate_signature(plan)
+        # Methods may share one payload; decoding it again and again is refused past the file's size.
+        self._decoded += len(delegate.processed)
+        if self._decoded > 2 * self.file_size + (1 << 20):
+            raise BundleError("program: its methods decode the same delegate payload over and over")
         payload = et.decode_payload(delegate.processed, delegate.spec_text("method_name") or plan.name)
         library = self._store(f"{plan.name}_so_blob", lookup.require(payload.library_key, "model library"))
         facts = read_library_facts(self._view(library))
@@ -187,8 +194,11 @@ class ProgramReader:
         stored = lookup.require(view.storage_key, f"weight {view.fqn!r}")
         if stored.span.size != view.storage_nbytes:
             raise BundleError(f"program: weight {view.fqn[:80]!r} should have {view.storage_nbytes} bytes of storage but its data has {stored.span.size}")
-        existing = next((name for name, item in self._stored.items() if item.key == stored.key and item.span == stored.span), None)
-        segment = existing or self._store(f"weight_{sum(1 for name in self._stored if name.startswith('weight_')):05d}", stored)
+        segment = self._segment_of.get((stored.key, stored.span))
+        if segment is None:
+            segment = self._store(f"weight_{self._weight_segments:05d}", stored)
+            self._weight_segments += 1
+            self._segment_of[stored.key, stored.span] = segment
         return ConstantSpec(
             fqn=view.fqn, segment=segment, dtype=et.DTYPES_BY_CODE[view.dtype_code], device="cuda" if view.on_cuda else "cpu",
             storage_offset=view.storage_offset, sizes=view.sizes, strides=view.strides,
@@ -332,6 +342,8 @@ def _delegate_signature(plan: et.Plan) -> tuple[et.Delegate, list[tuple[int, et.
     if delegate.backend != et.CUDA_BACKEND:
         raise BundleError(f"program: method {plan.name!r} is lowered to {delegate.backend[:60]!r}; only {et.CUDA_BACKEND} programs can run here")
     to_device, to_host = _copies(plan, calls[0])
+    input_position = {value: position for position, value in enumerate(plan.inputs)}
+    output_position = {value: position for position, value in enumerate(plan.outputs)}
     inputs: list[tuple[int, et.ValueTensor]] = []
     outputs: list[tuple[int, et.ValueTensor]] = []
     for value in call.args:
@@ -339,18 +351,20 @@ def _delegate_signature(plan: et.Plan) -> tuple[et.Delegate, list[tuple[int, et.
         tensor = plan.values[value]
         if tensor is None:
             raise BundleError(f"program: method {plan.name!r} passes a non-tensor value to the delegate, which is not supported")
-        if source in plan.inputs:
+        if source in input_position:
             if outputs:
                 raise BundleError(f"program: method {plan.name!r} gives the delegate an input after an output")
-            inputs.append((plan.inputs.index(source), plan.values[source] or tensor))
-        elif target in plan.outputs:
-            outputs.append((plan.outputs.index(target), plan.values[target] or tensor))
+            inputs.append((input_position[source], plan.values[source] or tensor))
+        elif target in output_position:
+            outputs.append((output_position[target], plan.values[target] or tensor))
         else:
             raise BundleError(f"program: method {plan.name!r} passes the delegate a value that is neither a method input nor an output")
-    if sorted(position for position, _ in inputs) != list(range(len(plan.inputs))):
-        raise BundleError(f"program: method {plan.name!r} has inputs that do not reach the delegate, or reach it twice")
-    if sorted(position for position, _ in outputs) != list(range(len(plan.outputs))):
-        raise BundleError(f"program: method {plan.name!r} has outputs that the delegate does not make, or makes twice")
+    # Inputs are named by their place in the method and given to the library in
+    # its own order; the two must agree, or a positional input would go astray.
+    if [position for position, _ in inputs] != list(range(len(plan.inputs))):
+        raise BundleError(f"program: method {plan.name!r} passes its inputs to the delegate out of order, or not each once")
+    if [position for position, _ in outputs] != list(range(len(plan.outputs))):
+        raise BundleError(f"program: method {plan.name!r} takes its outputs from the delegate out of order, or not each once")
     return delegate, inputs, outputs
 
 

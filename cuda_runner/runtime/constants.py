@@ -31,7 +31,7 @@ class ConstantMemory:
     """The storages a container's constants view; release after deleting the container."""
 
     def __init__(self) -> None:
-        self.storages: dict[str, int] = {}  # segment name -> address
+        self.storages: dict[tuple[str, str], int] = {}  # (segment name, device type) -> address
         self._host: list[np.ndarray] = []
         self._device: list[tuple[int, int]] = []  # (device index, pointer)
 
@@ -59,7 +59,7 @@ class ConstantMemory:
 def bind_constants(
     container: Container, device: Device, shim: Shim, constants: Sequence[ConstantSpec], segment: Callable[[str], memoryview],
 ) -> ConstantMemory:
-    internal = _internal_names(container, constants)
+    internal = _internal_names(container, constants, segment)
     memory = ConstantMemory()
     handles: list[int] = []
     try:
@@ -83,15 +83,17 @@ def bind_constants(
     return memory
 
 
-def _internal_names(container: Container, constants: Sequence[ConstantSpec]) -> dict[str, list[str]]:
+def _internal_names(container: Container, constants: Sequence[ConstantSpec], segment: Callable[[str], memoryview]) -> dict[str, list[str]]:
     """The library's internal names for each listed FQN, after checking that the
     table and the library agree on which constants there are and their dtypes."""
     by_fqn: dict[str, list[str]] = collections.defaultdict(list)
-    dtypes: dict[str, int] = {}
+    dtypes: dict[str, set[int]] = collections.defaultdict(set)
+    sizes: dict[str, int] = collections.defaultdict(int)
     for info in container.constants():
         if not info.folded:
             by_fqn[info.fqn].append(info.name)
-            dtypes[info.fqn] = info.dtype_code
+            dtypes[info.fqn].add(info.dtype_code)
+            sizes[info.fqn] = max(sizes[info.fqn], info.nbytes)
     listed = {constant.fqn: constant for constant in constants}
     missing = sorted(set(by_fqn) - set(listed))
     if missing:
@@ -100,14 +102,20 @@ def _internal_names(container: Container, constants: Sequence[ConstantSpec]) -> 
     if extra:
         raise BundleError(f"the weights supply constants the model library does not have: {', '.join(repr(name[:80]) for name in extra[:5])}")
     for fqn, constant in listed.items():
-        if SCALAR_TYPE_CODES[constant.dtype] != dtypes[fqn]:
-            raise BundleError(f"constant {fqn[:80]!r} is {constant.dtype} in the weights but has dtype code {dtypes[fqn]} in the model library")
+        if dtypes[fqn] != {SCALAR_TYPE_CODES[constant.dtype]}:
+            raise BundleError(f"constant {fqn[:80]!r} is {constant.dtype} in the weights but has dtype code(s) {sorted(dtypes[fqn])} in the model library")
+        # The library reads as many bytes as it was built for (its storage, as
+        # ExecuTorch checks it), whatever the view says.
+        stored = segment(constant.segment).nbytes
+        if stored < sizes[fqn]:
+            raise BundleError(f"constant {fqn[:80]!r} has {stored} bytes of storage in the weights but the model library reads {sizes[fqn]}")
     return by_fqn
 
 
 def _storage_address(memory: ConstantMemory, constant: ConstantSpec, device: Device, segment: Callable[[str], memoryview]) -> int:
     """Copy a storage segment once (constants may share one) to where the library wants it."""
-    address = memory.storages.get(constant.segment)
+    key = (constant.segment, constant.device)  # one storage may be wanted on both devices
+    address = memory.storages.get(key)
     if address is None:
         source = segment(constant.segment)
         if constant.device == "cuda":
@@ -116,7 +124,7 @@ def _storage_address(memory: ConstantMemory, constant: ConstantSpec, device: Dev
             copy = aligned_empty((source.nbytes,), np.dtype(np.uint8))
             copy[...] = np.frombuffer(source, dtype=np.uint8)
             address = memory.keep_host(copy)
-        memory.storages[constant.segment] = address
+        memory.storages[key] = address
     return address
 
 

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import math
 import os
 import threading
 import time
@@ -28,7 +29,7 @@ from typing import Any
 import numpy as np
 
 from ..dtypes import dtype_name
-from ..errors import BundleError, ClosedError, CudaRunnerError, InputError, ModelRuntimeError
+from ..errors import BundleError, ClosedError, InputError, ModelRuntimeError
 from ..format.manifest import LIBRARY_CHECKS_OPTION, MUTATED_BUFFERS_OPTION, MethodSpec
 from ..format.source import AnyReader
 from ..validation import check_inputs
@@ -82,13 +83,18 @@ class _Lanes:
             if self.closed:
                 raise ClosedError("the method is closed")
             self._busy += 1
-            while not self._idle:
-                if self._created < self.limit:
-                    self._created += 1
-                    break
-                self._changed.wait()
-            else:
-                return self._idle.pop()
+            try:
+                while not self._idle:
+                    if self._created < self.limit:
+                        self._created += 1
+                        break
+                    self._changed.wait()
+                else:
+                    return self._idle.pop()
+            except BaseException:  # interrupted while waiting: this call never ran
+                self._busy -= 1
+                self._changed.notify_all()
+                raise
         try:
             executor = self._make()
         except BaseException:
@@ -152,6 +158,7 @@ class Method:
         self._accepted: set[tuple[Any, ...]] = set()  # input signatures already validated
         self._last_stream = threading.local()
         self._constants: ConstantMemory | None = None
+        self._close_lock = threading.Lock()
         self.warm_up_note = "not done"
 
     @classmethod
@@ -249,7 +256,7 @@ class Method:
             return "skipped: an input's size is not known before a run"
         try:
             self.run(arrays)
-        except CudaRunnerError as error:
+        except Exception as error:  # the method stays loaded; its first real run reports what is wrong
             return f"failed: {error}"
         return "done"
 
@@ -390,12 +397,14 @@ class Method:
         return self._container
 
     def close(self) -> None:
-        """Wait for calls in flight, then release in a safe order: executors, container, library."""
-        if self._lanes.closed:
-            return
-        executors = self._lanes.close()
-        container, library, constants = self._container, self._library, self._constants
-        self._container = self._library = self._constants = None
+        """Wait for calls in flight, then release in a safe order: executors, container, library.
+        Closing twice, or from two threads at once, releases once."""
+        with self._close_lock:
+            if self._lanes.closed:
+                return
+            executors = self._lanes.close()
+            container, library, constants = self._container, self._library, self._constants
+            self._container = self._library = self._constants = None
         _close_parts(executors, container, library, constants)
 
     def __enter__(self) -> Method:
@@ -481,22 +490,23 @@ def _close_parts(executors: list[Executor], container: Container | None, library
 
 
 def _zeros_for(spec: MethodSpec) -> dict[str, np.ndarray] | None:
-    """Zero inputs at the export-time sizes, or None where a size is an expression."""
-    from ..dtypes import numpy_dtype
+    """Zero inputs at the export-time sizes (the smallest allowed, where those
+    would take more than WARM_UP_BYTES), or None where no size is known or small."""
+    from ..dtypes import itemsize, numpy_dtype
 
-    arrays = {}
-    for tensor in spec.inputs:
-        shape = []
-        for entry in tensor.shape:
-            if isinstance(entry, int):
-                shape.append(entry)
-            elif entry in spec.dims:
-                dim = spec.dims[entry]
-                shape.append(dim.example if dim.example is not None else max(dim.min, 1))
-            else:
+    for pick in (lambda dim: dim.example if dim.example is not None else max(dim.min, 1), lambda dim: max(dim.min, 1)):
+        shapes = {}
+        for tensor in spec.inputs:
+            if not all(isinstance(entry, int) or entry in spec.dims for entry in tensor.shape):
                 return None
-        arrays[tensor.name] = np.zeros(shape, numpy_dtype(tensor.dtype))
-    return arrays
+            shapes[tensor.name] = tuple(entry if isinstance(entry, int) else pick(spec.dims[entry]) for entry in tensor.shape)
+        total = sum(math.prod(shape) * itemsize(tensor.dtype) for tensor, shape in zip(spec.inputs, shapes.values()))
+        if total <= WARM_UP_BYTES:
+            return {tensor.name: np.zeros(shapes[tensor.name], numpy_dtype(tensor.dtype)) for tensor in spec.inputs}
+    return None
+
+
+WARM_UP_BYTES = 256 << 20
 
 
 def signature_needs_library_checks(spec: MethodSpec) -> bool:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import random
 import struct
+import time
 from pathlib import Path
 
 import numpy as np
@@ -85,7 +86,7 @@ def _structure(pte: bytes, ptd: bytes) -> dict:
     return {
         "instructions": [(i.kind, i.target) for i in plan.instructions],
         "values": plan.values, "inputs": [plan.values[i] for i in plan.inputs], "outputs": [plan.values[i] for i in plan.outputs],
-        "delegate": (delegate.backend, delegate.processed, delegate.specs.get("method_name")),
+        "delegate": (delegate.backend, bytes(delegate.processed), delegate.specs.get("method_name")),
         "program_data": {key: pte[s.offset:s.offset + s.size] for key, s in program.named_data.items()},
         "data": {key: ptd[s.offset:s.offset + s.size] for key, s in data.named_data.items()},
         "aligned": all(s.offset % 128 == 0 for s in [*program.named_data.values(), *data.named_data.values()]),
@@ -109,7 +110,7 @@ def test_the_test_writer_reproduces_real_programs(name):
 
 
 def test_fqn_manifest_encoding_matches_executorch():
-    real = _program(REAL["G3"]).plans["forward"].delegates[0].processed
+    real = bytes(_program(REAL["G3"]).plans["forward"].delegates[0].processed)
     payload = et.decode_payload(real, "forward")
     weights = [Weight(w.fqn, b"\0" * w.storage_nbytes, w.dtype_code, w.sizes, w.strides, w.storage_offset, w.on_cuda, w.storage_key) for w in payload.weights]
     assert fqn_manifest(payload.library_key, weights) == real
@@ -283,3 +284,77 @@ def test_not_a_program_or_bundle(tmp_path):
     path.write_bytes(np.arange(64, dtype=np.uint8).tobytes())
     assert cli("inspect", str(path)).returncode == 3
     assert cli("run", str(path), "--data", str(path), "--random-inputs").returncode == 3
+
+
+# ---------------------------------------------------------------------------
+# Crafted files from a review: each must be a clean refusal, and quick.
+
+
+def test_a_cut_short_extended_header_is_refused():
+    data = bytearray(36)
+    data[4:8], data[8:12] = b"ET12", b"eh00"
+    data[12:16] = struct.pack("<I", 25)
+    with pytest.raises(BundleError, match="cut short"):
+        et.read_program(memoryview(bytes(data)))
+
+
+def test_tables_referred_to_over_and_over_are_refused_quickly():
+    """2,000 chains that all point at one chain of 2,000 references to one
+    instruction: a small file describing four million instructions."""
+    import flatbuffers
+
+    builder = flatbuffers.Builder(0)
+    builder.StartObject(2)
+    move = builder.EndObject()  # a MoveCall
+    builder.StartObject(2)
+    builder.PrependUint8Slot(0, 3, 0)
+    builder.PrependUOffsetTRelativeSlot(1, move, 0)
+    instruction = builder.EndObject()
+    builder.StartVector(4, 2000, 4)
+    for _ in range(2000):
+        builder.PrependUOffsetTRelative(instruction)
+    instructions = builder.EndVector()
+    builder.StartObject(4)
+    builder.PrependUOffsetTRelativeSlot(2, instructions, 0)
+    chain = builder.EndObject()
+    builder.StartVector(4, 2000, 4)
+    for _ in range(2000):
+        builder.PrependUOffsetTRelative(chain)
+    chains = builder.EndVector()
+    name = builder.CreateString("forward")
+    builder.StartObject(10)
+    builder.PrependUOffsetTRelativeSlot(0, name, 0)
+    builder.PrependUOffsetTRelativeSlot(5, chains, 0)
+    plan = builder.EndObject()
+    builder.StartVector(4, 1, 4)
+    builder.PrependUOffsetTRelative(plan)
+    plans = builder.EndVector()
+    builder.StartObject(8)
+    builder.PrependUOffsetTRelativeSlot(1, plans, 0)
+    builder.Finish(builder.EndObject(), file_identifier=b"ET12")
+    started = time.perf_counter()
+    with pytest.raises(BundleError, match="referred to"):
+        et.read_program(memoryview(bytes(builder.Output())))
+    assert time.perf_counter() - started < 5
+
+
+def test_a_weight_named_twice_is_refused_and_short_entries_are_counted_right():
+    twice = [Weight("w", b"\0" * 4, 6, (), ()), Weight("w", b"\0" * 4, 6, (), (), key="other")]
+    with pytest.raises(BundleError, match="twice"):
+        et.decode_payload(fqn_manifest("k_so_blob", twice), "forward")
+    many = [Weight(chr(ord("a") + index), b"\0" * 4, 6, (), (), key=chr(ord("A") + index)) for index in range(10)]
+    assert len(et.decode_payload(fqn_manifest("k_so_blob", many), "forward").weights) == 10
+
+
+def test_inputs_given_to_the_delegate_out_of_order_are_refused(tmp_path):
+    pte, ptd = write_program([MethodPlan("forward", _library(), [_tensor(4, 16), _tensor(4, 16)], [_tensor(4, 8)], weights_blob=b"\0" * 3456)], "G2")
+    program = et.read_program(memoryview(pte))
+    plan = program.plans["forward"]
+    call = next(item for item in plan.instructions if item.kind == "delegate call")
+    swapped = (call.args[1], call.args[0], *call.args[2:])  # the delegate's first input is the method's second
+    args_at = pte.find(struct.pack("<3i", *call.args))
+    assert args_at > 0
+    (tmp_path / "model.pte").write_bytes(pte[:args_at] + struct.pack("<3i", *swapped) + pte[args_at + 12:])
+    (tmp_path / "aoti_cuda_blob.ptd").write_bytes(ptd)
+    with pytest.raises(BundleError, match="out of order"):
+        ProgramReader(tmp_path / "model.pte")

@@ -137,3 +137,21 @@ def test_weights_that_do_not_match_the_library_are_refused(compiled, tmp_path):
         with pytest.raises(BundleError, match=message):
             cuda_runner.load(folder / "model.pte")
         assert cli("run", str(folder / "model.pte"), "--random-inputs").returncode == 3
+
+
+def test_a_storage_smaller_than_the_library_reads_is_refused(compiled, tmp_path):
+    """A view that fits its storage, but the library reads more than the storage holds."""
+    model = compiled("dict_mlp", "cpu")
+    with open_bundle(model.path) as reader:
+        library = bytes(reader.read_verified("forward_so_blob"))
+    weights = _weights(model.module, _library_constants(model.path))
+    first = weights[0]
+    half = len(first.storage) // 2
+    short = Weight(first.fqn, first.storage[:half], first.dtype_code, (half // 4,), (1,))  # a 1-D view of half the bytes
+    inputs = [TensorValue(FLOAT32, (64, 16), BOUND), TensorValue(FLOAT32, (8,))]
+    outputs = [TensorValue(FLOAT32, (64, 8), BOUND), TensorValue(FLOAT32, ()), TensorValue(FLOAT32, (64, 32), BOUND)]
+    pte, ptd = write_program([MethodPlan("forward", library, inputs, outputs, weights=[short, *weights[1:]])], "G3")
+    (tmp_path / "model.pte").write_bytes(pte)
+    (tmp_path / "aoti_cuda_blob.ptd").write_bytes(ptd)
+    with pytest.raises(BundleError, match="reads"):
+        cuda_runner.load(tmp_path / "model.pte")
