@@ -123,7 +123,7 @@ def _segments_blob(blobs: list[bytes]) -> tuple[list[tuple[int, int]], bytes]:
     return placed, data
 
 
-def _vector_of_offsets(builder: flatbuffers.Builder, offsets: list[int]) -> int:
+def vector_of_offsets(builder: flatbuffers.Builder, offsets: list[int]) -> int:
     builder.StartVector(4, len(offsets), 4)
     for offset in reversed(offsets):
         builder.PrependUOffsetTRelative(offset)
@@ -144,7 +144,7 @@ def _data_segments(builder: flatbuffers.Builder, placed: list[tuple[int, int]]) 
         builder.PrependUint64Slot(0, offset, 0)
         builder.PrependUint64Slot(1, size, 0)
         tables.append(builder.EndObject())
-    return _vector_of_offsets(builder, tables)
+    return vector_of_offsets(builder, tables)
 
 
 def _named_data(builder: flatbuffers.Builder, keys: list[str], first_segment: int) -> int:
@@ -155,7 +155,7 @@ def _named_data(builder: flatbuffers.Builder, keys: list[str], first_segment: in
         builder.PrependUOffsetTRelativeSlot(0, name, 0)
         builder.PrependUint32Slot(1, first_segment + index, 0)
         tables.append(builder.EndObject())
-    return _vector_of_offsets(builder, tables)
+    return vector_of_offsets(builder, tables)
 
 
 def _tensor_value(builder: flatbuffers.Builder, tensor: TensorValue) -> int:
@@ -234,7 +234,7 @@ def _plan(builder: flatbuffers.Builder, method: MethodPlan, delegate_ref: tuple[
     if method.extra_kernel:
         operators.append(method.extra_kernel)
         instructions.append(_instruction(builder, _KERNEL_CALL, len(operators) - 1, [plan_out[0], plan_out[0]]))
-    instruction_vector = _vector_of_offsets(builder, instructions)
+    instruction_vector = vector_of_offsets(builder, instructions)
     builder.StartObject(4)
     builder.PrependUOffsetTRelativeSlot(2, instruction_vector, 0)
     chain = builder.EndObject()
@@ -248,12 +248,12 @@ def _plan(builder: flatbuffers.Builder, method: MethodPlan, delegate_ref: tuple[
         operator_tables.append(builder.EndObject())
     delegate = _delegate(builder, method, delegate_ref)
     name = builder.CreateString(method.name)
-    values_vector = _vector_of_offsets(builder, value_offsets)
+    values_vector = vector_of_offsets(builder, value_offsets)
     inputs_vector = _vector_of_i32(builder, list(range(len(host_in))))
     outputs_vector = _vector_of_i32(builder, plan_out)
-    chains = _vector_of_offsets(builder, [chain])
-    operators_vector = _vector_of_offsets(builder, operator_tables)
-    delegates = _vector_of_offsets(builder, [delegate])
+    chains = vector_of_offsets(builder, [chain])
+    operators_vector = vector_of_offsets(builder, operator_tables)
+    delegates = vector_of_offsets(builder, [delegate])
     builder.StartObject(10)
     builder.PrependUOffsetTRelativeSlot(0, name, 0)
     builder.PrependUOffsetTRelativeSlot(2, values_vector, 0)
@@ -273,7 +273,7 @@ def _delegate(builder: flatbuffers.Builder, method: MethodPlan, reference: tuple
         builder.PrependUOffsetTRelativeSlot(0, key_offset, 0)
         builder.PrependUOffsetTRelativeSlot(1, value_offset, 0)
         specs.append(builder.EndObject())
-    spec_vector = _vector_of_offsets(builder, specs)
+    spec_vector = vector_of_offsets(builder, specs)
     builder.StartObject(2)
     builder.PrependUint8Slot(0, reference[0], 0)
     builder.PrependUint32Slot(1, reference[1], 0)
@@ -307,8 +307,8 @@ def _pte(methods: list[MethodPlan], payloads: list[bytes], named: dict[str, byte
         builder.StartObject(1)
         builder.PrependUOffsetTRelativeSlot(0, data_offset, 0)
         inline_tables.append(builder.EndObject())
-    plan_vector = _vector_of_offsets(builder, plans)
-    inline_vector = _vector_of_offsets(builder, inline_tables)
+    plan_vector = vector_of_offsets(builder, plans)
+    inline_vector = vector_of_offsets(builder, inline_tables)
     segments = _data_segments(builder, placed)
     named_vector = _named_data(builder, list(named), 1 + len(nonempty))
     builder.StartObject(8)

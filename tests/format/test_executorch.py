@@ -10,7 +10,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from et_writer import MethodPlan, TensorValue, Weight, fqn_manifest, write_program
+from et_writer import MethodPlan, TensorValue, Weight, fqn_manifest, vector_of_offsets, write_program
 from helpers import ROOT, cli
 
 from cuda_runner.errors import BundleError, IncompatibleBundleError, InputError
@@ -310,25 +310,17 @@ def test_tables_referred_to_over_and_over_are_refused_quickly():
     builder.PrependUint8Slot(0, 3, 0)
     builder.PrependUOffsetTRelativeSlot(1, move, 0)
     instruction = builder.EndObject()
-    builder.StartVector(4, 2000, 4)
-    for _ in range(2000):
-        builder.PrependUOffsetTRelative(instruction)
-    instructions = builder.EndVector()
+    instructions = vector_of_offsets(builder, [instruction] * 2000)
     builder.StartObject(4)
     builder.PrependUOffsetTRelativeSlot(2, instructions, 0)
     chain = builder.EndObject()
-    builder.StartVector(4, 2000, 4)
-    for _ in range(2000):
-        builder.PrependUOffsetTRelative(chain)
-    chains = builder.EndVector()
+    chains = vector_of_offsets(builder, [chain] * 2000)
     name = builder.CreateString("forward")
     builder.StartObject(10)
     builder.PrependUOffsetTRelativeSlot(0, name, 0)
     builder.PrependUOffsetTRelativeSlot(5, chains, 0)
     plan = builder.EndObject()
-    builder.StartVector(4, 1, 4)
-    builder.PrependUOffsetTRelative(plan)
-    plans = builder.EndVector()
+    plans = vector_of_offsets(builder, [plan])
     builder.StartObject(8)
     builder.PrependUOffsetTRelativeSlot(1, plans, 0)
     builder.Finish(builder.EndObject(), file_identifier=b"ET12")
