@@ -127,6 +127,8 @@ class InspectResult:
     segment_digests_ok: dict[str, bool] | None = None  # with verify; a segment that cannot be checked is absent
     warnings: list[str] = field(default_factory=list)
     program: ProgramInfo | None = None  # for an ExecuTorch program
+    # per program method: (shim functions this libtorch lacks, or None without libtorch; libraries searched)
+    shim_check: dict[str, tuple[list[str] | None, str | None]] = field(default_factory=dict)
 
     @property
     def verified(self) -> bool | None:
@@ -164,17 +166,15 @@ class InspectResult:
             "verified": self.verified,
         }
         if self.program is not None:
-            document["executorch"] = program_json(self.program)
+            document["executorch"] = program_json(self.program, self.shim_check)
         return document
 
 
-def program_json(info: ProgramInfo) -> dict[str, Any]:
-    from .runtime.shim import missing_symbols
-
+def program_json(info: ProgramInfo, shim_check: dict[str, tuple[list[str] | None, str | None]]) -> dict[str, Any]:
     methods = {}
     for name, method in info.methods.items():
         facts = method.library
-        missing, searched = missing_symbols(facts.shim_symbols, "cuda" if facts.uses_cuda else "cpu")
+        missing, searched = shim_check[name]
         methods[name] = {
             "payload_layout": method.layout.value,
             "instructions": method.instructions,
@@ -204,37 +204,31 @@ def inspect_bundle(
 ) -> InspectResult:
     """Describe a bundle, or an ExecuTorch program (with its data file)."""
     with open_model(path, data) as reader:
-        if isinstance(reader, ProgramReader):
-            return _inspect_program(reader, verify)
-        signature = _signature_report(reader, trusted_keys)
         manifest = reader.manifest
         reports = {
             name: MethodReport(spec, manifest.segment(spec.library_segment), manifest.segment(spec.weights_segment) if spec.weights_segment else None,
                                runnable_problem(spec))
             for name, spec in manifest.methods.items()
         }
-        result = InspectResult(reader.path, reader.version, reader.file_size, manifest, reports, signature)
-        if verify and signature.verified is not False:
+        if isinstance(reader, ProgramReader):  # no signature; only SHA-256-named keys can be checked
+            result = InspectResult(reader.path, f"ExecuTorch {reader.version}", reader.file_size, manifest, reports, None,
+                                   program=reader.info, shim_check=_shim_check(reader.info))
+        else:
+            result = InspectResult(reader.path, reader.version, reader.file_size, manifest, reports, _signature_report(reader, trusted_keys))
+        if verify and (result.signature is None or result.signature.verified is not False):
             result.segment_digests_ok = reader.verify_all()
             for report in reports.values():
                 report.library_check = _check_library(reader, report, all(result.segment_digests_ok.values()))
         return result
 
 
-def _inspect_program(reader: ProgramReader, verify: bool) -> InspectResult:
-    """A program has no signature, and only SHA-256-named keys can be checked."""
-    manifest = reader.manifest
-    reports = {
-        name: MethodReport(spec, manifest.segment(spec.library_segment), manifest.segment(spec.weights_segment) if spec.weights_segment else None,
-                           runnable_problem(spec))
-        for name, spec in manifest.methods.items()
+def _shim_check(info: ProgramInfo) -> dict[str, tuple[list[str] | None, str | None]]:
+    from .runtime.shim import missing_symbols
+
+    return {
+        name: missing_symbols(method.library.shim_symbols, "cuda" if method.library.uses_cuda else "cpu")
+        for name, method in info.methods.items()
     }
-    result = InspectResult(reader.path, f"ExecuTorch {reader.version}", reader.file_size, manifest, reports, None, program=reader.info)
-    if verify:
-        result.segment_digests_ok = reader.verify_all()
-        for report in reports.values():
-            report.library_check = _check_library(reader, report, all(result.segment_digests_ok.values()))
-    return result
 
 
 def _check_library(reader: AnyReader, report: MethodReport, digests_ok: bool) -> str:

@@ -102,9 +102,9 @@ def cli_cold(bundle: Path, input_file: Path, repeats: int, full_exit: bool = Fal
     return spread(samples)
 
 
-def api(bundle: Path, input_file: Path, device: str, iterations: int, cuda_graph: bool = False, warm_up: bool = True) -> dict[str, Any]:
+def api(bundle: Path, input_file: Path, device: str, iterations: int, cuda_graph: bool = False) -> dict[str, Any]:
     plan = GivenInputs((ArrayFile(input_file),))
-    request = BenchRequest(bundle=bundle, inputs=plan, device=device, cuda_graph=cuda_graph, warmup=20, iterations=iterations, warm_up=warm_up)
+    request = BenchRequest(bundle=bundle, inputs=plan, device=device, cuda_graph=cuda_graph, warmup=20, iterations=iterations)
     return benchmark(request).to_json()
 
 
@@ -437,9 +437,6 @@ def main() -> int:
             entry["cli_cold_full_exit_s"] = cli_cold(bundle, work / f"{name}-x.npy", options.cold_repeats, full_exit=True)
             log(f"{name}: in-process API")
             entry["api"] = api(bundle, work / f"{name}-x.npy", device, iterations)
-            if device == "cuda":
-                log(f"{name}: in-process API, loaded without the warm-up run")
-                entry["api_no_warm_up"] = api(bundle, work / f"{name}-x.npy", device, 50, warm_up=False)
             log(f"{name}: eager")
             entry["eager_s"] = eager(torch, module, array, device, iterations)
             if name == "mlp" and device == "cuda":
@@ -529,9 +526,8 @@ def render_markdown(report: dict[str, Any]) -> str:
         lines += ["", "Split of the API run (" + ("CUDA events" if report["device"] == "cuda" else "host timers") + "): "
                   + ", ".join(f"{key} {_ms(stats['median'])} ms" for key, stats in split.items())
                   + "; load: " + ", ".join(f"{key} {_ms(value)} ms" for key, value in api_result["load_s"].items())
-                  + f"; first run {_ms(api_result['first_run_s'])} ms"
-                  + (f" (loaded without the warm-up run: first run {_ms(entry['api_no_warm_up']['first_run_s'])} ms)" if "api_no_warm_up" in entry else "")
-                  + ".", ""]
+                  + f"; first run {_ms(api_result['first_run_s'])} ms (with and without the load's warm-up in fresh processes: "
+                  + "scripts/profile_cold_start.py).", ""]
         if "copies" in entry:
             copies = entry["copies"]
             lines += [

@@ -107,7 +107,7 @@ def inspect_lines(result: Any) -> list[str]:
     for name, report in result.methods.items():
         lines += _method_lines(name, report)
         if result.program is not None:
-            lines += _program_method_lines(result.program.methods[name])
+            lines += _program_method_lines(result.program.methods[name], result.shim_check[name])
     lines += ["", "segments"]
     headers = ["name", "offset", "size", "digest"] + (["verified"] if result.segment_digests_ok is not None else [])
     rows = []
@@ -127,10 +127,8 @@ def inspect_lines(result: Any) -> list[str]:
     return lines
 
 
-def _program_method_lines(method: Any) -> list[str]:
+def _program_method_lines(method: Any, shim_check: tuple[list[str] | None, str | None]) -> list[str]:
     """What an ExecuTorch program says about a method (format.program.ProgramMethodInfo)."""
-    from ..runtime.shim import missing_symbols
-
     facts = method.library
     specs = ", ".join(f"{key}={value}" for key, value in method.compile_specs.items())
     lines = [
@@ -141,7 +139,7 @@ def _program_method_lines(method: Any) -> list[str]:
     if method.weight_count:
         lines.append(clean(f"  weights: {method.weight_count} tensors by name, {human_bytes(method.weights_bytes)}"))
     lines.append(clean(f"  GPU kernels: {', '.join(facts.kernels) or 'none (a CPU library)'}"))
-    missing, searched = missing_symbols(facts.shim_symbols, "cuda" if facts.uses_cuda else "cpu")
+    missing, searched = shim_check
     scope = "this libtorch" if searched == "cuda" or not facts.uses_cuda else "this libtorch (without CUDA)"
     if missing is None:
         verdict = "libtorch is not installed here to check them"

@@ -104,7 +104,7 @@ class ProgramReader:
         program = et.read_program(self._map("pte", self.path))
         self.file_size = program.file_size
         if data_path is None:
-            data_path = self._data_file_beside(program)
+            data_path = self._data_file_beside()
         data_file = None
         if data_path is not None:
             data_file = et.read_data_file(self._map("ptd", data_path))
@@ -131,7 +131,7 @@ class ProgramReader:
         self._maps[role] = mmap.mmap(handle.fileno(), 0, access=mmap.ACCESS_READ)
         return memoryview(self._maps[role])
 
-    def _data_file_beside(self, program: et.Program) -> Path | None:
+    def _data_file_beside(self) -> Path | None:
         """The program's data file when it needs one: ExecuTorch names it after the
         CUDA backend's external tag, next to the program."""
         for name in et.DATA_FILE_NAMES:
@@ -185,7 +185,7 @@ class ProgramReader:
             facts, weights_bytes, len(constants),
         )
         return MethodSpec(
-            name=plan.name, device=_device(facts, specs), library_segment=library, weights_segment=weights_segment,
+            name=plan.name, device=_device(facts), library_segment=library, weights_segment=weights_segment,
             inputs=signature_in, outputs=signature_out, dims=dims, torch_version="unknown (not recorded in ExecuTorch programs)",
             compile_options=options, constants=constants,
         )
@@ -252,10 +252,6 @@ class ProgramReader:
         finally:
             pool.shutdown(wait=False)
 
-    def digest_checked(self, name: str) -> bool:
-        """Whether the segment's bytes can be checked at all (its key is a SHA-256)."""
-        return self._stored[name].sha256 is not None
-
     def verify_all(self) -> dict[str, bool]:
         """{segment: ok} for every segment whose key is a SHA-256; the others cannot be checked."""
         results = {}
@@ -267,9 +263,6 @@ class ProgramReader:
             except BundleError:
                 results[name] = False
         return results
-
-    def stored_key(self, name: str) -> str:
-        return self._stored[name].key
 
     def require_signature(self, keys: object) -> None:
         raise BundleError("ExecuTorch programs carry no signature; convert the program to a bundle and sign that (cuda-runner convert, cuda-runner sign)")
@@ -406,7 +399,7 @@ def _tensor_spec(name: str, tensor: et.ValueTensor, dims: dict[str, DimSpec]) ->
     return TensorSpec(name, dtype, tuple(shape))
 
 
-def _device(facts: LibraryFacts, specs: dict[str, str]) -> DeviceSpec:
+def _device(facts: LibraryFacts) -> DeviceSpec:
     if facts.uses_cuda:
         return DeviceSpec("cuda", compute_capability=facts.compute_capability)
     return DeviceSpec("cpu")
@@ -418,10 +411,6 @@ def _refuse_foreign_kernels(method: str, facts: LibraryFacts) -> None:
         raise IncompatibleBundleError(
             f"program: method {method!r} uses ExecuTorch-only kernels ({', '.join(foreign)}), which libtorch does not provide"
         )
-
-
-def open_program(path: str | os.PathLike[str], data: str | os.PathLike[str] | None = None) -> ProgramReader:
-    return ProgramReader(path, data)
 
 
 

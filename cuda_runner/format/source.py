@@ -2,45 +2,21 @@
 
 A cuda-runner bundle and an ExecuTorch program (`.pte`, with its `.ptd`) are
 read by different modules but look the same to everything else: a Manifest,
-and segments by name (`ModelFile`). `open_model` tells them apart by their
+and segments by name (`AnyReader`). `open_model` tells them apart by their
 first bytes, not by their names.
 """
 
 from __future__ import annotations
 
 import os
-from concurrent.futures import Future
 from pathlib import Path
-from typing import TYPE_CHECKING, Protocol, Union
+from typing import TYPE_CHECKING, Union
 
 from ..errors import InputError
 from .bundle import BundleReader, open_bundle
-from .manifest import Manifest
 
 if TYPE_CHECKING:  # the ExecuTorch reader is imported only for a program
     from .program import ProgramReader
-
-
-class ModelFile(Protocol):
-    path: Path
-    manifest: Manifest
-    file_size: int
-
-    @property
-    def version(self) -> str: ...
-
-    @property
-    def signature(self) -> object | None: ...
-
-    def segment(self, name: str, *, verify: bool = True) -> memoryview: ...
-
-    def read_verified(self, name: str) -> bytes: ...
-
-    def verify_in_background(self, name: str) -> Future: ...
-
-    def verify_all(self) -> dict[str, bool]: ...
-
-    def close(self) -> None: ...
 
 
 AnyReader = Union[BundleReader, "ProgramReader"]
