@@ -44,10 +44,11 @@ LIBRARY_CHECKS_OPTION = "library_checks_required"
 # buffers_to_mutate), recorded at compile time; [] says a run changes no state.
 MUTATED_BUFFERS_OPTION = "mutated_buffers"
 CONSTANT_TABLE = "constant-table"  # weights as one tensor view per constant (format 1.1)
+CALL_HELPER = "call-helper"  # a native helper that makes each call one foreign call (format 1.2; optional)
 
 # Features a reader must understand to use a bundle that lists them as
 # required. A bundle that requires anything else is refused.
-KNOWN_FEATURES = frozenset({"samples", CONSTANT_TABLE})
+KNOWN_FEATURES = frozenset({"samples", CONSTANT_TABLE, CALL_HELPER})
 
 
 @dataclass(frozen=True)
@@ -124,6 +125,7 @@ class MethodSpec:
     sample_inputs_segment: str | None = None
     sample_outputs_segment: str | None = None
     constants: tuple[ConstantSpec, ...] = ()
+    call_helper_segment: str | None = None  # code: checked before loading like the library
 
     def input(self, name: str) -> TensorSpec | None:
         return next((spec for spec in self.inputs if spec.name == name), None)
@@ -150,7 +152,7 @@ class Manifest:
         for method in self.methods.values():
             names.append(method.library_segment)
             names += sorted({constant.segment for constant in method.constants})
-            for optional in (method.weights_segment, method.sample_inputs_segment, method.sample_outputs_segment):
+            for optional in (method.weights_segment, method.sample_inputs_segment, method.sample_outputs_segment, method.call_helper_segment):
                 if optional is not None:
                     names.append(optional)
         return names
@@ -186,6 +188,8 @@ def _method_to_json(method: MethodSpec) -> dict[str, Any]:
     if method.sample_inputs_segment is not None:
         data["sample_inputs_segment"] = method.sample_inputs_segment
         data["sample_outputs_segment"] = method.sample_outputs_segment
+    if method.call_helper_segment is not None:
+        data["call_helper_segment"] = method.call_helper_segment
     return data
 
 
@@ -292,6 +296,7 @@ def _method(name: str, data: Any) -> MethodSpec:
     weights = obj.get("weights_segment")
     sample_inputs = obj.get("sample_inputs_segment")
     sample_outputs = obj.get("sample_outputs_segment")
+    helper = obj.get("call_helper_segment")
     if (sample_inputs is None) != (sample_outputs is None):
         raise BundleError(f"{where}: sample inputs and sample outputs must both be present or both absent")
     constants = tuple(_constant(item, f"{where}.constants[{i}]") for i, item in enumerate(_list(obj.get("constants", []), f"{where}.constants", MAX_CONSTANTS)))
@@ -312,6 +317,7 @@ def _method(name: str, data: Any) -> MethodSpec:
         sample_inputs_segment=None if sample_inputs is None else _checked_name(sample_inputs, f"{where}.sample_inputs_segment"),
         sample_outputs_segment=None if sample_outputs is None else _checked_name(sample_outputs, f"{where}.sample_outputs_segment"),
         constants=constants,
+        call_helper_segment=None if helper is None else _checked_name(helper, f"{where}.call_helper_segment"),
     )
 
 
