@@ -50,6 +50,7 @@ def load(
     require_signature: bool = False,
     data: str | os.PathLike[str] | None = None,
     warm_up: bool = True,
+    call_helper: bool = True,
 ) -> Model:
     """Load a bundle's methods onto a device ("cpu", "cuda", "cuda:1"; None picks the bundle's).
 
@@ -58,6 +59,9 @@ def load(
 
     On CUDA each method runs once on zeros while it loads (`warm_up`), so the
     first real call does not pay for the library's lazy set-up.
+
+    A bundle compiled with its call helper makes each call one foreign call
+    (`call_helper=False` goes through ctypes alone, as bundles without one do).
 
     The model is safe to call from any number of threads; `lanes` is how many
     calls of one method run at once (each lane has its own CUDA stream and
@@ -72,7 +76,8 @@ def load(
 
     keys = keys_for_loading(trusted_keys or (), require_signature)
     return load_model(path, device, verify_weights=verify_weights, methods=methods, cuda_graph=cuda_graph, lanes=lanes,
-                      check_inputs=check_inputs, trusted_keys=keys, data=data, warm_up=warm_up)
+                      check_inputs=check_inputs, trusted_keys=keys, data=data, warm_up=warm_up,
+                      call_helper=call_helper)
 
 
 def load_pool(path: str | os.PathLike[str], devices: str | Iterable[int | str] = "all", **options: Any) -> ModelPool:

@@ -48,6 +48,7 @@ class MethodReport:
     weights: SegmentEntry | None
     not_runnable_reason: str | None
     library_check: str | None = None  # with verify: "passed", "skipped: ...", or why it failed
+    call_helper: SegmentEntry | None = None
 
     def to_json(self) -> dict[str, Any]:
         spec, device = self.spec, self.spec.device
@@ -64,6 +65,7 @@ class MethodReport:
             "dims": {name: dim_json(dim) for name, dim in spec.dims.items()},
             "library": _segment_json(self.library),
             "weights": _segment_json(self.weights),
+            "call_helper": _segment_json(self.call_helper),
             "samples": spec.has_samples,
             "torch_version": spec.torch_version,
             "compile_options": dict(spec.compile_options),
@@ -207,7 +209,8 @@ def inspect_bundle(
         manifest = reader.manifest
         reports = {
             name: MethodReport(spec, manifest.segment(spec.library_segment), manifest.segment(spec.weights_segment) if spec.weights_segment else None,
-                               runnable_problem(spec))
+                               runnable_problem(spec),
+                               call_helper=manifest.segment(spec.call_helper_segment) if spec.call_helper_segment else None)
             for name, spec in manifest.methods.items()
         }
         if isinstance(reader, ProgramReader):  # no signature; only SHA-256-named keys can be checked

@@ -216,6 +216,8 @@ def _path(value: str | None) -> Path | None:
 DataOption = Annotated[Optional[str], typer.Option("--data", metavar="FILE.ptd", help=(
     "An ExecuTorch program's data file (default: aoti_cuda_blob.ptd next to the program)."))]
 SignKeyOption = Annotated[Optional[str], typer.Option("--sign-key", metavar="PRIVATE.pem", help="Sign the bundle as it is written (BUNDLE.sig).")]
+CallHelperOption = Annotated[bool, typer.Option("--call-helper/--no-call-helper", help=(
+    "Build the native call helper into the bundle (one foreign call per model call; needs a C compiler)."))]
 
 
 def _check_sign_key(sign_key: str | None) -> None:
@@ -230,6 +232,20 @@ def _sign(output: str, sign_key: str | None) -> str:
     from ..signing import sign_file
 
     return f", signed in {sign_file(output, sign_key)}"
+
+
+def _built_call_helper() -> bytes | None:
+    from ..compile.helper import build_call_helper
+
+    built = build_call_helper()
+    if built.library is None:
+        _warn(built.note)
+    return built.library
+
+
+def _warn(message: str) -> None:
+    if not _State.quiet:
+        _err().line(printable(f"warning: {message}"), style="yellow")
 
 
 @app.command("compile")
@@ -247,6 +263,7 @@ def compile_command(
         "An Inductor option, e.g. max_autotune=true (repeatable; recorded in the manifest)."))] = [],  # noqa: B006
     autotune: Annotated[bool, typer.Option("--autotune", help=(
         "Let Inductor benchmark its kernel choices on this machine (max_autotune, coordinate_descent_tuning); compiles take longer."))] = False,
+    call_helper: CallHelperOption = True,
 ) -> None:
     """Compile ExportedPrograms into a bundle with AOTInductor."""
     from ..runtime.devices import parse_device
@@ -275,7 +292,11 @@ def compile_command(
     _check_sign_key(sign_key)
     with _native_stderr():
         manifest = compile_programs(programs, output, device=device, metadata=metadata, sample_inputs=arrays, progress=_progress,
-                                    options=parse.option_values(option, autotune))
+                                    options=parse.option_values(option, autotune), call_helper=call_helper)
+    if call_helper and not any(spec.call_helper_segment for spec in manifest.methods.values()):
+        from ..compile.helper import build_call_helper
+
+        _warn(build_call_helper().note)
     signed = _sign(output, sign_key)
     if not _State.quiet:
         _out().line(printable(f"wrote {output}: {', '.join(manifest.methods)} for {device}{signed}"))
@@ -306,6 +327,7 @@ def convert_command(
     data: DataOption = None,
     output: Annotated[str, typer.Option("--output", "-o", metavar="BUNDLE", help="The bundle to write.")] = "model.bundle",
     sign_key: SignKeyOption = None,
+    call_helper: CallHelperOption = True,
 ) -> None:
     """Turn an ExecuTorch CUDA program (.pte + .ptd) into a bundle that runs exactly like it, every byte digested."""
     from ..errors import BundleError
@@ -315,8 +337,9 @@ def convert_command(
     if not is_program(program):
         raise BundleError(f"{program} is not an ExecuTorch program") if Path(program).is_file() else parse.UsageError(f"no such file: {program}")
     _check_sign_key(sign_key)
+    helper = _built_call_helper() if call_helper else None
     with ProgramReader(program, data) as reader:
-        convert_program(reader, output)
+        convert_program(reader, output, helper)
         methods = ", ".join(reader.manifest.methods)
     signed = _sign(output, sign_key)
     if not _State.quiet:

@@ -183,7 +183,7 @@ def _method_lines(name: str, report: Any) -> list[str]:
     for dim_name, dim in spec.dims.items():
         upper = "unbounded" if dim.max is None else dim.max
         lines.append(clean(f"  dim {dim_name}: min {dim.min}, max {upper}, example {dim.example}"))
-    for role, entry in (("library", report.library), ("weights", report.weights)):
+    for role, entry in (("library", report.library), ("weights", report.weights), ("call helper", report.call_helper)):
         if entry is not None:
             lines.append(f"  {role}: {human_bytes(entry.size)}  {entry.digest}")
     if device.type == "cpu" and device.cpu_flags:

@@ -6,6 +6,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import platform
 import zipfile
@@ -17,7 +18,7 @@ from typing import Any
 from .. import __version__
 from ..errors import CompileError, InputError
 from ..format import Manifest, MethodSpec, write_bundle
-from ..format.manifest import MUTATED_BUFFERS_OPTION, method_name_problem
+from ..format.manifest import CALL_HELPER, MUTATED_BUFFERS_OPTION, method_name_problem
 from .aot import Progress, check_device, check_options, compile_program, import_torch
 from .signature import dim_names_from_dynamic_shapes, program_signature
 
@@ -61,11 +62,14 @@ def compile_module(
     sample_inputs: Mapping[str, Any] | None = None,
     progress: Progress = _quiet,
     options: Mapping[str, Any] | None = None,
+    call_helper: bool = True,
 ) -> Manifest:
     """Export `module` with example `args` and compile it into a one-method bundle.
 
     `options` are Inductor config values ({"max_autotune": True}, or
-    AUTOTUNE_OPTIONS); they are recorded in the manifest."""
+    AUTOTUNE_OPTIONS); they are recorded in the manifest. `call_helper` builds
+    the native helper that makes each call one foreign call (needs a C compiler;
+    without one the bundle is written without it)."""
     torch = import_torch()
     target = check_device(torch, device)
     if target != "cpu":
@@ -75,7 +79,7 @@ def compile_module(
     progress(f"exporting {method}")
     source = export_module(module, args, kwargs, dynamic_shapes)
     source = MethodSource(source.program, source.dim_names, sample_inputs)
-    return compile_sources({method: source}, path, device=target, metadata=metadata, progress=progress, options=options)
+    return compile_sources({method: source}, path, device=target, metadata=metadata, progress=progress, options=options, call_helper=call_helper)
 
 
 def compile_programs(
@@ -87,6 +91,7 @@ def compile_programs(
     sample_inputs: Mapping[str, Mapping[str, Any]] | None = None,
     progress: Progress = _quiet,
     options: Mapping[str, Any] | None = None,
+    call_helper: bool = True,
 ) -> Manifest:
     """Compile saved ExportedPrograms (torch.export.save) into one bundle; keys are method names."""
     torch = import_torch()
@@ -97,7 +102,7 @@ def compile_programs(
         program = _load_program(torch, Path(program_path))
         samples = (sample_inputs or {}).get(method)
         sources[method] = MethodSource(program, None, samples)
-    return compile_sources(sources, path, device=target, metadata=metadata, progress=progress, options=options)
+    return compile_sources(sources, path, device=target, metadata=metadata, progress=progress, options=options, call_helper=call_helper)
 
 
 def _load_program(torch: Any, path: Path) -> Any:
@@ -119,6 +124,7 @@ def compile_sources(
     metadata: Mapping[str, str] | None = None,
     progress: Callable[[str], None] = _quiet,
     options: Mapping[str, Any] | None = None,
+    call_helper: bool = True,
 ) -> Manifest:
     """Compile each method and write the bundle atomically."""
     torch = import_torch()
@@ -134,15 +140,33 @@ def compile_sources(
         spec, method_segments = _compile_method(torch, method, source, device, progress, user_options)
         methods[method] = spec
         segments.update(method_segments)
+    features = ["samples"] if any(spec.has_samples for spec in methods.values()) else []
+    if call_helper:
+        methods, helper_note = with_call_helper(methods, segments, progress)
+        if helper_note is None:
+            features.append(CALL_HELPER)
     manifest = Manifest(
         methods=methods,
         build={"cuda_runner": __version__, "torch": torch.__version__, "python": platform.python_version(), "machine": platform.machine()},
         metadata=dict(metadata or {}),
-        optional_features=("samples",) if any(spec.has_samples for spec in methods.values()) else (),
+        optional_features=tuple(features),
     )
     progress(f"writing {path}")
     write_bundle(path, manifest, segments)
     return manifest
+
+
+def with_call_helper(methods: Mapping[str, MethodSpec], segments: dict[str, Any], progress: Callable[[str], None]) -> tuple[dict[str, MethodSpec], str | None]:
+    """Add the call helper (one segment shared by every method) where it can be
+    built; returns the methods, and why there is no helper (None if there is)."""
+    from .helper import SEGMENT_NAME, build_call_helper
+
+    built = build_call_helper()
+    if built.library is None:
+        progress(built.note)
+        return dict(methods), built.note
+    segments[SEGMENT_NAME] = built.library
+    return {name: dataclasses.replace(spec, call_helper_segment=SEGMENT_NAME) for name, spec in methods.items()}, None
 
 
 def _compile_method(

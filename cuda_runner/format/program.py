@@ -19,9 +19,11 @@ the library always, before it is loaded; weights while they load.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import mmap
 import os
+from collections.abc import Mapping
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -414,22 +416,40 @@ def _refuse_foreign_kernels(method: str, facts: LibraryFacts) -> None:
 
 
 
-def convert_program(reader: ProgramReader, destination: str | os.PathLike[str]) -> Path:
+def convert_program(reader: ProgramReader, destination: str | os.PathLike[str], call_helper: bytes | None = None) -> Path:
     """Write the program as a bundle: the same library and weight bytes, each
     segment digested, the signature and ExecuTorch details in the manifest.
-    SHA-256 keys are checked on the way."""
+    SHA-256 keys are checked on the way. `call_helper`: the built call helper
+    to store with every method (cuda_runner.compile.helper)."""
     from .. import __version__
     from .bundle import write_bundle
+    from .manifest import CALL_HELPER
 
-    segments = {entry.name: reader.segment(entry.name, verify=True) for entry in reader.manifest.segments}
+    segments: dict[str, bytes | memoryview] = {entry.name: reader.segment(entry.name, verify=True) for entry in reader.manifest.segments}
+    methods = dict(reader.manifest.methods)
+    optional: tuple[str, ...] = ()
+    if call_helper is not None:
+        name = _unused_segment_name("call_helper_so", segments)
+        segments[name] = call_helper
+        methods = {key: dataclasses.replace(spec, call_helper_segment=name) for key, spec in methods.items()}
+        optional = (CALL_HELPER,)
     manifest = Manifest(
-        methods=reader.manifest.methods,
+        methods=methods,
         build={"source": "executorch", "converted_by": f"cuda-runner {__version__}"},
         metadata={"executorch_program": reader.path.name[:4096], **({"executorch_data": reader.data_path.name[:4096]} if reader.data_path else {})},
         required_features=reader.manifest.required_features,
+        optional_features=optional,
     )
     try:
         return write_bundle(destination, manifest, segments)
     finally:
         for view in segments.values():
-            view.release()
+            if isinstance(view, memoryview):
+                view.release()
+
+
+def _unused_segment_name(wanted: str, taken: Mapping[str, object]) -> str:
+    name, counter = wanted, 1
+    while name in taken:
+        name, counter = f"{wanted}_{counter}", counter + 1
+    return name

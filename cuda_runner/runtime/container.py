@@ -18,7 +18,7 @@ import ctypes
 import dataclasses
 import os
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 from ..errors import BundleError, ModelRuntimeError
@@ -174,16 +174,37 @@ class Container:
         input_array = self._input_array_type(*inputs)
         output_array = self._output_array_type()
         run = self._run if not single_threaded or self._run_single_threaded is None else self._run_single_threaded
-        printed = ""
+        status, printed = self.guarded(lambda: run(self._handle, input_array, self.num_inputs, output_array, self.num_outputs, stream, None))
+        if status != 0:
+            self.check_run(status, printed)
+        return [handle or 0 for handle in output_array[:self.num_outputs]]
+
+    def guarded(self, call: Callable[[], int]) -> tuple[int, str]:
+        """Call something that runs the model; with `capture_errors` set and a
+        library that cannot report why a call failed, also what it printed."""
         if self.capture_errors and not self.reports_errors:
             with _printed_errors() as captured:
-                status = run(self._handle, input_array, self.num_inputs, output_array, self.num_outputs, stream, None)
-            printed = captured.text
-        else:
-            status = run(self._handle, input_array, self.num_inputs, output_array, self.num_outputs, stream, None)
-        if status != 0:
-            self._check(status, "run the model", printed)
-        return [handle or 0 for handle in output_array[:self.num_outputs]]
+                status = call()
+            return status, captured.text
+        return call(), ""
+
+    def check_run(self, status: int, printed: str = "") -> None:
+        """Raise for a failed Run, with the library's reason where it gives one."""
+        self._check(status, "run the model", printed)
+
+    @property
+    def ready(self) -> bool:
+        """Whether Run may be called: the weights are in place."""
+        return self._weights_loaded
+
+    @property
+    def handle_address(self) -> int:
+        return int(self._handle.value or 0)
+
+    @property
+    def run_address(self) -> int:
+        """The address of the library's Run, for native callers (the call helper)."""
+        return int(ctypes.cast(self._run, ctypes.c_void_p).value or 0)
 
     def delete(self) -> None:
         if self._handle:

@@ -25,8 +25,9 @@ from . import pinned
 from .container import Container
 from .executor import Executor
 from .host import buffer_address
+from .invoke import CallHelper, Invoker, make_invoker
 from .shim import Shim
-from .tensors import Describer, OwnedHandles, TensorView, contiguous_strides, gather, span_nbytes, wrap_memory
+from .tensors import OwnedHandles, TensorView, contiguous_strides, gather, span_nbytes
 
 # cudaMemcpyKind, cudaHostRegister and cudaStreamCreateWithFlags flag values.
 HOST_TO_DEVICE = 1
@@ -190,7 +191,9 @@ def load_weights_on_cuda(device_index: int, container: Container, weights: memor
 
 
 class CudaExecutor(Executor):
-    def __init__(self, shim: Shim, device_index: int):
+    takes_device_arrays = True
+
+    def __init__(self, shim: Shim, device_index: int, helper: CallHelper | None = None):
         self.runtime = cuda_runtime()
         self.shim = shim
         self.device_index = device_index
@@ -198,8 +201,10 @@ class CudaExecutor(Executor):
         self.stream = Stream(self.runtime, device_index)
         self.pinned = PinnedBuffers(self.runtime)
         self.device_buffers = DeviceBuffers(self.runtime)
-        self.describe = Describer(shim)
+        self._helper = helper
+        self._invoker: Invoker | None = None
         self._cupy_module: Any = None
+        self._cupy_dtypes: dict[str, np.dtype] = {}
 
     @property
     def cupy(self) -> Any:
@@ -221,18 +226,20 @@ class CudaExecutor(Executor):
         _mark(events, "start")
         addresses = [self.upload(index, array) for index, array in enumerate(arrays)]
         _mark(events, "uploaded")
-        owned = self._run(container, dtypes, [(address, array.shape) for address, array in zip(addresses, arrays)])
+        owned, views = self._run(container, dtypes, [(address, array.shape) for address, array in zip(addresses, arrays)])
         try:
             _mark(events, "computed")
-            views = [self.describe(handle) for handle in owned.handles]
             staged = [self._download_output(index, view) for index, view in enumerate(views)]
             _mark(events, "downloaded")
             self.stream.synchronize()
             if events is not None and phases is not None:
                 phases.update(events.phases())
             return [result if pooled else gather(result, view) for (result, pooled), view in zip(staged, views)]
+        except BaseException:
+            with contextlib.suppress(Exception):
+                self.stream.synchronize()  # no copy may still read what is released next
+            raise
         finally:
-            self.stream.synchronize()
             owned.release()
             if events is not None:
                 events.destroy()
@@ -254,7 +261,9 @@ class CudaExecutor(Executor):
         nbytes = array.nbytes
         device = self.device_buffers.get(index, nbytes) if destination is None else destination
         if nbytes:
-            if array.flags.c_contiguous and (self.pinned.owns(array) or _is_pooled(array)):
+            # A pinned array is always a view (of a staging or pooled buffer): a
+            # base-less array needs no search through the buffers.
+            if array.base is not None and array.flags.c_contiguous and (self.pinned.owns(array) or _is_pooled(array)):
                 source = array.ctypes.data  # already pinned: the DMA engine reads it directly
             elif nbytes >= pinned.PIPELINE_MIN_BYTES:
                 staging = self.pinned.get(("in", index), nbytes)
@@ -267,12 +276,11 @@ class CudaExecutor(Executor):
             self.runtime.memcpyAsync(device, source, nbytes, HOST_TO_DEVICE, self.stream.ptr)
         return device
 
-    def _run(self, container: Container, dtypes: list[str], inputs: list[tuple[int, tuple[int, ...]]]) -> OwnedHandles:
-        handles = [
-            wrap_memory(self.shim, address, dtype, shape, contiguous_strides(shape), self.shim.device_cuda, self.device_index)
-            for dtype, (address, shape) in zip(dtypes, inputs)
-        ]
-        return OwnedHandles(self.shim, container.run(handles, self.stream.ptr))
+    def _run(self, container: Container, dtypes: list[str], inputs: list[tuple[int, tuple[int, ...]]]) -> tuple[OwnedHandles, list[TensorView]]:
+        invoker = self._invoker
+        if invoker is None or invoker.container is not container:
+            invoker = self._invoker = make_invoker(self._helper, self.shim, container, dtypes, self.shim.device_cuda, self.device_index, self.stream.ptr)
+        return invoker([(address, shape, contiguous_strides(shape)) for address, shape in inputs])
 
     def _download_output(self, index: int, view: TensorView) -> tuple[np.ndarray, bool]:
         """Queue an output's copy to the host. A large contiguous output lands in a
@@ -280,7 +288,7 @@ class CudaExecutor(Executor):
         staging, to be gathered into a fresh array after the copy (False)."""
         dtype = numpy_dtype(view.dtype)
         nbytes = view.numel * dtype.itemsize
-        if not view.is_contiguous or nbytes < pinned.POOLED_MIN_BYTES:
+        if not view.contiguous or nbytes < pinned.POOLED_MIN_BYTES:
             return self.download(index, view), False
         buffer = pinned.output_pool(self.runtime).array(nbytes)
         self.runtime.memcpyAsync(buffer.ctypes.data, view.address, nbytes, DEVICE_TO_HOST, self.stream.ptr)
@@ -299,9 +307,11 @@ class CudaExecutor(Executor):
     def _device_array(self, view: TensorView, owner: Any) -> Any:
         """A CuPy array over an output's memory (bfloat16 as its uint16 bits)."""
         cupy = self.cupy
-        dtype = _cupy_dtype(view.dtype)
+        dtype = self._cupy_dtypes.get(view.dtype)
+        if dtype is None:
+            dtype = self._cupy_dtypes[view.dtype] = _cupy_dtype(view.dtype)
         itemsize = dtype.itemsize
-        memory = cupy.cuda.UnownedMemory(view.address, view.span_elements() * itemsize, owner, self.device_index)
+        memory = cupy.cuda.UnownedMemory(view.address, view.span * itemsize, owner, self.device_index)
         strides = tuple(stride * itemsize for stride in view.strides)
         return cupy.ndarray(view.shape, dtype=dtype, memptr=cupy.cuda.MemoryPointer(memory, 0), strides=strides)
 
@@ -311,8 +321,7 @@ class CudaExecutor(Executor):
         stream; inputs must be ready on it (synchronize the producer's stream)."""
         self.use_device()
         inputs = [array if array.flags.c_contiguous else self._contiguous(array) for array in arrays]
-        owned = self._run(container, dtypes, [(array.data.ptr, array.shape) for array in inputs])
-        views = [self.describe(handle) for handle in owned.handles]
+        owned, views = self._run(container, dtypes, [(array.data.ptr, array.shape) for array in inputs])
         keepers = {handle: _HandleKeeper(self.shim, handle, inputs) for handle in owned.transfer()}
         return [self._device_array(view, keepers[handle]) for handle, view in zip(owned.handles, views)]
 
@@ -326,6 +335,7 @@ class CudaExecutor(Executor):
         self.pinned.clear()
         self.device_buffers.clear()
         self.stream.destroy()
+        self._invoker = None
 
 
 class _PhaseEvents:

@@ -25,6 +25,8 @@ class Executor(abc.ABC):
 
     #: The CUDA stream every copy and run of this executor is ordered on, or None.
     stream: Any = None
+    #: Whether run_device works (CuPy arrays in and out).
+    takes_device_arrays = False
 
     @abc.abstractmethod
     def run(self, container: Container, dtypes: list[str], arrays: list[np.ndarray], phases: dict[str, float] | None = None) -> list[np.ndarray]:

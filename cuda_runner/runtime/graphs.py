@@ -20,7 +20,7 @@ from ..format.manifest import MethodSpec
 from .container import Container
 from .cuda import CudaExecutor
 from .executor import Executor
-from .tensors import OwnedHandles, contiguous_strides, gather, wrap_memory
+from .tensors import Describer, OwnedHandles, contiguous_strides, gather, wrap_memory
 
 _WARMUP_RUNS = 3
 
@@ -44,7 +44,8 @@ class CudaGraphExecutor(Executor):
         self._stream = torch.cuda.ExternalStream(executor.stream.ptr, device=torch.device("cuda", executor.device_index))
         self._graph = torch.cuda.CUDAGraph()
         self._outputs = self._capture()
-        self._views = [executor.describe(handle) for handle in self._outputs.handles]
+        describe = Describer(executor.shim)
+        self._views = [describe(handle) for handle in self._outputs.handles]
 
     def _handles(self) -> list[int]:
         shim, executor = self._executor.shim, self._executor

@@ -9,8 +9,9 @@ import numpy as np
 
 from .container import Container
 from .executor import Executor
+from .invoke import CallHelper, Invoker, make_invoker
 from .shim import Shim
-from .tensors import Describer, OwnedHandles, TensorView, gather, span_nbytes, wrap_memory
+from .tensors import TensorView, gather, span_nbytes
 
 # The generated code clones (with a warning) inputs that are not 16-byte
 # aligned; NumPy's allocations already are, so only odd views get copied.
@@ -59,25 +60,26 @@ def load_weights_on_host(container: Container, weights: memoryview) -> None:
 class CpuExecutor(Executor):
     """Runs a container on NumPy memory; outputs are copied out and their handles freed."""
 
-    def __init__(self, shim: Shim):
+    def __init__(self, shim: Shim, helper: CallHelper | None = None):
         self.shim = shim
-        self._describe = Describer(shim)
+        self._helper = helper
+        self._invoker: Invoker | None = None
 
     def run(self, container: Container, dtypes: list[str], arrays: list[np.ndarray], phases: dict[str, float] | None = None) -> list[np.ndarray]:
         """With `phases`, host timers split the run into input preparation, the model and output copies."""
         clock = time.perf_counter
         started = clock()
         arrays = [runnable_copy(array) for array in arrays]
-        handles = [
-            wrap_memory(self.shim, array.ctypes.data, dtype, array.shape, element_strides(array), self.shim.device_cpu, 0)
-            for dtype, array in zip(dtypes, arrays)
-        ]
+        layouts = [(array.ctypes.data, array.shape, element_strides(array)) for array in arrays]
         prepared = clock()
-        owned = OwnedHandles(self.shim, container.run(handles, None))
+        invoker = self._invoker
+        if invoker is None or invoker.container is not container:
+            invoker = self._invoker = make_invoker(self._helper, self.shim, container, dtypes, self.shim.device_cpu, 0, None)
+        owned, views = invoker(layouts)
         computed = clock()
         try:
             # An output may view an input, so copy before `arrays` can go away.
-            outputs = [copy_from_address(self._describe(handle)) for handle in owned.handles]
+            outputs = [copy_from_address(view) for view in views]
         finally:
             owned.release()
         if phases is not None:
@@ -85,4 +87,4 @@ class CpuExecutor(Executor):
         return outputs
 
     def close(self) -> None:
-        pass
+        self._invoker = None

@@ -18,7 +18,6 @@ to `lanes` calls run at once. Closing waits for the calls in flight.
 from __future__ import annotations
 
 import contextlib
-import functools
 import math
 import os
 import threading
@@ -38,6 +37,7 @@ from .container import Container
 from .devices import Device
 from .executor import Executor
 from .host import CpuExecutor, load_weights_on_host
+from .invoke import CallHelper, load_call_helper
 from .library import LibraryLease, lease_library
 from .shim import Shim, load_shim
 
@@ -69,6 +69,7 @@ class _Lanes:
         self._changed = threading.Condition(self._lock)  # a lane came back, or the last call ended
         self._created = 1
         self._busy = 0
+        self._waiting = 0  # callers waiting for a lane (or close waiting for the last call)
         self.closed = False
 
     @property
@@ -88,7 +89,7 @@ class _Lanes:
                     if self._created < self.limit:
                         self._created += 1
                         break
-                    self._changed.wait()
+                    self._wait()
                 else:
                     return self._idle.pop()
             except BaseException:  # interrupted while waiting: this call never ran
@@ -107,18 +108,26 @@ class _Lanes:
             self._all.append(executor)
         return executor
 
+    def _wait(self) -> None:
+        self._waiting += 1
+        try:
+            self._changed.wait()
+        finally:
+            self._waiting -= 1
+
     def give_back(self, executor: Executor) -> None:
         with self._lock:
             self._idle.append(executor)
             self._busy -= 1
-            self._changed.notify_all()
+            if self._waiting:  # notifying nobody still costs a Python-level call per run
+                self._changed.notify_all()
 
     def close(self) -> list[Executor]:
         """Refuse new calls, wait for those in flight, and hand back every executor."""
         with self._lock:
             self.closed = True
             while self._busy:
-                self._changed.wait()
+                self._wait()
             executors, self._all = self._all, []
         return executors
 
@@ -155,16 +164,24 @@ class Method:
         self._lanes = lanes
         self.load_timings = timings
         self._dtypes = [input_spec.dtype for input_spec in spec.inputs]
-        self._accepted: set[tuple[Any, ...]] = set()  # input signatures already validated
+        self._names = [input_spec.name for input_spec in spec.inputs]
+        # (dtype, shape) of each input, already validated; apart for device
+        # arrays, where uint16 can stand for bfloat16.
+        self._accepted_host: set[tuple[Any, ...]] = set()
+        self._accepted_device: set[tuple[Any, ...]] = set()
         self._last_stream = threading.local()
         self._constants: ConstantMemory | None = None
         self._close_lock = threading.Lock()
         self.warm_up_note = "not done"
+        self._helper: CallHelper | None = None
+        #: How each call reaches the library: "call helper", or "ctypes: <why>".
+        self.call_path = "ctypes"
 
     @classmethod
     def load(
         cls, reader: AnyReader, spec: MethodSpec, device: Device, *,
         verify_weights: bool = True, cuda_graph: bool = False, lanes: int = 1, check_inputs: bool = False, warm_up: bool = True,
+        call_helper: bool = True,
     ) -> Method:
         """The load sequence: check the library, load it, create the container, feed the weights."""
         if lanes < 1:
@@ -195,6 +212,8 @@ class Method:
         data_segments += [name for name in (spec.sample_inputs_segment, spec.sample_outputs_segment) if name is not None]
         data_checks = [reader.verify_in_background(name) for name in data_segments]
         library: LibraryLease | None = None
+        helper: CallHelper | None = None
+        call_path = "ctypes: the call helper is turned off"
         container: Container | None = None
         constants: ConstantMemory | None = None
         executors: list[Executor] = []
@@ -203,7 +222,11 @@ class Method:
             started = clock()
             library = lease_library(library_bytes, f"{spec.name}@{reader.path.name}", native_checks=check_inputs)
             timings["load_library"] = clock() - started
-            make = _executor_factory(shim, device)
+            if call_helper:
+                started = clock()
+                helper, call_path = load_call_helper(reader, spec)
+                timings["load_call_helper"] = clock() - started
+            make = _executor_factory(shim, device, helper)
             executors.append(make())
             started = clock()
             container = Container(library.library, str(device), num_models=1 if cuda_graph else lanes)
@@ -229,12 +252,14 @@ class Method:
                 check.cancel()
                 with contextlib.suppress(BaseException):
                     check.result()  # no thread may read the mapping once it closes
-            _close_parts(executors, container, library, constants)
+            _close_parts(executors, container, library, constants, helper)
             raise
         finally:
             weights.release()
         method = cls(spec, device, library, container, _Lanes(make, 1 if cuda_graph else lanes, executors[0]), timings, check_inputs)
         method._constants = constants
+        method._helper = helper
+        method.call_path = call_path
         method._first_run_done = cuda_graph
         if warm_up and device.type == "cuda" and not cuda_graph:
             started = clock()
@@ -280,11 +305,16 @@ class Method:
 
         Pass a dict as `phases` to have it filled with the time of the input
         copies, the model and the output copies (CUDA events on a GPU)."""
-        arrays = self._host_arrays(inputs)
-        self._check({name: (dtype_name(array.dtype), array.shape) for name, array in arrays.items()})
-        ordered = [arrays[input_spec.name] for input_spec in self.spec.inputs]
+        ordered = self._ordered(inputs)
+        if not all(type(array) is np.ndarray for array in ordered):
+            ordered = self._host_arrays(ordered)
+        self._accept(ordered, _host_dtype_name, self._accepted_host)
         with self._lanes.borrow() as executor:
-            return self._call(executor, lambda container: executor.run(container, self._dtypes, ordered, phases))
+            self._last_stream.stream = executor.stream
+            if self._first_run_done and not self.check_inputs:
+                return self._named(executor.run(self._live_container(), self._dtypes, ordered, phases))
+            with self._first_run(), self._lying_manifest():
+                return self._named(executor.run(self._live_container(), self._dtypes, ordered, phases))
 
     def pinned_input(self, name: str, shape: tuple[int, ...] | None = None) -> np.ndarray:
         """A page-locked host array for input `name` (CUDA only). Fill it and pass
@@ -309,27 +339,23 @@ class Method:
         bfloat16 travels as uint16 CuPy arrays holding the bits. Outputs are
         ordered on the stream of the lane that ran them (`self.stream` when
         one thread calls): synchronize it before using them on another stream."""
-        with self._lanes.borrow() as executor:
-            if not isinstance(executor, _cuda_executor_type()):
+        ordered = self._ordered(inputs)
+        lanes = self._lanes
+        executor = lanes.take()  # not `with lanes.borrow()`: this path is timed against a C loop
+        try:
+            if not executor.takes_device_arrays:
                 raise InputError("device arrays need a method loaded on a CUDA device, without a CUDA graph")
             cupy = executor.cupy  # type: ignore[attr-defined]
-            arrays = {name: _as_cupy(cupy, name, array) for name, array in self._by_name(inputs).items()}
-            given = {}
-            for name, array in arrays.items():
-                declared = self.spec.input(name)
-                given[name] = (_device_dtype_name(array, declared.dtype if declared else None), tuple(array.shape))
-            self._check(given)
-            ordered = [arrays[input_spec.name] for input_spec in self.spec.inputs]
-            return self._call(executor, lambda container: executor.run_device(container, self._dtypes, ordered))
-
-    def _call(self, executor: Executor, call: Callable[[Container], list[Any]]) -> dict[str, Any]:
-        """Run on a borrowed executor. The first run, and runs with the library's
-        input checks, need guards; every other call goes straight through."""
-        self._last_stream.stream = executor.stream
-        if self._first_run_done and not self.check_inputs:
-            return self._named(call(self._live_container()))
-        with self._first_run(), self._lying_manifest():
-            return self._named(call(self._live_container()))
+            if not all(type(array) is cupy.ndarray for array in ordered):
+                ordered = [_as_cupy(cupy, spec.name, array) for spec, array in zip(self.spec.inputs, ordered)]
+            self._accept(ordered, _device_dtype_name, self._accepted_device)
+            self._last_stream.stream = executor.stream
+            if self._first_run_done and not self.check_inputs:
+                return self._named(executor.run_device(self._live_container(), self._dtypes, ordered))
+            with self._first_run(), self._lying_manifest():
+                return self._named(executor.run_device(self._live_container(), self._dtypes, ordered))
+        finally:
+            lanes.give_back(executor)
 
     @contextlib.contextmanager
     def _first_run(self) -> Iterator[None]:
@@ -355,18 +381,39 @@ class Method:
                 raise BundleError(f"method {self.spec.name!r}: the manifest does not match the library: {error}") from error
             raise
 
-    def _check(self, given: dict[str, tuple[str, tuple[int, ...]]]) -> None:
-        """Validate against the signature; a signature seen valid before is not re-derived."""
-        key = tuple(given.items())
-        if key in self._accepted:
+    def _accept(self, arrays: list[Any], dtype_of: Callable[[Any, str], str], accepted: set[tuple[Any, ...]]) -> None:
+        """Validate inputs (in the signature's order) against the signature. A
+        combination of dtypes and shapes seen valid before is not checked again:
+        the check is keyed on the arrays' own dtype objects and shapes, which
+        costs far less than deriving the names it compares."""
+        key = tuple([(array.dtype, array.shape) for array in arrays])
+        if key in accepted:
             return
+        given = {spec.name: (dtype_of(array, spec.dtype), tuple(array.shape)) for spec, array in zip(self.spec.inputs, arrays)}
         check_inputs(self.spec, given)
-        if len(self._accepted) < 256:
-            self._accepted.add(key)
+        if len(accepted) < 256:
+            accepted.add(key)
 
-    def _host_arrays(self, inputs: Inputs) -> dict[str, np.ndarray]:
-        arrays = {}
-        for name, value in self._by_name(inputs).items():
+    def _ordered(self, inputs: Inputs) -> list[Any]:
+        """The inputs in the signature's order; names and count checked."""
+        names = self._names
+        if isinstance(inputs, Mapping):
+            if len(inputs) == len(names):
+                try:
+                    return [inputs[name] for name in names]
+                except KeyError:
+                    pass
+            check_inputs(self.spec, {name: ("", ()) for name in inputs})  # raises, naming the missing or unknown input
+            raise InputError(f"method {self.spec.name!r} takes inputs {', '.join(names) or 'none'}")
+        values = list(inputs)
+        if len(values) != len(names):
+            raise InputError(f"method {self.spec.name!r} takes {len(names)} input(s) ({', '.join(names) or 'none'}), got {len(values)}")
+        return values
+
+    def _host_arrays(self, values: list[Any]) -> list[np.ndarray]:
+        arrays = []
+        for spec, value in zip(self.spec.inputs, values):
+            name = spec.name
             if hasattr(value, "__cuda_array_interface__"):
                 raise InputError(f"input {name!r} is a device array; use run_device for device-resident inputs")
             array = np.asarray(value)
@@ -376,17 +423,8 @@ class Method:
                 dtype_name(array.dtype)
             except InputError:
                 raise InputError(f"input {name!r}: dtype {array.dtype} is not supported") from None
-            arrays[name] = array
+            arrays.append(array)
         return arrays
-
-    def _by_name(self, inputs: Inputs) -> dict[str, Any]:
-        if isinstance(inputs, Mapping):
-            return dict(inputs)
-        values = list(inputs)
-        names = [input_spec.name for input_spec in self.spec.inputs]
-        if len(values) != len(names):
-            raise InputError(f"method {self.spec.name!r} takes {len(names)} input(s) ({', '.join(names) or 'none'}), got {len(values)}")
-        return dict(zip(names, values))
 
     def _named(self, outputs: list[Any]) -> dict[str, Any]:
         return {output_spec.name: output for output_spec, output in zip(self.spec.outputs, outputs)}
@@ -403,9 +441,9 @@ class Method:
             if self._lanes.closed:
                 return
             executors = self._lanes.close()
-            container, library, constants = self._container, self._library, self._constants
-            self._container = self._library = self._constants = None
-        _close_parts(executors, container, library, constants)
+            container, library, constants, helper = self._container, self._library, self._constants, self._helper
+            self._container = self._library = self._constants = self._helper = None
+        _close_parts(executors, container, library, constants, helper)
 
     def __enter__(self) -> Method:
         return self
@@ -431,19 +469,12 @@ def _native_checks(enabled: bool) -> Iterator[None]:
             os.environ[_NATIVE_CHECKS] = previous
 
 
-@functools.cache
-def _cuda_executor_type() -> type:
-    from .cuda import CudaExecutor  # imported on first use: CPU-only runs never load CuPy's bindings
-
-    return CudaExecutor
-
-
-def _executor_factory(shim: Shim, device: Device) -> Callable[[], Executor]:
+def _executor_factory(shim: Shim, device: Device, helper: CallHelper | None) -> Callable[[], Executor]:
     if device.type == "cpu":
-        return lambda: CpuExecutor(shim)
+        return lambda: CpuExecutor(shim, helper)
     from .cuda import CudaExecutor
 
-    return lambda: CudaExecutor(shim, device.index)
+    return lambda: CudaExecutor(shim, device.index, helper)
 
 
 def _load_weights(device: Device, container: Container, weights: memoryview) -> None:
@@ -478,7 +509,10 @@ def _check_counts(spec: MethodSpec, container: Container) -> None:
         )
 
 
-def _close_parts(executors: list[Executor], container: Container | None, library: LibraryLease | None, constants: ConstantMemory | None = None) -> None:
+def _close_parts(
+    executors: list[Executor], container: Container | None, library: LibraryLease | None, constants: ConstantMemory | None = None,
+    helper: CallHelper | None = None,
+) -> None:
     for executor in executors:
         executor.close()
     if container is not None:
@@ -487,6 +521,8 @@ def _close_parts(executors: list[Executor], container: Container | None, library
         constants.release()
     if library is not None:
         library.release()
+    if helper is not None:
+        helper.release()
 
 
 def _zeros_for(spec: MethodSpec) -> dict[str, np.ndarray] | None:
@@ -526,11 +562,15 @@ def _as_cupy(cupy: Any, name: str, array: Any) -> Any:
     return cupy.asarray(array)
 
 
-def _device_dtype_name(array: Any, expected: str | None) -> str:
+def _device_dtype_name(array: Any, expected: str) -> str:
     """CuPy has no bfloat16: a bfloat16 input travels as its uint16 bits
     (uint16 is no dtype of the runner's own, so it means nothing else)."""
     if expected == "bfloat16" and str(array.dtype) == "uint16":
         return "bfloat16"
+    return _host_dtype_name(array, expected)
+
+
+def _host_dtype_name(array: Any, expected: str) -> str:
     try:
         return dtype_name(array.dtype)
     except (InputError, TypeError):

@@ -184,6 +184,7 @@ def load_model(
     check_inputs: bool = False,
     trusted_keys: Sequence[TrustedKey] = (),
     warm_up: bool = True,
+    call_helper: bool = True,
 ) -> Model:
     """Load methods (all by default) onto `device`. The Model takes over an open reader.
 
@@ -201,6 +202,7 @@ def load_model(
         for spec in specs:
             loaded[spec.name] = Method.load(
                 reader, spec, target, verify_weights=verify_weights, cuda_graph=cuda_graph, lanes=lanes, check_inputs=check_inputs, warm_up=warm_up,
+                call_helper=call_helper,
             )
         if reader.signature is not None:
             reader.signature.cancel()  # what is loaded is checked; hash nothing more while the model runs

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import ctypes
 import functools
-from dataclasses import dataclass
+from typing import NamedTuple
 
 import numpy as np
 
@@ -14,36 +14,33 @@ from .shim import Handle, Shim
 _I64P = ctypes.POINTER(ctypes.c_int64)
 
 
-@dataclass(frozen=True)
-class TensorView:
-    """What an output handle points at: address, shape and strides in elements."""
+class TensorView(NamedTuple):
+    """What an output handle points at: address, shape and strides in elements,
+    with the figures every use needs. (A named tuple: one is made per output
+    of every call, and it costs less than a dataclass; the call helper works
+    the figures out in C.)"""
 
     address: int
     dtype: str
     shape: tuple[int, ...]
     strides: tuple[int, ...]
+    numel: int
+    span: int  # elements from the first one addressed to one past the last (0 when empty)
+    contiguous: bool  # row-major, ignoring the strides of size-1 dims
 
-    @property
-    def numel(self) -> int:
-        count = 1
-        for size in self.shape:
-            count *= size
-        return count
-
-    @property
-    def is_contiguous(self) -> bool:
-        expected = 1
-        for size, stride in zip(reversed(self.shape), reversed(self.strides)):
+    @classmethod
+    def of(cls, address: int, dtype: str, shape: tuple[int, ...], strides: tuple[int, ...]) -> TensorView:
+        numel = 1
+        for size in shape:
+            numel *= size
+        span = 1 + sum((size - 1) * stride for size, stride in zip(shape, strides)) if numel else 0
+        contiguous, expected = True, 1
+        for size, stride in zip(reversed(shape), reversed(strides)):
             if size != 1 and stride != expected:
-                return False
+                contiguous = False
+                break
             expected *= size
-        return True
-
-    def span_elements(self) -> int:
-        """Elements from the first to one past the last one addressed."""
-        if self.numel == 0:
-            return 0
-        return 1 + sum((size - 1) * stride for size, stride in zip(self.shape, self.strides))
+        return cls(address, dtype, shape, strides, numel, span, contiguous)
 
 
 _DIMS_CACHE: dict[tuple[int, ...], ctypes.Array] = {}
@@ -92,14 +89,14 @@ def gather(span: np.ndarray, view: TensorView) -> np.ndarray:
     if view.numel == 0:
         return np.empty(view.shape, dtype)
     base = span.view(dtype)
-    if view.is_contiguous:
+    if view.contiguous:
         return base[: view.numel].reshape(view.shape).copy()
     strided = np.lib.stride_tricks.as_strided(base, view.shape, tuple(stride * dtype.itemsize for stride in view.strides))
     return np.array(strided, copy=True, order="C")
 
 
 def span_nbytes(view: TensorView) -> int:
-    return view.span_elements() * numpy_dtype(view.dtype).itemsize
+    return view.span * numpy_dtype(view.dtype).itemsize
 
 
 class Describer:
@@ -121,11 +118,9 @@ class Describer:
             if call(handle, ref) != 0:
                 self._shim.check(1, "read an output tensor's metadata")
         rank = self._ndim.value
-        return TensorView(
-            address=self._address.value or 0,
-            dtype=self._shim.dtype_names.get(self._dtype.value, f"code {self._dtype.value}"),
-            shape=tuple(self._sizes[:rank]),
-            strides=tuple(self._strides[:rank]),
+        return TensorView.of(
+            self._address.value or 0, self._shim.dtype_names.get(self._dtype.value, f"code {self._dtype.value}"),
+            tuple(self._sizes[:rank]), tuple(self._strides[:rank]),
         )
 
 

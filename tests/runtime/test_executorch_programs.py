@@ -5,6 +5,7 @@ converted, and compared with the bundle the library came from."""
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import numpy as np
@@ -87,7 +88,9 @@ def test_a_converted_program_runs_exactly_like_the_program(programs, tmp_path, l
     assert cli("convert", str(programs[layout]), "-o", str(converted)).returncode == 0
     arrays = _inputs(7)
     with cuda_runner.load(programs[layout]) as program, cuda_runner.load(converted) as bundle:
-        assert program.manifest.methods == bundle.manifest.methods
+        # The same methods; the bundle adds the call helper, which a program cannot carry.
+        assert {name: dataclasses.replace(spec, call_helper_segment=None) for name, spec in bundle.manifest.methods.items()} == program.manifest.methods
+        assert bundle.method().call_path == "call helper" and program.method().call_path.startswith("ctypes")
         direct, through_bundle = program.run(arrays), bundle.run(arrays)
     for name in direct:
         np.testing.assert_array_equal(direct[name], through_bundle[name])

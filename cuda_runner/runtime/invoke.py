@@ -1,0 +1,220 @@
+"""One model call: wrap the inputs as tensor handles, Run, read the outputs.
+
+Two ways to do it, with the same result:
+
+- `HelperInvoker` makes one foreign call per model call, into the call
+  helper (cuda_runner/native/call_helper.c), which a bundle carries as a
+  digested segment. The frame it fills is made once per lane; a call only
+  writes the input addresses, and the sizes and strides when they change.
+- `CtypesInvoker` crosses into C once per input, once for Run and five times
+  per output. It is used for bundles without a helper, for ExecuTorch
+  programs, and when the helper is turned off (`call_helper=False`).
+
+Thread safety: an invoker belongs to one executor (lane), which serves one
+call at a time.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+from collections.abc import Callable, Sequence
+
+from ..errors import BundleError, ModelRuntimeError
+from ..format.manifest import MethodSpec
+from ..format.source import AnyReader
+from .container import Container
+from .library import LibraryLease, lease_library
+from .shim import Shim
+from .tensors import Describer, OwnedHandles, TensorView, wrap_memory
+
+#: (address, shape, strides in elements) of each input, in the library's order.
+InputLayout = tuple[int, tuple[int, ...], tuple[int, ...]]
+
+HELPER_ABI = 1
+# Status codes of cuda_runner_call.
+_WRAP_FAILED, _RUN_FAILED, _DESCRIBE_FAILED = 1, 2, 3
+_I64P = ctypes.POINTER(ctypes.c_int64)
+
+
+class _Input(ctypes.Structure):
+    _fields_ = [("data", ctypes.c_void_p), ("sizes", ctypes.c_void_p), ("strides", ctypes.c_void_p),
+                ("ndim", ctypes.c_int64), ("dtype", ctypes.c_int32), ("reserved", ctypes.c_int32)]
+
+
+class _Output(ctypes.Structure):
+    _fields_ = [("handle", ctypes.c_void_p), ("data", ctypes.c_void_p), ("sizes", _I64P), ("strides", _I64P),
+                ("ndim", ctypes.c_int64), ("numel", ctypes.c_int64), ("span", ctypes.c_int64),
+                ("dtype", ctypes.c_int32), ("contiguous", ctypes.c_int32)]
+
+
+class _Frame(ctypes.Structure):
+    _fields_ = [("run", ctypes.c_void_p), ("container", ctypes.c_void_p), ("stream", ctypes.c_void_p),
+                ("inputs", ctypes.c_void_p), ("outputs", ctypes.c_void_p),
+                ("input_handles", ctypes.c_void_p), ("output_handles", ctypes.c_void_p),
+                ("input_count", ctypes.c_int64), ("output_count", ctypes.c_int64),
+                ("device_type", ctypes.c_int32), ("device_index", ctypes.c_int32),
+                ("run_status", ctypes.c_int32), ("failed_index", ctypes.c_int32)]
+
+
+class CallHelper:
+    """A loaded call helper: its library lease and its one entry point."""
+
+    def __init__(self, lease: LibraryLease, call: Callable[[int], int]):
+        self.lease = lease
+        self.call = call
+
+    def release(self) -> None:
+        self.lease.release()
+
+
+def load_call_helper(reader: AnyReader, spec: MethodSpec) -> tuple[CallHelper | None, str]:
+    """The method's call helper, checked like a library before it is loaded;
+    None, with the reason, where the method has none or it speaks another ABI.
+    A helper that fails its digest, or cannot be loaded, refuses the bundle."""
+    if spec.call_helper_segment is None:
+        return None, "ctypes: the bundle has no call helper"
+    data = reader.read_verified(spec.call_helper_segment)  # code: always checked before it is loaded
+    try:
+        lease = lease_library(data, f"{spec.call_helper_segment}@{reader.path.name}")
+    except ModelRuntimeError as error:
+        raise BundleError(f"method {spec.name!r}: the call helper cannot be loaded: {error}") from error
+    try:
+        library = lease.library
+        abi = library.optional("cuda_runner_call_abi", ())
+        layout = library.optional("cuda_runner_call_layout", (_I64P,))
+        call = library.optional("cuda_runner_call", (ctypes.c_void_p,))
+        if abi is None or layout is None or call is None:
+            raise BundleError(f"method {spec.name!r}: segment {spec.call_helper_segment!r} is not a cuda-runner call helper")
+        version = abi()
+        if version != HELPER_ABI:
+            lease.release()
+            return None, f"ctypes: the call helper speaks ABI {version}, this runtime {HELPER_ABI}"
+        sizes = (ctypes.c_int64 * 3)()
+        layout(sizes)
+        expected = [ctypes.sizeof(_Frame), ctypes.sizeof(_Input), ctypes.sizeof(_Output)]
+        if list(sizes) != expected:
+            raise BundleError(f"method {spec.name!r}: the call helper's structures ({list(sizes)} bytes) are not ABI {HELPER_ABI}'s ({expected})")
+    except BaseException:
+        with contextlib.suppress(Exception):
+            lease.release()
+        raise
+    return CallHelper(lease, call), "call helper"
+
+
+class Invoker:
+    """Calls one container for one executor."""
+
+    container: Container
+
+    def __call__(self, inputs: Sequence[InputLayout]) -> tuple[OwnedHandles, list[TensorView]]:
+        raise NotImplementedError
+
+
+def make_invoker(
+    helper: CallHelper | None, shim: Shim, container: Container, dtypes: Sequence[str], device_type: int, device_index: int, stream: int | None,
+) -> Invoker:
+    if helper is None:
+        return CtypesInvoker(shim, container, dtypes, device_type, device_index, stream)
+    return HelperInvoker(helper, shim, container, dtypes, device_type, device_index, stream)
+
+
+class CtypesInvoker(Invoker):
+    def __init__(self, shim: Shim, container: Container, dtypes: Sequence[str], device_type: int, device_index: int, stream: int | None):
+        self.container = container
+        self._shim = shim
+        self._dtypes = list(dtypes)
+        self._device = (device_type, device_index)
+        self._stream = stream
+        self._describe = Describer(shim)
+
+    def __call__(self, inputs: Sequence[InputLayout]) -> tuple[OwnedHandles, list[TensorView]]:
+        handles: list[int] = []
+        try:
+            for dtype, (address, shape, strides) in zip(self._dtypes, inputs):
+                handles.append(wrap_memory(self._shim, address, dtype, shape, strides, *self._device))
+        except BaseException:
+            for handle in handles:  # not yet given to Run: still ours
+                self._shim.delete_tensor_object(handle)
+            raise
+        owned = OwnedHandles(self._shim, self.container.run(handles, self._stream))
+        try:
+            return owned, [self._describe(handle) for handle in owned.handles]
+        except BaseException:
+            owned.release()
+            raise
+
+
+class HelperInvoker(Invoker):
+    def __init__(
+        self, helper: CallHelper, shim: Shim, container: Container, dtypes: Sequence[str], device_type: int, device_index: int, stream: int | None,
+    ):
+        self.container = container
+        self._shim = shim
+        self._call = helper.call
+        inputs, outputs = container.num_inputs, container.num_outputs
+        self._inputs = (_Input * max(1, inputs))()
+        self._outputs = (_Output * max(1, outputs))()
+        self._input_handles = (ctypes.c_void_p * max(1, inputs))()
+        self._output_handles = (ctypes.c_void_p * max(1, outputs))()
+        self._frame = _Frame(
+            run=container.run_address, container=container.handle_address, stream=stream or None,
+            inputs=ctypes.addressof(self._inputs), outputs=ctypes.addressof(self._outputs),
+            input_handles=ctypes.addressof(self._input_handles), output_handles=ctypes.addressof(self._output_handles),
+            input_count=inputs, output_count=outputs, device_type=device_type, device_index=device_index,
+        )
+        self._address = ctypes.addressof(self._frame)
+        self._input_items = [self._inputs[index] for index in range(inputs)]
+        self._output_items = [self._outputs[index] for index in range(outputs)]
+        for item, dtype in zip(self._input_items, dtypes):
+            item.dtype = shim.dtype_codes[dtype]
+        # The sizes and strides each input slot points at, kept alive here.
+        self._layouts: list[tuple[tuple[int, ...], tuple[int, ...]] | None] = [None] * inputs
+        self._dims: list[tuple[ctypes.Array, ctypes.Array] | None] = [None] * inputs
+        self._dtype_names = shim.dtype_names
+        self._capture = container.capture_errors and not container.reports_errors
+
+    def __call__(self, inputs: Sequence[InputLayout]) -> tuple[OwnedHandles, list[TensorView]]:
+        if not self.container.ready:
+            raise ModelRuntimeError("weights must be loaded before Run")
+        layouts = self._layouts
+        for index, (address, shape, strides) in enumerate(inputs):
+            self._input_items[index].data = address
+            if layouts[index] != (shape, strides):
+                self._set_layout(index, shape, strides)
+        if self._capture:
+            status, printed = self.container.guarded(lambda: self._call(self._address))
+        else:
+            status, printed = self._call(self._address), ""
+        if status != 0:
+            self._raise(status, printed)
+        names = self._dtype_names
+        handles, views = [], []
+        for item in self._output_items:
+            rank = item.ndim
+            code = item.dtype
+            handles.append(item.handle or 0)
+            views.append(TensorView(
+                item.data or 0, names.get(code) or f"code {code}", tuple(item.sizes[:rank]), tuple(item.strides[:rank]),
+                item.numel, item.span, item.contiguous != 0,
+            ))
+        return OwnedHandles(self._shim, handles), views
+
+    def _set_layout(self, index: int, shape: tuple[int, ...], strides: tuple[int, ...]) -> None:
+        sizes = (ctypes.c_int64 * max(1, len(shape)))(*shape)
+        steps = (ctypes.c_int64 * max(1, len(strides)))(*strides)
+        item = self._input_items[index]
+        item.sizes, item.strides, item.ndim = ctypes.addressof(sizes), ctypes.addressof(steps), len(shape)
+        self._dims[index] = (sizes, steps)
+        self._layouts[index] = (shape, strides)
+
+    def _raise(self, status: int, printed: str) -> None:
+        frame = self._frame
+        if status == _WRAP_FAILED:
+            self._shim.check(status, f"create an input tensor handle (input {frame.failed_index})")
+        if status == _RUN_FAILED:
+            self.container.check_run(frame.run_status, printed)
+        if status == _DESCRIBE_FAILED:
+            OwnedHandles(self._shim, [item.handle or 0 for item in self._output_items]).release()
+            raise ModelRuntimeError(f"libtorch shim call failed: read an output tensor's metadata (output {frame.failed_index})")
+        raise ModelRuntimeError(f"the call helper returned an unknown status {status}")

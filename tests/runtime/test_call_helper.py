@@ -1,0 +1,158 @@
+"""The call helper: a bundle's native one-call path, and the ctypes path it replaces."""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+from pathlib import Path
+
+import ml_dtypes
+import numpy as np
+import pytest
+from helpers import cli
+
+import cuda_runner
+from cuda_runner.compile import helper as helper_build
+from cuda_runner.compile import with_call_helper
+from cuda_runner.errors import BundleError
+from cuda_runner.format import write_bundle
+from cuda_runner.format.bundle import open_bundle
+from cuda_runner.format.manifest import CALL_HELPER
+
+
+def _inputs(builder: str, batch: int) -> dict[str, np.ndarray]:
+    generator = np.random.default_rng(batch)
+    if builder == "dict_mlp":
+        return {"x": generator.standard_normal((batch, 16), np.float32), "bias": generator.standard_normal(8, np.float32)}
+    if builder == "embedder":
+        return {"ids": generator.integers(0, 50, (3, 6)), "scale": np.array(0.25, np.float32)}
+    return {"x": generator.standard_normal((2, 32)).astype(ml_dtypes.bfloat16)}
+
+
+@pytest.mark.parametrize("builder", ["dict_mlp", "embedder", "bf16_mlp"])
+def test_the_helper_and_ctypes_give_the_same_outputs(compiled, builder):
+    """Several inputs and outputs, a non-contiguous output (embedder), bfloat16,
+    and a batch that changes between calls (the frame's sizes are rewritten)."""
+    path = compiled(builder, "cpu").path
+    with cuda_runner.load(path) as fast, cuda_runner.load(path, call_helper=False) as plain:
+        assert fast.method().call_path == "call helper"
+        assert plain.method().call_path == "ctypes: the call helper is turned off"
+        for batch in (4, 1, 7, 4):
+            inputs = _inputs(builder, batch)
+            with_helper, without = fast.run(inputs), plain.run(inputs)
+            assert list(with_helper) == list(without)
+            for name in without:
+                assert with_helper[name].dtype == without[name].dtype
+                np.testing.assert_array_equal(with_helper[name], without[name])
+
+
+def test_compiled_bundles_carry_the_helper_as_a_digested_segment(dict_mlp_bundle):
+    with open_bundle(dict_mlp_bundle.path) as reader:
+        spec = reader.manifest.methods["forward"]
+        assert spec.call_helper_segment == helper_build.SEGMENT_NAME
+        assert CALL_HELPER in reader.manifest.optional_features
+        assert reader.read_verified(spec.call_helper_segment)[:4] == b"\x7fELF"
+    with cuda_runner.load(dict_mlp_bundle.path) as model:
+        assert "load_call_helper" in model.load_timings()
+
+
+def _segment_span(path: Path, name: str) -> tuple[int, int]:
+    with open_bundle(path) as reader:
+        entry = reader.manifest.segment(name)
+        assert entry is not None
+        return entry.offset, entry.size
+
+
+def test_a_damaged_helper_is_refused_before_it_loads(dict_mlp_bundle, tmp_path):
+    damaged = tmp_path / "damaged.bundle"
+    shutil.copy(dict_mlp_bundle.path, damaged)
+    offset, size = _segment_span(damaged, helper_build.SEGMENT_NAME)
+    with open(damaged, "r+b") as handle:
+        handle.seek(offset + size // 2)
+        byte = handle.read(1)
+        handle.seek(offset + size // 2)
+        handle.write(bytes([byte[0] ^ 0xFF]))
+    with pytest.raises(BundleError, match=helper_build.SEGMENT_NAME):
+        cuda_runner.load(damaged)
+    with cuda_runner.load(damaged, call_helper=False) as model:  # never read, so never refused
+        model.run(_inputs("dict_mlp", 2))
+
+
+def _with_helper_bytes(source: Path, destination: Path, library: bytes) -> None:
+    with open_bundle(source) as reader:
+        segments = {entry.name: bytes(reader.segment(entry.name)) for entry in reader.manifest.segments}
+        segments[helper_build.SEGMENT_NAME] = library
+        write_bundle(destination, reader.manifest, segments)
+
+
+def _build_helper(tmp_path: Path, *defines: str) -> bytes:
+    compiler = helper_build._compiler()
+    if compiler is None:
+        pytest.skip("no C compiler")
+    output = tmp_path / "helper.so"
+    subprocess.run([compiler, "-O2", "-fPIC", "-shared", "-fvisibility=hidden", *defines, "-o", str(output), str(helper_build.SOURCE)], check=True)
+    return output.read_bytes()
+
+
+def test_a_helper_of_another_abi_falls_back_to_ctypes(dict_mlp_bundle, tmp_path):
+    newer = tmp_path / "newer.bundle"
+    _with_helper_bytes(dict_mlp_bundle.path, newer, _build_helper(tmp_path, "-DCALL_HELPER_ABI=99"))
+    inputs = _inputs("dict_mlp", 3)
+    with cuda_runner.load(newer) as model, cuda_runner.load(dict_mlp_bundle.path) as reference:
+        assert model.method().call_path == "ctypes: the call helper speaks ABI 99, this runtime 1"
+        for name, array in reference.run(inputs).items():
+            np.testing.assert_array_equal(model.run(inputs)[name], array)
+
+
+def test_a_segment_that_is_not_a_helper_is_refused(dict_mlp_bundle, tmp_path):
+    with open_bundle(dict_mlp_bundle.path) as reader:
+        library = bytes(reader.segment(reader.manifest.methods["forward"].library_segment))
+    wrong = tmp_path / "wrong.bundle"
+    _with_helper_bytes(dict_mlp_bundle.path, wrong, library)  # a model library where the helper should be
+    with pytest.raises(BundleError, match="not a cuda-runner call helper"):
+        cuda_runner.load(wrong)
+    garbage = tmp_path / "garbage.bundle"
+    _with_helper_bytes(dict_mlp_bundle.path, garbage, b"not an ELF file at all")
+    with pytest.raises(BundleError, match="call helper cannot be loaded"):
+        cuda_runner.load(garbage)
+
+
+def test_without_a_c_compiler_bundles_are_written_without_the_helper(monkeypatch, dict_mlp_bundle):
+    monkeypatch.setattr(helper_build, "_compiler", lambda: None)
+    monkeypatch.setattr(helper_build, "build_call_helper", helper_build.build_call_helper.__wrapped__)
+    with open_bundle(dict_mlp_bundle.path) as reader:
+        methods = dict(reader.manifest.methods)
+    notes: list[str] = []
+    segments: dict[str, bytes] = {}
+    updated, note = with_call_helper(methods, segments, notes.append)
+    assert note is not None and "no C compiler" in note and notes == [note]
+    assert segments == {} and updated == methods
+
+
+def test_a_failed_run_through_the_helper_is_reported(dict_mlp_bundle):
+    """The library's own checks refuse what the manifest allowed: the helper
+    returns Run's failure, and the runner names the manifest as the cause."""
+    with cuda_runner.load(dict_mlp_bundle.path, check_inputs=True) as model:
+        method = model.method()
+        assert method.call_path == "call helper"
+        method._accepted_host.add(((np.dtype(np.float32), (2, 15)), (np.dtype(np.float32), (8,))))  # as if the manifest allowed 15 columns
+        with pytest.raises(BundleError, match="does not match the library"):
+            method.run({"x": np.zeros((2, 15), np.float32), "bias": np.zeros(8, np.float32)})
+        method.run(_inputs("dict_mlp", 2))  # and the method still runs
+
+
+@pytest.mark.parametrize(("flag", "expected"), [((), True), (("--no-call-helper",), False), (("--call-helper",), True)])
+def test_compile_passes_the_call_helper_choice_on(monkeypatch, tmp_path, flag, expected):
+    import cuda_runner.compile as compile_package
+    from cuda_runner.format import Manifest
+
+    seen = {}
+
+    def record(programs, output, **options):
+        seen.update(options)
+        return Manifest(methods={})
+
+    monkeypatch.setattr(compile_package, "compile_programs", record)
+    result = cli("compile", str(tmp_path / "p.pt2"), "-o", str(tmp_path / "m.bundle"), *flag)
+    assert result.returncode == 0, result.stderr
+    assert seen["call_helper"] is expected
