@@ -23,7 +23,7 @@ from .signing import TrustedKey
 DEFINITIONS = """\
 load_s: the load phases, as in `run --json`: open (the bundle's header, manifest checksum and layout), libtorch
 (libtorch's shim libraries, once per process), verify_library (copy the library segment and check its digest),
-load_library (memfd and dlopen), create_container, load_weights (feed the weights blob; its digest and those of the
+load_library (memfd and dlopen), load_call_helper (check and load the bundle's call helper), create_container, load_weights (feed the weights blob; its digest and those of the
 stored samples are checked on other threads meanwhile), verify_weights_wait (waiting for those checks), capture_graph
 (--cuda-graph), warm_up (CUDA: one run on zeros, so the first call does not load kernels or create cuBLAS handles).
 first_run_s: the first host-to-host run after the load (on CUDA the load's warm_up phase has already run the model once).
@@ -32,7 +32,8 @@ throughput_per_s: runs completed in the timed phase divided by its wall time.
 split_s: the same run in separate passes with its phases timed: on a GPU by CUDA events (device time of copy_in, the
 host-to-device copies from pinned staging; compute, the model; copy_out, the device-to-host copies), on CPU by host
 timers (copy_in, preparing and wrapping the inputs; compute; copy_out, copying the outputs out and freeing handles).
-device_resident_s: wall time of one run on device arrays with no host copies, synchronized (GPU only).\
+device_resident_s: wall time of one run on device arrays with no host copies, synchronized (GPU only).
+call_path: how each call reaches the library: "call helper" (one foreign call), or "ctypes: <why>".\
 """
 
 HIGH_SPREAD_CV = 0.10
@@ -135,6 +136,7 @@ class BenchResult:
     output_bytes: int
     gates: list[GateResult] = field(default_factory=list)
     warnings: list[str] = field(default_factory=list)
+    call_path: str = ""
 
     @property
     def throughput(self) -> float:
@@ -171,6 +173,7 @@ class BenchResult:
             "device_resident_s": None if self.device_resident is None else self.device_resident.to_json(),
             "input_bytes": self.input_bytes,
             "output_bytes": self.output_bytes,
+            "call_path": self.call_path,
             "gates": [gate.to_json() for gate in self.gates],
             "verdict": self.verdict,
             "definitions": DEFINITIONS,
@@ -218,6 +221,7 @@ def _measure(request: BenchRequest, model: Model, name: str, arrays: dict[str, n
         bundle=str(request.bundle), method=name, device=str(method.device), load=model.load_timings(name), first_run=first_run,
         steady=stats, timed_wall=wall, split=split, device_resident=resident,
         input_bytes=sum(array.nbytes for array in arrays.values()), output_bytes=sum(array.nbytes for array in outputs.values()),
+        call_path=method.call_path,
     )
     if stats.cv > HIGH_SPREAD_CV:
         result.warnings.append(f"high run-to-run spread (CV {stats.cv:.0%}): other work on this machine may be interfering; measure longer")

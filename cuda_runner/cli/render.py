@@ -268,6 +268,7 @@ def bench_lines(result: Any) -> list[str]:
             for label, stats in rows]
     lines += table(headers, body, "  ")
     lines.append(f"throughput: {result.throughput:.1f} runs/s ({result.steady.count} runs in {result.timed_wall:.3f} s)")
+    lines.append(clean(f"calls: {result.call_path}"))
     lines.append("split: CUDA-event device time per phase on a GPU, host timers on CPU; see --json 'definitions'")
     lines += [gate.describe() for gate in result.gates]
     return lines

@@ -128,6 +128,7 @@ def test_json_documents_are_described_in_docs(dict_mlp_bundle, tmp_path):
     run_doc = json.loads(cli("run", str(dict_mlp_bundle.path), "--self-test", "--json").stdout)
     bench_doc = json.loads(cli("bench", str(dict_mlp_bundle.path), "--iterations", "5", "--warmup", "1", "--json").stdout)
     assert inspect_doc["schema"] in documented and run_doc["schema"] in documented and bench_doc["schema"] in documented
+    assert bench_doc["call_path"] == "call helper" and inspect_doc["methods"]["forward"]["call_helper"]["segment"] == "call_helper_so"
     fields = [*inspect_doc, *inspect_doc["methods"]["forward"], *run_doc, *run_doc["comparison"], *run_doc["comparison"]["outputs"][0], *bench_doc, *bench_doc["load_s"]]
     import re
 

@@ -156,3 +156,7 @@ def test_compile_passes_the_call_helper_choice_on(monkeypatch, tmp_path, flag, e
     result = cli("compile", str(tmp_path / "p.pt2"), "-o", str(tmp_path / "m.bundle"), *flag)
     assert result.returncode == 0, result.stderr
     assert seen["call_helper"] is expected
+
+
+def test_the_helper_source_builds_without_warnings(tmp_path):
+    assert _build_helper(tmp_path, "-std=c11", "-Wall", "-Wextra", "-Werror")[:4] == b"\x7fELF"
