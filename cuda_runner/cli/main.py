@@ -290,13 +290,10 @@ def compile_command(
     _quiet_warnings()
     arrays = {name: load_archive(path) for name, path in samples.items()}
     _check_sign_key(sign_key)
+    call_helper = call_helper and _built_call_helper() is not None  # says why once, where it cannot be built
     with _native_stderr():
         manifest = compile_programs(programs, output, device=device, metadata=metadata, sample_inputs=arrays, progress=_progress,
                                     options=parse.option_values(option, autotune), call_helper=call_helper)
-    if call_helper and not any(spec.call_helper_segment for spec in manifest.methods.values()):
-        from ..compile.helper import build_call_helper
-
-        _warn(build_call_helper().note)
     signed = _sign(output, sign_key)
     if not _State.quiet:
         _out().line(printable(f"wrote {output}: {', '.join(manifest.methods)} for {device}{signed}"))

@@ -69,27 +69,35 @@ class CallHelper:
 
 
 def load_call_helper(reader: AnyReader, spec: MethodSpec) -> tuple[CallHelper | None, str]:
-    """The method's call helper, checked like a library before it is loaded;
-    None, with the reason, where the method has none or it speaks another ABI.
-    A helper that fails its digest, or cannot be loaded, refuses the bundle."""
-    if spec.call_helper_segment is None:
-        return None, "ctypes: the bundle has no call helper"
-    data = reader.read_verified(spec.call_helper_segment)  # code: always checked before it is loaded
+    """The method's call helper, checked like a library before it is loaded.
+
+    The helper is optional, so where it cannot serve here (another ABI, or a
+    library this machine cannot load) the method runs through ctypes: None,
+    with the reason. A helper that fails its digest, is no shared library at
+    all, or claims this ABI with other structures refuses the bundle."""
+    assert spec.call_helper_segment is not None
+    name = spec.call_helper_segment
+    data = reader.read_verified(name)  # code: always checked before it is loaded
+    if data[:4] != b"\x7fELF":
+        raise BundleError(f"method {spec.name!r}: segment {name!r} is not a shared library, so not a call helper")
     try:
-        lease = lease_library(data, f"{spec.call_helper_segment}@{reader.path.name}")
+        lease = lease_library(data, f"{name}@{reader.path.name}")
     except ModelRuntimeError as error:
-        raise BundleError(f"method {spec.name!r}: the call helper cannot be loaded: {error}") from error
+        return None, f"ctypes: the call helper cannot be loaded here ({error})"
     try:
         library = lease.library
         abi = library.optional("cuda_runner_call_abi", ())
-        layout = library.optional("cuda_runner_call_layout", (_I64P,))
-        call = library.optional("cuda_runner_call", (ctypes.c_void_p,))
-        if abi is None or layout is None or call is None:
-            raise BundleError(f"method {spec.name!r}: segment {spec.call_helper_segment!r} is not a cuda-runner call helper")
+        if abi is None:
+            raise BundleError(f"method {spec.name!r}: segment {name!r} is not a cuda-runner call helper")
         version = abi()
-        if version != HELPER_ABI:
+        if version != HELPER_ABI:  # a newer helper may name its entry points differently: look no further
             lease.release()
             return None, f"ctypes: the call helper speaks ABI {version}, this runtime {HELPER_ABI}"
+        layout = library.optional("cuda_runner_call_layout", (_I64P,))
+        call = library.optional("cuda_runner_call", (ctypes.c_void_p,))
+        if layout is None or call is None:
+            raise BundleError(f"method {spec.name!r}: the call helper claims ABI {HELPER_ABI} but lacks its entry points")
+        layout.restype = None
         sizes = (ctypes.c_int64 * 3)()
         layout(sizes)
         expected = [ctypes.sizeof(_Frame), ctypes.sizeof(_Input), ctypes.sizeof(_Output)]
@@ -157,6 +165,7 @@ class HelperInvoker(Invoker):
         self._outputs = (_Output * max(1, outputs))()
         self._input_handles = (ctypes.c_void_p * max(1, inputs))()
         self._output_handles = (ctypes.c_void_p * max(1, outputs))()
+        self._input_count = inputs
         self._frame = _Frame(
             run=container.run_address, container=container.handle_address, stream=stream or None,
             inputs=ctypes.addressof(self._inputs), outputs=ctypes.addressof(self._outputs),
@@ -177,6 +186,8 @@ class HelperInvoker(Invoker):
     def __call__(self, inputs: Sequence[InputLayout]) -> tuple[OwnedHandles, list[TensorView]]:
         if not self.container.ready:
             raise ModelRuntimeError("weights must be loaded before Run")
+        if len(inputs) != self._input_count:  # a short list would leave the last call's addresses in the frame
+            raise ModelRuntimeError(f"internal error: {len(inputs)} inputs for {self._input_count}")
         layouts = self._layouts
         for index, (address, shape, strides) in enumerate(inputs):
             self._input_items[index].data = address
@@ -188,17 +199,20 @@ class HelperInvoker(Invoker):
             status, printed = self._call(self._address), ""
         if status != 0:
             self._raise(status, printed)
-        names = self._dtype_names
-        handles, views = [], []
-        for item in self._output_items:
-            rank = item.ndim
-            code = item.dtype
-            handles.append(item.handle or 0)
-            views.append(TensorView(
-                item.data or 0, names.get(code) or f"code {code}", tuple(item.sizes[:rank]), tuple(item.strides[:rank]),
-                item.numel, item.span, item.contiguous != 0,
-            ))
-        return OwnedHandles(self._shim, handles), views
+        owned = OwnedHandles(self._shim, [item.handle or 0 for item in self._output_items])  # ours from here on, whatever happens
+        try:
+            names = self._dtype_names
+            views = []
+            for item in self._output_items:
+                rank, code = item.ndim, item.dtype
+                views.append(TensorView(
+                    item.data or 0, names.get(code) or f"code {code}", tuple(item.sizes[:rank]), tuple(item.strides[:rank]),
+                    item.numel, item.span, item.contiguous != 0,
+                ))
+        except BaseException:
+            owned.release()
+            raise
+        return owned, views
 
     def _set_layout(self, index: int, shape: tuple[int, ...], strides: tuple[int, ...]) -> None:
         sizes = (ctypes.c_int64 * max(1, len(shape)))(*shape)

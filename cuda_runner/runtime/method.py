@@ -213,7 +213,7 @@ class Method:
         data_checks = [reader.verify_in_background(name) for name in data_segments]
         library: LibraryLease | None = None
         helper: CallHelper | None = None
-        call_path = "ctypes: the call helper is turned off"
+        call_path = _unhelped_call_path(spec, call_helper, cuda_graph)
         container: Container | None = None
         constants: ConstantMemory | None = None
         executors: list[Executor] = []
@@ -222,7 +222,7 @@ class Method:
             started = clock()
             library = lease_library(library_bytes, f"{spec.name}@{reader.path.name}", native_checks=check_inputs)
             timings["load_library"] = clock() - started
-            if call_helper:
+            if call_path is None:
                 started = clock()
                 helper, call_path = load_call_helper(reader, spec)
                 timings["load_call_helper"] = clock() - started
@@ -259,7 +259,7 @@ class Method:
         method = cls(spec, device, library, container, _Lanes(make, 1 if cuda_graph else lanes, executors[0]), timings, check_inputs)
         method._constants = constants
         method._helper = helper
-        method.call_path = call_path
+        method.call_path = call_path or "ctypes"
         method._first_run_done = cuda_graph
         if warm_up and device.type == "cuda" and not cuda_graph:
             started = clock()
@@ -308,7 +308,7 @@ class Method:
         ordered = self._ordered(inputs)
         if not all(type(array) is np.ndarray for array in ordered):
             ordered = self._host_arrays(ordered)
-        self._accept(ordered, _host_dtype_name, self._accepted_host)
+        self._accept(ordered, _host_dtype_name, self._accepted_host, self._host_arrays)
         with self._lanes.borrow() as executor:
             self._last_stream.stream = executor.stream
             if self._first_run_done and not self.check_inputs:
@@ -381,14 +381,19 @@ class Method:
                 raise BundleError(f"method {self.spec.name!r}: the manifest does not match the library: {error}") from error
             raise
 
-    def _accept(self, arrays: list[Any], dtype_of: Callable[[Any, str], str], accepted: set[tuple[Any, ...]]) -> None:
+    def _accept(
+        self, arrays: list[Any], dtype_of: Callable[[Any, str], str], accepted: set[tuple[Any, ...]], screen: Callable[[list[Any]], Any] | None = None,
+    ) -> None:
         """Validate inputs (in the signature's order) against the signature. A
         combination of dtypes and shapes seen valid before is not checked again:
         the check is keyed on the arrays' own dtype objects and shapes, which
-        costs far less than deriving the names it compares."""
+        costs far less than deriving the names it compares. `screen` refuses
+        what no signature allows (object arrays, unsupported dtypes) first."""
         key = tuple([(array.dtype, array.shape) for array in arrays])
         if key in accepted:
             return
+        if screen is not None:
+            screen(arrays)
         given = {spec.name: (dtype_of(array, spec.dtype), tuple(array.shape)) for spec, array in zip(self.spec.inputs, arrays)}
         check_inputs(self.spec, given)
         if len(accepted) < 256:
@@ -467,6 +472,17 @@ def _native_checks(enabled: bool) -> Iterator[None]:
             del os.environ[_NATIVE_CHECKS]
         else:
             os.environ[_NATIVE_CHECKS] = previous
+
+
+def _unhelped_call_path(spec: MethodSpec, wanted: bool, cuda_graph: bool) -> str | None:
+    """Why calls will not go through the call helper; None if they may."""
+    if cuda_graph:
+        return "ctypes: a CUDA graph replays its captured run without the call helper"
+    if not wanted:
+        return "ctypes: the call helper is turned off"
+    if spec.call_helper_segment is None:
+        return "ctypes: the bundle has no call helper"
+    return None
 
 
 def _executor_factory(shim: Shim, device: Device, helper: CallHelper | None) -> Callable[[], Executor]:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import shutil
 import subprocess
 from pathlib import Path
@@ -113,8 +114,44 @@ def test_a_segment_that_is_not_a_helper_is_refused(dict_mlp_bundle, tmp_path):
         cuda_runner.load(wrong)
     garbage = tmp_path / "garbage.bundle"
     _with_helper_bytes(dict_mlp_bundle.path, garbage, b"not an ELF file at all")
-    with pytest.raises(BundleError, match="call helper cannot be loaded"):
+    with pytest.raises(BundleError, match="not a shared library"):
         cuda_runner.load(garbage)
+
+
+def test_a_newer_helper_with_other_entry_points_falls_back(dict_mlp_bundle, tmp_path):
+    newer = tmp_path / "newer.bundle"
+    library = _build_helper(tmp_path, "-DCALL_HELPER_ABI=2", "-Dcuda_runner_call=cuda_runner_call_v2", "-Dcuda_runner_call_layout=cuda_runner_layout_v2")
+    _with_helper_bytes(dict_mlp_bundle.path, newer, library)
+    with cuda_runner.load(newer) as model:
+        assert model.method().call_path == "ctypes: the call helper speaks ABI 2, this runtime 1"
+        model.run(_inputs("dict_mlp", 2))
+
+
+def test_a_helper_this_machine_cannot_load_falls_back(dict_mlp_bundle, tmp_path):
+    """As a helper built against a newer libtorch would: it needs a function this one lacks."""
+    compiler = helper_build._compiler()
+    if compiler is None:
+        pytest.skip("no C compiler")
+    source = tmp_path / "needs.c"
+    source.write_text("extern int aoti_torch_function_from_the_future(void);\nint cuda_runner_call_abi(void) { return aoti_torch_function_from_the_future(); }\n")
+    subprocess.run([compiler, "-shared", "-fPIC", "-o", str(tmp_path / "needs.so"), str(source)], check=True)
+    unloadable = tmp_path / "unloadable.bundle"
+    _with_helper_bytes(dict_mlp_bundle.path, unloadable, (tmp_path / "needs.so").read_bytes())
+    with cuda_runner.load(unloadable) as model:
+        assert model.method().call_path.startswith("ctypes: the call helper cannot be loaded here")
+        model.run(_inputs("dict_mlp", 2))
+
+
+def test_why_a_method_runs_without_the_helper(dict_mlp_bundle):
+    """CUDA graphs replay a run captured through ctypes: no helper is loaded for them."""
+    from cuda_runner.runtime.method import _unhelped_call_path
+
+    with open_bundle(dict_mlp_bundle.path) as reader:
+        spec = reader.manifest.methods["forward"]
+    assert _unhelped_call_path(spec, wanted=True, cuda_graph=False) is None
+    assert _unhelped_call_path(spec, wanted=False, cuda_graph=False) == "ctypes: the call helper is turned off"
+    assert "CUDA graph" in (_unhelped_call_path(spec, wanted=True, cuda_graph=True) or "")
+    assert _unhelped_call_path(dataclasses.replace(spec, call_helper_segment=None), True, False) == "ctypes: the bundle has no call helper"
 
 
 def test_without_a_c_compiler_bundles_are_written_without_the_helper(monkeypatch, dict_mlp_bundle):

@@ -43,6 +43,9 @@ def test_wrong_inputs_are_refused_before_running(dict_mlp_bundle):
             "outside the compiled range [1, 64]": {"x": np.ones((65, 16), np.float32), "bias": bias},
             "missing 'bias'": {"x": good},
             "unexpected 'z'": {"x": good, "bias": bias, "z": bias},
+            "'x' is an object array": {"x": good.astype(object), "bias": bias},
+            "'x': dtype complex64 is not supported": {"x": good.astype(np.complex64), "bias": bias},
+            "'bias' is an object array": {"x": good.tolist(), "bias": np.array([None] * 8)},
         }
         for message, inputs in cases.items():
             with pytest.raises(InputError, match=message.replace("[", r"\[").replace("]", r"\]")):
