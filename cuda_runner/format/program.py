@@ -19,13 +19,12 @@ the library always, before it is loaded; weights while they load.
 
 from __future__ import annotations
 
-import dataclasses
 import hashlib
 import mmap
 import os
 from collections.abc import Mapping
 from concurrent.futures import Future
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, BinaryIO
 
@@ -431,7 +430,7 @@ def convert_program(reader: ProgramReader, destination: str | os.PathLike[str], 
     if call_helper is not None:
         name = _unused_segment_name("call_helper_so", segments)
         segments[name] = call_helper
-        methods = {key: dataclasses.replace(spec, call_helper_segment=name) for key, spec in methods.items()}
+        methods = {key: replace(spec, call_helper_segment=name) for key, spec in methods.items()}
         optional = (CALL_HELPER,)
     manifest = Manifest(
         methods=methods,

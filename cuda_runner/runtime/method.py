@@ -306,9 +306,12 @@ class Method:
         Pass a dict as `phases` to have it filled with the time of the input
         copies, the model and the output copies (CUDA events on a GPU)."""
         ordered = self._ordered(inputs)
-        if not all(type(array) is np.ndarray for array in ordered):
+        screen = None
+        if all(type(array) is np.ndarray for array in ordered):
+            screen = self._host_arrays  # arrays as given: screened only when their signature is new
+        else:
             ordered = self._host_arrays(ordered)
-        self._accept(ordered, _host_dtype_name, self._accepted_host, self._host_arrays)
+        self._accept(ordered, _host_dtype_name, self._accepted_host, screen)
         with self._lanes.borrow() as executor:
             self._last_stream.stream = executor.stream
             if self._first_run_done and not self.check_inputs:
