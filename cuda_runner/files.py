@@ -32,6 +32,7 @@ from pathlib import Path
 from typing import BinaryIO
 
 from .errors import InputError, WriteError
+from .opening import kind_of
 
 _TEMP_PATTERN = re.compile(r"^\..+\.([0-9a-f]{8})\.(\d{1,10})\.[0-9a-f]{8}\.(?:tmp|old)$")
 _HOST = hashlib.sha256(socket.gethostname().encode()).hexdigest()[:8]
@@ -56,7 +57,11 @@ def check_destination(path: Path) -> None:
             raise InputError(f"{path}: the path component {part[:40]!r}... is longer than this file system allows ({limit} bytes)")
     if path.is_dir():
         raise InputError(f"{path} is a directory; cannot write a file there")
+    if path.exists() and not path.is_file():  # renaming over a FIFO or a device would replace it
+        raise InputError(f"{path} is not a regular file (a {kind_of(path.stat().st_mode)}); cannot write a file there")
     for parent in path.parents:
+        if os.path.islink(parent) and not parent.exists():
+            raise InputError(f"{path}: {parent} is a symbolic link to nothing")
         if parent.exists():
             if not parent.is_dir():
                 raise InputError(f"{path}: {parent} exists and is not a directory")

@@ -110,6 +110,15 @@ def _signature_report(reader: BundleReader, keys: Sequence[TrustedKey]) -> Signa
     return report
 
 
+def _program_signature_report(reader: ProgramReader, keys: Sequence[TrustedKey]) -> SignatureReport:
+    report = SignatureReport(signature_path(reader.path), False)
+    try:
+        reader.require_signature(keys)
+    except BundleError as error:
+        report.error = str(error)
+    return report
+
+
 def _key_hint(path: Path) -> str | None:
     try:
         hint = json.loads(read_signature_file(path))["verificationMaterial"]["publicKey"]["hint"]
@@ -214,7 +223,9 @@ def inspect_bundle(
             for name, spec in manifest.methods.items()
         }
         if isinstance(reader, ProgramReader):  # no signature; only SHA-256-named keys can be checked
-            result = InspectResult(reader.path, f"ExecuTorch {reader.version}", reader.file_size, manifest, reports, None,
+            # Trusted keys make a signature the policy, which a program cannot meet: refused, and nothing loads.
+            signature = _program_signature_report(reader, trusted_keys) if trusted_keys else None
+            result = InspectResult(reader.path, f"ExecuTorch {reader.version}", reader.file_size, manifest, reports, signature,
                                    program=reader.info, shim_check=_shim_check(reader.info))
         else:
             result = InspectResult(reader.path, reader.version, reader.file_size, manifest, reports, _signature_report(reader, trusted_keys))

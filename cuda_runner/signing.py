@@ -26,10 +26,14 @@ from pathlib import Path
 from typing import Any
 
 from .errors import BundleError, InputError
+from .opening import read_small
 
 SIGNATURE_SUFFIX = ".sig"
 DEFAULT_SHARD_SIZE = 16 << 20
 MAX_SIGNATURE_BYTES = 16 << 20
+MAX_KEY_BYTES = 64 << 10  # a PEM elliptic-curve key is a few hundred bytes
+# The curves model-signing signs with; others (P-224, secp256k1) are refused, not silently used.
+SUPPORTED_CURVES = {"secp256r1": "P-256", "secp384r1": "P-384", "secp521r1": "P-521"}
 MAX_SHARDS = 1 << 20
 TRUSTED_KEYS_VARIABLE = "CUDA_RUNNER_TRUSTED_KEYS"
 
@@ -67,13 +71,13 @@ class TrustedKey:
 def _load_key(path: Path, kind: str, read: Any, expected: type) -> Any:
     """A PEM key of the elliptic-curve type model-signing uses, or an InputError naming the file."""
     try:
-        key = read(path.read_bytes())
-    except OSError as error:
-        raise InputError(f"cannot read the {kind} key {path}: {error.strerror or error}") from None
+        key: Any = read(read_small(path, f"a PEM {kind} key", MAX_KEY_BYTES))
     except (ValueError, TypeError) as error:
         raise InputError(f"{path} is not a usable PEM {kind} key: {error}") from None
-    if not isinstance(key, expected):
-        raise InputError(f"{path}: only elliptic-curve keys (P-256, P-384, P-521) are supported, as by model-signing")
+    curve_name = getattr(getattr(key, "curve", None), "name", None)
+    if not isinstance(key, expected) or curve_name not in SUPPORTED_CURVES:
+        curve = f" (this one is {curve_name})" if curve_name else ""
+        raise InputError(f"{path}: only elliptic-curve keys on P-256, P-384 or P-521 are supported, as by model-signing{curve}")
     return key
 
 
@@ -306,30 +310,17 @@ class SignedFile:
 def read_signature_file(path: Path) -> bytes:
     """The bytes of a signature file: a regular file of at most MAX_SIGNATURE_BYTES,
     opened without blocking (a FIFO or a device is refused, never read)."""
-    import stat
-
-    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
-    try:
-        if not stat.S_ISREG(os.fstat(fd).st_mode):
-            raise BundleError(f"{path} is not a regular file, so not a signature")
-        data = os.read(fd, MAX_SIGNATURE_BYTES + 1)
-        while len(data) <= MAX_SIGNATURE_BYTES and (more := os.read(fd, MAX_SIGNATURE_BYTES + 1 - len(data))):
-            data += more
-    finally:
-        os.close(fd)
-    if len(data) > MAX_SIGNATURE_BYTES:
-        raise BundleError(f"{path} is larger than any signature ({MAX_SIGNATURE_BYTES} bytes)")
-    return data
+    return read_small(path, "a signature", MAX_SIGNATURE_BYTES, not_regular=BundleError)
 
 
 def read_signature(path: Path, file_size: int, keys: Sequence[TrustedKey]) -> SignedFile:
     """Parse `path` and check its envelope against `keys`; BundleError on anything else."""
+    if not os.path.lexists(path):
+        raise BundleError(f"the bundle is not signed: {path} does not exist")
     try:
         document = json.loads(read_signature_file(path))
-    except FileNotFoundError:
-        raise BundleError(f"the bundle is not signed: {path} does not exist") from None
-    except OSError as error:
-        raise BundleError(f"cannot read the signature {path}: {error.strerror or error}") from None
+    except InputError as error:  # there, but unreadable: the signature policy cannot pass
+        raise BundleError(f"the signature cannot be read: {error}") from None
     except (ValueError, RecursionError):
         raise BundleError(f"{path} is not a signature (not JSON)") from None
     payload, signatures = _envelope(document, path)

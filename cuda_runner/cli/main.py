@@ -12,6 +12,7 @@ a closed pipe or a signal (128+N).
 from __future__ import annotations
 
 import contextlib
+import errno
 import functools
 import os
 import signal
@@ -51,6 +52,15 @@ app = typer.Typer(
 class _State:
     verbose = False
     quiet = False
+    json = False  # --json on the line: every outcome, failures too, is one JSON document on stdout
+    command: str | None = None  # the subcommand on the line
+    printed_document = False  # the command printed its JSON document already
+    batch = False  # run --batch: its document is a batch document
+
+
+# The JSON document of each command, and the commands that end with a VERDICT line.
+_DOCUMENTS = {"run": "run", "bench": "bench", "inspect": "inspect", "devices": "devices"}
+_VERDICT_COMMANDS = frozenset({"run", "bench"})
 
 
 def _version(value: bool) -> None:
@@ -108,18 +118,40 @@ def handles_errors(command: Callable[..., Any]) -> Callable[..., Any]:
         try:
             return command(*args, **kwargs)
         except CudaRunnerError as error:
-            _report(f"{error}{_hint(error)}", int(error.exit_code))
+            _report(f"{error}{_hint(error)}", int(error.exit_code), type(error).__name__)
         except MemoryError:
-            _report("out of host memory", int(ExitCode.RUNTIME))
+            _report("out of host memory", int(ExitCode.RUNTIME), "MemoryError")
 
     return wrapper
 
 
-def _report(message: str, code: int) -> None:
+def _report(message: str, code: int, kind: str) -> None:
+    raise typer.Exit(_fail(message, code, kind))
+
+
+def _fail(message: str, code: int, kind: str) -> int:
+    """Say why the command failed: one `error:` line, the JSON error document
+    with --json, and the VERDICT line for run and bench. Returns `code`."""
     if _State.verbose and sys.exc_info()[0] is not None:
         traceback.print_exc(file=_Terminal.stderr())
     _err().line(f"error: {printable(message)}", style="red")
-    raise typer.Exit(code)
+    if _State.json and not _State.printed_document:
+        from .render import error_document
+
+        schema = _DOCUMENTS.get(_State.command or "", "error")
+        if _State.command == "run" and _State.batch:
+            schema = "batch"
+        _print_document(error_document(schema, kind, code, printable(message)))
+    if _State.command in _VERDICT_COMMANDS:
+        _verdict("ERROR", _State.json)
+    return code
+
+
+def _print_document(document: dict[str, Any]) -> None:
+    from .render import json_text
+
+    _State.printed_document = True
+    _out().line(json_text(document))
 
 
 def _progress(message: str) -> None:
@@ -171,7 +203,6 @@ def _run_batch(bundle: str, folder: str, out_dir: str, out_format: str, method: 
                tolerances: Any, allow_missing: bool, resume: bool, fail_fast: bool, lanes: int, verify_weights: bool,
                trusted_keys: tuple[Any, ...], json_output: bool, data: str | None, batch_size: int) -> None:
     from ..batch import BatchRequest, run_batch
-    from .render import json_text
 
     if out_format not in ("npy", "npz"):
         raise parse.UsageError(f"--out-format {out_format!r}: use npy or npz")
@@ -185,7 +216,7 @@ def _run_batch(bundle: str, folder: str, out_dir: str, out_format: str, method: 
     with _native_stderr(), _progress_bar("input sets") as advance:
         result = run_batch(request, progress=advance)
     if json_output:
-        _out().line(json_text(result.to_json()))
+        _print_document(result.to_json())
     else:
         for failed in (entry for entry in result.sets if entry.exit_code):
             _out().line(printable(f"{'FAILED' if failed.status == 'failed' else 'ERROR'} {failed.name}: {failed.error or 'outputs outside tolerance'}"), "red")
@@ -355,22 +386,22 @@ def inspect_command(
 ) -> None:
     """Show a bundle's methods, signatures, build info and whether this machine can run it."""
     from ..inspection import inspect_bundle
-    from .render import inspect_lines, json_text
+    from .render import inspect_lines
 
     keys = _trusted_keys(trusted_key, require_signature)
     with _native_stderr():
         result = inspect_bundle(bundle, verify=verify, trusted_keys=keys, data=data)
     if json_output:
-        _out().line(json_text(result.to_json()))
+        _print_document(result.to_json())
     else:
         _out().lines(inspect_lines(result))
     if result.signature is not None and result.signature.error is not None:
-        _report(result.signature.error, int(ExitCode.BAD_BUNDLE))
+        _report(result.signature.error, int(ExitCode.BAD_BUNDLE), "BundleError")
     if verify and not result.verified:
         bad = [name for name, ok in (result.segment_digests_ok or {}).items() if not ok]
         failed = [f"{name}: {report.library_check}" for name, report in result.methods.items() if (report.library_check or "").startswith("failed")]
         detail = f"digest mismatch in segment(s): {', '.join(bad)}" if bad else "; ".join(failed)
-        _report(f"verification failed: {detail}", int(ExitCode.BAD_BUNDLE))
+        _report(f"verification failed: {detail}", int(ExitCode.BAD_BUNDLE), "BundleError")
 
 
 # Options shared by run and bench.
@@ -491,10 +522,10 @@ def run_command(
     _quiet_warnings()
     with _native_stderr():
         result = run_bundle(request, progress=_progress)
-    from .render import comparison_lines, json_text, run_lines
+    from .render import comparison_lines, run_lines
 
     if json_output:
-        _out().line(json_text(result.to_json()))
+        _print_document(result.to_json())
     else:
         if not _State.quiet:
             show = print_stats or print_full
@@ -547,10 +578,10 @@ def bench_command(
     _quiet_warnings()
     with _native_stderr(), _progress_bar("measuring") as advance:
         result = benchmark(request, progress=advance)
-    from .render import bench_lines, json_text
+    from .render import bench_lines
 
     if json_output:
-        _out().line(json_text(result.to_json()))
+        _print_document(result.to_json())
     else:
         _out().lines(bench_lines(result))
     for warning in result.warnings:
@@ -586,11 +617,11 @@ def devices_command(
 ) -> None:
     """Show the CPU and GPUs of this machine, the CUDA driver and runtime, and the libtorch found."""
     from ..runtime.devices import describe_devices
-    from .render import devices_lines, json_text
+    from .render import devices_lines
 
     result = describe_devices()
     if json_output:
-        _out().line(json_text(result.to_json()))
+        _print_document(result.to_json())
     else:
         _out().lines(devices_lines(result))
 
@@ -630,52 +661,121 @@ def _quiet_exit(code: int) -> None:
     os._exit(code)
 
 
+class _StreamGone(BaseException):
+    """stdout or stderr cannot be written: the reader went away (EPIPE) or the
+    device failed (ENOSPC on /dev/full). A BaseException, so that click, which
+    turns an EPIPE into exit 1, never sees it; run() gives it its own code."""
+
+    def __init__(self, error: OSError, name: str):
+        super().__init__(str(error))
+        self.error = error
+        self.name = name
+
+
+class _GuardedStream:
+    """A text stream whose write errors become _StreamGone."""
+
+    def __init__(self, stream: Any, name: str):
+        self._stream = stream
+        self._name = name
+
+    def write(self, text: str) -> int:
+        try:
+            return int(self._stream.write(text))
+        except OSError as error:
+            raise _StreamGone(error, self._name) from None
+
+    def flush(self) -> None:
+        try:
+            self._stream.flush()
+        except OSError as error:
+            raise _StreamGone(error, self._name) from None
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._stream, name)
+
+
+def _standard_streams() -> None:
+    """Give closed standard descriptors /dev/null, so that no file the command
+    opens (an output, say) becomes fd 1 or 2 and receives its messages, and
+    guard stdout and stderr (see _StreamGone)."""
+    for fd in (0, 1, 2):
+        try:
+            os.fstat(fd)
+        except OSError:
+            opened = os.open(os.devnull, os.O_RDWR)
+            if opened != fd:
+                os.dup2(opened, fd)
+                os.close(opened)
+    if sys.stdout is None:
+        sys.stdout = open(1, "w", closefd=False)  # noqa: SIM115  (the process's own stdout)
+    if sys.stderr is None:
+        sys.stderr = open(2, "w", closefd=False)  # noqa: SIM115
+    sys.stdout = _GuardedStream(sys.stdout, "standard output")
+    sys.stderr = _GuardedStream(sys.stderr, "standard error")
+
+
+def _stream_gone(gone: _StreamGone) -> int:
+    """A closed pipe is the reader's choice (exit 141, silently); any other
+    failure to write stdout is this command's failure (exit 4), said on stderr."""
+    if gone.error.errno == errno.EPIPE:
+        return 128 + signal.SIGPIPE
+    if gone.name == "standard output":
+        with contextlib.suppress(BaseException):
+            _err().line(f"error: cannot write to {gone.name}: {gone.error.strerror or gone.error}")
+    return int(ExitCode.RUNTIME)
+
+
+def _command_of(argv: list[str]) -> str | None:
+    return next((arg for arg in argv if not arg.startswith("-")), None)
+
+
 def run(argv: list[str]) -> int:
     """Run the command line; returns the exit code (tests call this in-process)."""
-    _State.verbose = _State.quiet = False
+    _State.verbose = _State.quiet = _State.printed_document = False
+    argv = _hoist_global_flags(argv)
+    end = argv.index("--") if "--" in argv else len(argv)
+    _State.json = "--json" in argv[:end]
+    _State.command = _command_of(argv[:end])
+    _State.batch = any(arg == "--batch" or arg.startswith("--batch=") for arg in argv[:end])
     try:
-        result = app(args=_hoist_global_flags(argv), prog_name="cuda-runner", standalone_mode=False)
-        return int(result) if isinstance(result, int) else 0
-    except typer.Exit as stop:
-        return int(stop.exit_code)
-    except _ClickUsageError as error:
-        message = error.format_message().replace("\n", " ")  # type: ignore[attr-defined]
-        _err().line(f"error: {printable(message)}", style="red")
-        return int(ExitCode.USAGE)
-    except typer.Abort:
-        _err().line("error: interrupted")
-        return 128 + signal.SIGINT
-    except Interrupted as stop:
-        _err().line(f"error: interrupted by {signal.Signals(stop.signal_number).name}")
-        return 128 + stop.signal_number
-    except KeyboardInterrupt:
-        _err().line("error: interrupted")
-        return 128 + signal.SIGINT
-    except BrokenPipeError:
-        raise
-    except Exception as error:  # a bug: still one line, and a way to report it
-        if _State.verbose:
-            traceback.print_exc(file=_Terminal.stderr())
-        _err().line(printable(f"error: internal error: {type(error).__name__}: {error}; please report it with the output of -v"), style="red")
-        return int(ExitCode.RUNTIME)
+        try:
+            result = app(args=argv, prog_name="cuda-runner", standalone_mode=False)
+            return int(result) if isinstance(result, int) else 0
+        except typer.Exit as stop:
+            return int(stop.exit_code)
+        except _ClickUsageError as error:
+            message = error.format_message().replace("\n", " ")  # type: ignore[attr-defined]
+            return _fail(message, int(ExitCode.USAGE), "UsageError")
+        except (typer.Abort, KeyboardInterrupt):
+            return _fail("interrupted", 128 + signal.SIGINT, "Interrupted")
+        except Interrupted as stop:
+            return _fail(f"interrupted by {signal.Signals(stop.signal_number).name}", 128 + stop.signal_number, "Interrupted")
+        except _StreamGone:
+            raise
+        except Exception as error:  # a bug: still one line, and a way to report it
+            message = f"internal error: {type(error).__name__}: {error}; please report it with the output of -v"
+            return _fail(message, int(ExitCode.RUNTIME), "InternalError")
+    except _StreamGone as gone:
+        return _stream_gone(gone)
 
 
 def main() -> None:
+    _standard_streams()
     _install_signal_handlers()
     try:
         code = run(sys.argv[1:])
         sys.stdout.flush()
         sys.stderr.flush()
-    except BrokenPipeError:
-        _quiet_exit(128 + signal.SIGPIPE)
-    except OSError:  # stdout or stderr closed under us
-        _quiet_exit(int(ExitCode.RUNTIME))
-    if _fast_exit_allowed():
+    except _StreamGone as gone:
+        code = _stream_gone(gone)
+    if code in (128 + signal.SIGPIPE, int(ExitCode.RUNTIME)) or _fast_exit_allowed():
         # Everything the command wrote is on disk (files.py syncs before it
         # renames) and flushed; what is left is tearing down the interpreter,
         # libtorch's static objects and the CUDA context: 0.3 s of a 1 s cold
         # run on the CI machine, which the operating system does at once.
-        os._exit(code)
+        # (After a failed stdout, the interpreter's own final flush would fail again.)
+        _quiet_exit(code)
     sys.exit(code)
 
 

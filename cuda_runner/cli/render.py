@@ -55,6 +55,14 @@ def json_text(document: Any) -> str:
     return json.dumps(_escape_surrogates(document), indent=2, ensure_ascii=True, allow_nan=False)
 
 
+def error_document(document: str, kind: str, exit_code: int, message: str) -> dict[str, Any]:
+    """What --json prints when a command fails: the command's schema, and
+    `error` {kind, exit_code, message} (docs/json.md)."""
+    from ..report.schema import SCHEMAS
+
+    return {"schema": SCHEMAS.get(document, SCHEMAS["error"]), "error": {"kind": kind, "exit_code": exit_code, "message": message}}
+
+
 def _escape_surrogates(value: Any) -> Any:
     if isinstance(value, str):
         return value if not any("\ud800" <= char <= "\udfff" for char in value) else printable(value)

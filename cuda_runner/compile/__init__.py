@@ -17,8 +17,10 @@ from typing import Any
 
 from .. import __version__
 from ..errors import CompileError, InputError
+from ..files import check_destination
 from ..format import Manifest, MethodSpec, write_bundle
-from ..format.manifest import CALL_HELPER, MUTATED_BUFFERS_OPTION, method_name_problem
+from ..format.manifest import CALL_HELPER, MUTATED_BUFFERS_OPTION, MUTATED_INPUTS_OPTION, method_name_problem
+from ..opening import require_regular
 from .aot import Progress, check_device, check_options, compile_program, import_torch
 from .signature import dim_names_from_dynamic_shapes, program_signature
 
@@ -106,8 +108,7 @@ def compile_programs(
 
 
 def _load_program(torch: Any, path: Path) -> Any:
-    if not path.is_file():
-        raise InputError(f"program file {path} does not exist")
+    require_regular(path, "an ExportedProgram")
     if not zipfile.is_zipfile(path):
         raise InputError(f"cannot read {path}: not an ExportedProgram archive saved with torch.export.save")
     try:
@@ -127,6 +128,7 @@ def compile_sources(
     call_helper: bool = True,
 ) -> Manifest:
     """Compile each method and write the bundle atomically."""
+    check_destination(Path(path))  # before minutes of compiling, not after
     torch = import_torch()
     user_options = check_options(torch, options or {})
     if not sources:
@@ -178,6 +180,7 @@ def _compile_method(
 
         program = move_to_device_pass(program, device)
     signature = program_signature(program, source.dim_names)
+    mutated_inputs = set(program.graph_signature.user_inputs_to_mutate.values())
     args, kwargs = _example_inputs(program, device)
     progress(f"compiling method {method!r} for {device}")
     compiled = compile_program(program, args, kwargs, device, progress, options)
@@ -191,7 +194,11 @@ def _compile_method(
         outputs=signature.outputs,
         dims=signature.dims,
         torch_version=torch.__version__,
-        compile_options={**compiled.options, MUTATED_BUFFERS_OPTION: sorted(program.graph_signature.buffers_to_mutate.values())},
+        compile_options={
+            **compiled.options,
+            MUTATED_BUFFERS_OPTION: sorted(program.graph_signature.buffers_to_mutate.values()),
+            MUTATED_INPUTS_OPTION: [name for name in program.graph_signature.user_inputs if name in mutated_inputs],
+        },
     )
     if source.sample_inputs is not None:
         from .samples import sample_segments

@@ -20,7 +20,6 @@ import json
 import math
 import mmap
 import os
-import stat
 import struct
 from collections.abc import Iterator, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -32,6 +31,7 @@ import xxhash
 
 from ..errors import BundleError, InputError, WriteError
 from ..files import write_file
+from ..opening import open_regular
 from ..signing import SignedFile, TrustedKey, read_signature, signature_path
 from .digest import DIGEST_ALGORITHM, TreeHasher, segment_digest
 from .manifest import MAX_SEGMENTS, Manifest, SegmentEntry, manifest_from_json
@@ -361,31 +361,7 @@ class BundleReader:
 
 
 def _open_regular_file(path: Path) -> BinaryIO:
-    """Open for reading without ever blocking: a FIFO or device is refused first."""
-    try:
-        info = os.stat(path)
-    except OSError as error:
-        # A path that cannot be found is a usage error, not a bad bundle.
-        raise InputError(f"cannot open bundle {path}: {error.strerror}") from None
-    if not stat.S_ISREG(info.st_mode):
-        raise BundleError(f"{path} is not a regular file (a {_file_kind(info.st_mode)}), so not a bundle")
-    try:
-        # O_NONBLOCK: if the path was swapped for a FIFO since the stat, open does not hang.
-        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
-    except OSError as error:
-        raise InputError(f"cannot open bundle {path}: {error.strerror}") from None
-    if not stat.S_ISREG(os.fstat(fd).st_mode):
-        os.close(fd)
-        raise BundleError(f"{path} is not a regular file, so not a bundle")
-    return os.fdopen(fd, "rb")
-
-
-def _file_kind(mode: int) -> str:
-    for test, kind in ((stat.S_ISDIR, "directory"), (stat.S_ISFIFO, "FIFO"), (stat.S_ISCHR, "character device"),
-                       (stat.S_ISBLK, "block device"), (stat.S_ISSOCK, "socket")):
-        if test(mode):
-            return kind
-    return "special file"
+    return open_regular(path, "a bundle", not_regular=BundleError)
 
 
 def open_bundle(path: str | os.PathLike[str]) -> BundleReader:

@@ -43,6 +43,9 @@ LIBRARY_CHECKS_OPTION = "library_checks_required"
 # A compile_options key: the buffers a run writes to (torch.export's
 # buffers_to_mutate), recorded at compile time; [] says a run changes no state.
 MUTATED_BUFFERS_OPTION = "mutated_buffers"
+# A compile_options key: the inputs a run writes into (torch.export's
+# user_inputs_to_mutate); the runtime hands the library private copies of them.
+MUTATED_INPUTS_OPTION = "mutated_inputs"
 CONSTANT_TABLE = "constant-table"  # weights as one tensor view per constant (format 1.1)
 CALL_HELPER = "call-helper"  # a native helper that makes each call one foreign call (format 1.2; optional)
 

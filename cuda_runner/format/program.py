@@ -29,12 +29,13 @@ from pathlib import Path
 from typing import Any, BinaryIO
 
 from ..errors import BundleError, IncompatibleBundleError, InputError
+from ..opening import open_regular
 from . import executorch as et
-from .bundle import _open_regular_file
 from .elf import LibraryFacts, read_library_facts
 from .manifest import (
     CONSTANT_TABLE,
     LIBRARY_CHECKS_OPTION,
+    MUTATED_INPUTS_OPTION,
     ConstantSpec,
     DeviceSpec,
     DimSpec,
@@ -46,7 +47,6 @@ from .manifest import (
     method_name_problem,
 )
 
-PROGRAM_SUFFIX = ".pte"
 NO_DIGEST = "none"
 # ExecuTorch's own CUDA kernels, which libtorch does not provide (quantized matmuls).
 EXECUTORCH_ONLY_SHIMS = tuple(f"aoti_torch_cuda_int{bits}_plain_mm" for bits in (4, 5, 6, 8))
@@ -124,7 +124,7 @@ class ProgramReader:
         )
 
     def _map(self, role: str, path: Path) -> memoryview:
-        handle = _open_regular_file(path)
+        handle = open_regular(path, "an ExecuTorch program" if role == "pte" else "an ExecuTorch data file", not_regular=BundleError)
         self._files[role] = handle
         size = os.fstat(handle.fileno()).st_size
         if size == 0:
@@ -179,6 +179,7 @@ class ProgramReader:
         # checks stay on for every program method (docs/executorch.md).
         options: dict[str, Any] = {
             "executorch_payload_layout": payload.layout.value, "executorch_compile_specs": specs, LIBRARY_CHECKS_OPTION: True,
+            MUTATED_INPUTS_OPTION: [],  # a delegate never writes a method input: ExecuTorch copies outside it
         }
         self.info.methods[plan.name] = ProgramMethodInfo(
             payload.layout, [item.describe(list(plan.delegates)) for item in plan.instructions], specs,

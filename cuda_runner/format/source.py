@@ -12,7 +12,8 @@ import os
 from pathlib import Path
 from typing import TYPE_CHECKING, Union
 
-from ..errors import InputError
+from ..errors import CudaRunnerError, InputError
+from ..opening import open_regular
 from .bundle import BundleReader, open_bundle
 
 if TYPE_CHECKING:  # the ExecuTorch reader is imported only for a program
@@ -26,9 +27,9 @@ def is_program(path: str | os.PathLike[str]) -> bool:
     """Whether the file starts like an ExecuTorch program: "ET" and two letters
     or digits at bytes 4-8, where a bundle has its magic."""
     try:
-        with open(path, "rb") as handle:
+        with open_regular(path, "a model") as handle:  # never blocks; the bundle reader then says what is wrong
             head = handle.read(8)
-    except OSError:
+    except (CudaRunnerError, OSError):
         return False
     return len(head) == 8 and head[4:6] == b"ET" and head[6:8].isalnum()
 

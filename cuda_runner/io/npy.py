@@ -24,6 +24,7 @@ import numpy as np
 
 from ..errors import InputError
 from ..files import write_file
+from ..opening import open_regular
 
 # An archive member's header is tiny; more than this is not an .npy header.
 _MAX_HEADER_BYTES = 1 << 20
@@ -68,23 +69,15 @@ def _first_line(error: BaseException) -> str:
     return text.splitlines()[0] if text else type(error).__name__
 
 
-def _require_file(path: Path) -> None:
-    if not path.exists():
-        raise InputError(f"{path} does not exist")
-    if not path.is_file():
-        raise InputError(f"{path} is not a regular file")
-
-
 def read_array_header(path: str | os.PathLike[str]) -> ArrayHeader:
     path = Path(path)
-    _require_file(path)
     try:
-        with open(path, "rb") as handle:
+        with open_regular(path, "an .npy file") as handle:
             header = _parse_header(handle, str(path))
             data_offset = handle.tell()
+            available = os.fstat(handle.fileno()).st_size - data_offset
     except OSError as error:
         raise InputError(f"cannot read {path}: {error.strerror or error}") from None
-    available = path.stat().st_size - data_offset
     if header.nbytes > available:
         raise InputError(f"{path} is truncated: its header declares {header.nbytes} bytes of data, the file holds {available}")
     return header
@@ -108,12 +101,7 @@ class NpzArchive:
         if isinstance(source, (bytes, memoryview)):
             stream: BinaryIO = io.BytesIO(bytes(source))
         else:
-            path = Path(source)
-            _require_file(path)
-            try:
-                stream = open(path, "rb")  # noqa: SIM115  (closed by close())
-            except OSError as error:
-                raise InputError(f"cannot read {path}: {error.strerror or error}") from None
+            stream = open_regular(source, "an .npz archive")  # closed by close()
         try:
             self._zip = zipfile.ZipFile(stream)
         except (zipfile.BadZipFile, OSError, EOFError, ValueError) as error:

@@ -11,4 +11,5 @@ SCHEMAS = {
     "devices": "cuda-runner/devices/2",
     "compare": "cuda-runner/compare/1",
     "batch": "cuda-runner/batch/1",
+    "error": "cuda-runner/error/1",  # a failure of a command that has no document of its own
 }

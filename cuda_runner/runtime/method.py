@@ -29,7 +29,7 @@ import numpy as np
 
 from ..dtypes import dtype_name
 from ..errors import BundleError, ClosedError, InputError, ModelRuntimeError
-from ..format.manifest import LIBRARY_CHECKS_OPTION, MUTATED_BUFFERS_OPTION, MethodSpec
+from ..format.manifest import LIBRARY_CHECKS_OPTION, MUTATED_BUFFERS_OPTION, MUTATED_INPUTS_OPTION, MethodSpec
 from ..format.source import AnyReader
 from ..validation import check_inputs
 from .constants import ConstantMemory, bind_constants
@@ -165,6 +165,8 @@ class Method:
         self.load_timings = timings
         self._dtypes = [input_spec.dtype for input_spec in spec.inputs]
         self._names = [input_spec.name for input_spec in spec.inputs]
+        self._written_inputs = written_inputs(spec)
+        self._copies_inputs = self._written_inputs is None or bool(self._written_inputs)
         # (dtype, shape) of each input, already validated; apart for device
         # arrays, where uint16 can stand for bfloat16.
         self._accepted_host: set[tuple[Any, ...]] = set()
@@ -312,6 +314,8 @@ class Method:
         else:
             ordered = self._host_arrays(ordered)
         self._accept(ordered, _host_dtype_name, self._accepted_host, screen)
+        if self._copies_inputs:
+            ordered = self._private_copies(ordered, np.array)
         with self._lanes.borrow() as executor:
             self._last_stream.stream = executor.stream
             if self._first_run_done and not self.check_inputs:
@@ -352,6 +356,8 @@ class Method:
             if not all(type(array) is cupy.ndarray for array in ordered):
                 ordered = [_as_cupy(cupy, spec.name, array) for spec, array in zip(self.spec.inputs, ordered)]
             self._accept(ordered, _device_dtype_name, self._accepted_device)
+            if self._copies_inputs:
+                ordered = self._private_copies(ordered, cupy.array)
             self._last_stream.stream = executor.stream
             if self._first_run_done and not self.check_inputs:
                 return self._named(executor.run_device(self._live_container(), self._dtypes, ordered))
@@ -401,6 +407,16 @@ class Method:
         check_inputs(self.spec, given)
         if len(accepted) < 256:
             accepted.add(key)
+
+    def _private_copies(self, arrays: list[Any], copy: Callable[[Any], Any]) -> list[Any]:
+        """The library writes into these inputs: it gets copies, so that the
+        caller's arrays stay as they were and read-only ones (memory-mapped
+        .npy files) are not written to. Where the bundle does not say which
+        inputs are written (older bundles), read-only ones are copied."""
+        written = self._written_inputs
+        if written is None:
+            return [copy(array) if not _writeable(array) else array for array in arrays]
+        return [copy(array) if position in written else array for position, array in enumerate(arrays)]
 
     def _ordered(self, inputs: Inputs) -> list[Any]:
         """The inputs in the signature's order; names and count checked."""
@@ -571,6 +587,20 @@ def signature_needs_library_checks(spec: MethodSpec) -> bool:
     dynamic tensor states only upper bounds, not which of its dims vary; the
     library's own checks then refuse what it was not built for."""
     return bool(spec.compile_options.get(LIBRARY_CHECKS_OPTION))
+
+
+def written_inputs(spec: MethodSpec) -> frozenset[int] | None:
+    """Positions of the inputs a run writes into; None where the bundle does
+    not say (made before compile recorded it)."""
+    names = spec.compile_options.get(MUTATED_INPUTS_OPTION)
+    if not isinstance(names, list):
+        return None
+    return frozenset(position for position, tensor in enumerate(spec.inputs) if tensor.name in names)
+
+
+def _writeable(array: Any) -> bool:
+    flags = getattr(array, "flags", None)
+    return bool(getattr(flags, "writeable", True))
 
 
 def _as_cupy(cupy: Any, name: str, array: Any) -> Any:

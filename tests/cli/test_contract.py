@@ -86,7 +86,7 @@ ROWS = [
     (["run", "{bundle}", "--random-inputs", "--out-dir", "{tmp}/" + "n" * 300], 2, "longer than this file system allows"),
     (["run", "{bundle}", "--random-inputs", "--out-dir", "{tmp}/d", "--out", "{tmp}/isdir.npz"], 2, "is a directory"),
     (["run", "{bundle}", "--random-inputs", "--out", "{tmp}/all.zip"], 2, "must end in .npz"),
-    (["inspect", "{tmp}/nothing.bundle"], 2, "No such file"),
+    (["inspect", "{tmp}/nothing.bundle"], 2, "does not exist"),
     # bad bundles: exit 3
     (["inspect", "{tmp}/huge_int.bundle"], 3, "out of range"),
     (["inspect", "{tmp}/inf_float.bundle"], 3, "out of range"),
