@@ -11,6 +11,7 @@ another's compute).
 
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -24,6 +25,7 @@ from .format.source import open_model
 from .io.inputs import ArchiveFile, ArrayFile, GivenInputs, resolve_inputs
 from .io.outputs import OutputPlan, output_filenames, write_outputs
 from .names import safe_filename
+from .opening import require_folder
 from .report.schema import SCHEMAS
 from .runtime.model import load_model, load_pool
 from .signing import TrustedKey
@@ -42,8 +44,7 @@ class InputSet:
 
 def discover_sets(folder: Path) -> list[InputSet]:
     """The input sets of a batch folder, by name: `NAME.npz` files and `NAME/` folders of `.npy` files."""
-    if not folder.is_dir():
-        raise InputError(f"{folder} is not a folder of input sets")
+    require_folder(folder, "a folder of input sets")
     sets = []
     for entry in sorted(folder.iterdir()):
         if entry.name.startswith("."):
@@ -227,6 +228,8 @@ def run_batch(request: BatchRequest, progress: Progress = lambda done, total: No
         raise InputError(f"unknown output format {request.out_format!r}; use npy or npz")
     sets = discover_sets(request.inputs)
     OutputPlan(directory=request.out_dir).check()
+    if request.expected_dir is not None:
+        require_folder(request.expected_dir, "a folder of reference outputs")
     if request.devices is not None and request.device is not None:
         raise InputError("give either one device or several devices, not both", subject="device")
     started = time.perf_counter()
@@ -273,9 +276,19 @@ def _pipelined(request: BatchRequest, runner: _Runner, sets: list[InputSet], pro
     two, so that reading and writing files (each written file is fsynced)
     overlaps running."""
     workers = 2 * runner.lanes + 2
-    pending: list[tuple[InputSet, Future[SetResult] | SetResult]] = []
+    pending: list[tuple[InputSet, Future[SetResult | None] | SetResult]] = []
     done = 0
     pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="cuda-runner-batch")
+    halted = threading.Event()  # with --fail-fast: a set failed, so sets not started yet are not run
+
+    def run_set(work: Callable[[BatchRequest, _Runner, InputSet], SetResult], input_set: InputSet) -> SetResult | None:
+        if halted.is_set():
+            return None
+        result = work(request, runner, input_set)
+        if request.fail_fast and result.exit_code != 0:
+            halted.set()
+        return result
+
     try:
         stop = False
         index = 0
@@ -285,25 +298,30 @@ def _pipelined(request: BatchRequest, runner: _Runner, sets: list[InputSet], pro
                 index += 1
                 if request.resume and _complete(_destinations(request, runner.spec, input_set.name)[1]):
                     if request.expected_dir is not None:
-                        pending.append((input_set, pool.submit(_recheck, request, runner, input_set)))
+                        pending.append((input_set, pool.submit(run_set, _recheck, input_set)))
                     else:
                         pending.append((input_set, SetResult(input_set.name, "skipped")))
                 else:
-                    pending.append((input_set, pool.submit(_run_set, request, runner, input_set)))
+                    pending.append((input_set, pool.submit(run_set, _run_set, input_set)))
             if not pending:
                 break
             _, entry = pending.pop(0)
             result = entry if isinstance(entry, SetResult) else entry.result()
+            if result is None:  # not started: an earlier set failed (--fail-fast)
+                continue
             done += 1
             progress(done, len(sets))
             yield result
             if request.fail_fast and result.exit_code != 0:
                 stop = True
-                for _, later in pending:  # let those already running finish; drop the rest
+                halted.set()
+                for _, later in pending:  # those already running finish and are reported; the rest are dropped
                     if isinstance(later, Future) and later.cancel():
                         continue
-                    done += 1
-                    yield later if isinstance(later, SetResult) else later.result()
+                    finished = later if isinstance(later, SetResult) else later.result()
+                    if finished is not None:
+                        done += 1
+                        yield finished
                 pending = []
     finally:
         # On an interrupt, sets not started yet are dropped, not run.

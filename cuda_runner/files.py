@@ -49,6 +49,13 @@ def _name_max(directory: Path) -> int:
 
 def check_destination(path: Path) -> None:
     """Refuse, before anything is written, a destination that cannot be written."""
+    try:
+        _check_destination(path)
+    except OSError as error:  # a folder on the way that cannot be searched, say
+        raise InputError(f"{path}: cannot write there: {error.strerror or error}") from None
+
+
+def _check_destination(path: Path) -> None:
     limit = _name_max(path.parent)
     for part in path.parts:
         # The temp name adds about 24 bytes to the last component.

@@ -252,8 +252,10 @@ CallHelperOption = Annotated[bool, typer.Option("--call-helper/--no-call-helper"
 
 
 def _check_sign_key(sign_key: str | None) -> None:
-    if sign_key is not None and not Path(sign_key).is_file():
-        raise parse.UsageError(f"--sign-key {sign_key}: no such file")
+    from ..opening import require_regular
+
+    if sign_key is not None:
+        require_regular(sign_key, "a PEM private key")
 
 
 def _sign(output: str, sign_key: str | None) -> str:
@@ -363,7 +365,10 @@ def convert_command(
     from ..format.source import is_program
 
     if not is_program(program):
-        raise BundleError(f"{program} is not an ExecuTorch program") if Path(program).is_file() else parse.UsageError(f"no such file: {program}")
+        from ..opening import require_regular
+
+        require_regular(program, "an ExecuTorch program", not_regular=BundleError)  # says why it cannot be read, if so
+        raise BundleError(f"{program} is not an ExecuTorch program")
     _check_sign_key(sign_key)
     helper = _built_call_helper() if call_helper else None
     with ProgramReader(program, data) as reader:

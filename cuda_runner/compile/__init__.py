@@ -96,6 +96,7 @@ def compile_programs(
     call_helper: bool = True,
 ) -> Manifest:
     """Compile saved ExportedPrograms (torch.export.save) into one bundle; keys are method names."""
+    check_destination(Path(path))
     torch = import_torch()
     target = check_device(torch, device)
     sources = {}
