@@ -22,7 +22,7 @@ import mmap
 import os
 import struct
 from collections.abc import Iterator, Mapping, Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, BinaryIO, Union
@@ -33,7 +33,7 @@ from ..errors import BundleError, InputError, WriteError
 from ..files import write_file
 from ..opening import open_regular
 from ..signing import SignedFile, TrustedKey, read_signature, signature_path
-from .digest import DIGEST_ALGORITHM, TreeHasher, segment_digest
+from .digest import DIGEST_ALGORITHM, TreeHasher, in_background, segment_digest
 from .manifest import MAX_SEGMENTS, Manifest, SegmentEntry, manifest_from_json
 
 MAGIC = b"\x89CRB\r\n\x1a\n"
@@ -314,13 +314,7 @@ class BundleReader:
         """Check a segment's digest on other threads while the caller goes on
         (the weights are checked while they are being loaded); the future
         raises BundleError on a mismatch."""
-        entry = self._entry(name)
-        view = self.segment(name, verify=False)
-        pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="cuda-runner-verify")
-        try:
-            return pool.submit(self._check_digest, entry, view)
-        finally:
-            pool.shutdown(wait=False)
+        return in_background(self._check_digest, self._entry(name), self.segment(name, verify=False))
 
     def _check_digest(self, entry: SegmentEntry, data: bytes | memoryview) -> None:
         if self.signature is not None and self._map is not None:

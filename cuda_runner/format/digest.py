@@ -8,7 +8,10 @@ loading the weights (docs/bundle-format.md, "Integrity").
 from __future__ import annotations
 
 import os
-from concurrent.futures import ThreadPoolExecutor
+import threading
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any
 
 import xxhash
 
@@ -57,3 +60,18 @@ class TreeHasher:
     def hexdigest(self) -> str:
         digests = self._digests + ([self._current.digest()] if self._filled else [])
         return _combine(digests)
+
+
+_checks: ThreadPoolExecutor | None = None
+_checks_lock = threading.Lock()
+
+
+def in_background(check: Callable[..., None], *args: Any) -> Future:
+    """Run a data check on the process's pool of checking threads. One pool for
+    all, a few threads wide: a method may check 65,536 constant segments, and a
+    thread (or pool) for each made loading quadratic."""
+    global _checks
+    with _checks_lock:
+        if _checks is None:
+            _checks = ThreadPoolExecutor(max_workers=min(4, os.cpu_count() or 1), thread_name_prefix="cuda-runner-verify")
+        return _checks.submit(check, *args)

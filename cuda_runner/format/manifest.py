@@ -9,6 +9,7 @@ input from outside, and any field of the wrong type is a BundleError.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -148,7 +149,12 @@ class Manifest:
     optional_features: tuple[str, ...] = ()
 
     def segment(self, name: str) -> SegmentEntry | None:
-        return next((entry for entry in self.segments if entry.name == name), None)
+        return self._segments_by_name.get(name)
+
+    @functools.cached_property
+    def _segments_by_name(self) -> dict[str, SegmentEntry]:
+        # A dict, not a scan: constant tables have up to 65,536 segments, each looked up.
+        return {entry.name: entry for entry in self.segments}
 
     def referenced_segments(self) -> list[str]:
         names = []

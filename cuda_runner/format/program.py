@@ -31,6 +31,7 @@ from typing import Any, BinaryIO
 from ..errors import BundleError, IncompatibleBundleError, InputError
 from ..opening import open_regular
 from . import executorch as et
+from .digest import in_background
 from .elf import LibraryFacts, read_library_facts
 from .manifest import (
     CONSTANT_TABLE,
@@ -245,14 +246,7 @@ class ProgramReader:
         self._verified.add(name)
 
     def verify_in_background(self, name: str) -> Future:
-        from concurrent.futures import ThreadPoolExecutor
-
-        view = self._view(name)
-        pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="cuda-runner-verify")
-        try:
-            return pool.submit(self._check, name, view)
-        finally:
-            pool.shutdown(wait=False)
+        return in_background(self._check, name, self._view(name))
 
     def verify_all(self) -> dict[str, bool]:
         """{segment: ok} for every segment whose key is a SHA-256; the others cannot be checked."""

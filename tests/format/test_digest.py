@@ -35,3 +35,27 @@ def test_any_changed_byte_changes_the_digest():
         data[offset] ^= 0x40
         assert segment_digest(bytes(data)) != reference
         data[offset] ^= 0x40
+
+
+def test_background_checks_share_a_few_threads():
+    """A method with thousands of constant segments checks each on a shared pool;
+    a thread per segment made loading 65,535 of them take minutes."""
+    import threading
+
+    from cuda_runner.format.digest import in_background
+
+    release = threading.Event()
+    futures = [in_background(release.wait, 10) for _ in range(200)]
+    checking = [thread for thread in threading.enumerate() if thread.name.startswith("cuda-runner-verify")]
+    release.set()
+    for future in futures:
+        future.result()
+    assert 1 <= len(checking) <= 4
+
+
+def test_manifest_segments_are_found_by_name():
+    from cuda_runner.format.manifest import Manifest, SegmentEntry
+
+    entries = tuple(SegmentEntry(f"s{index}", index * 64, 64, "xxh3-128-tree16m:" + "0" * 32) for index in range(70000))
+    manifest = Manifest(methods={}, segments=entries)
+    assert manifest.segment("s69999") is entries[-1] and manifest.segment("missing") is None
