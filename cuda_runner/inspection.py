@@ -26,7 +26,9 @@ from .runtime.devices import Device, incompatibility
 from .signing import TrustedKey, read_signature_file, signature_path
 
 # AOTI_CPU_ISA values, as people know them.
-_ISA_NAMES = {"INVALID_VEC_ISA": "none (scalar code)", "VecAVX512": "AVX-512", "VecAVX2": "AVX2", "VecNEON": "NEON", "VecSVE256": "SVE-256"}
+_ISA_NAMES = {"INVALID_VEC_ISA": "none (scalar code)", "AVX512": "AVX-512", "AVX512 AVX512_VNNI": "AVX-512 VNNI",
+              "AVX512 AVX512_VNNI AMX_TILE": "AVX-512 VNNI AMX", "AVX2": "AVX2", "ASIMD": "NEON or SVE", "VSX": "VSX", "ZVECTOR": "z/Vector",
+              "VecAVX512": "AVX-512", "VecAVX2": "AVX2", "VecNEON": "NEON", "VecSVE256": "SVE-256"}
 
 
 def isa_name(value: str | None) -> str | None:
@@ -201,7 +203,7 @@ def program_json(info: ProgramInfo, shim_check: dict[str, tuple[list[str] | None
                 "searched_libtorch": searched,
             },
         }
-    return {"data_file": None if info.data_path is None else str(info.data_path), "methods": methods}
+    return {"data_file": None if info.data_path is None else str(info.data_path), "methods": methods, "constant_methods": dict(info.constant_methods)}
 
 
 def runnable_problem(spec: MethodSpec) -> str | None:

@@ -286,7 +286,7 @@ def _warn(message: str) -> None:
 def compile_command(
     program: Annotated[Optional[str], typer.Argument(metavar="[PROGRAM.pt2]", help="An ExportedProgram saved with torch.export.save (method 'forward').")] = None,
     output: Annotated[str, typer.Option("--output", "-o", metavar="BUNDLE", help="The bundle to write.")] = "model.bundle",
-    device: Annotated[str, typer.Option(metavar="DEVICE", help="cpu, cuda or cuda:N.")] = "cpu",
+    device: Annotated[str, typer.Option("--device", metavar="DEVICE", help="cpu, cuda or cuda:N.")] = "cpu",
     method: Annotated[list[str], typer.Option("--method", metavar="NAME=PROGRAM.pt2", help="More methods (repeatable).")] = [],  # noqa: B006
     meta: Annotated[list[str], typer.Option("--meta", metavar="KEY=VALUE", help="Free-form metadata (repeatable).")] = [],  # noqa: B006
     sample_inputs: Annotated[list[str], typer.Option(
@@ -297,6 +297,10 @@ def compile_command(
     autotune: Annotated[bool, typer.Option("--autotune", help=(
         "Let Inductor benchmark its kernel choices on this machine (max_autotune, coordinate_descent_tuning); compiles take longer."))] = False,
     call_helper: CallHelperOption = True,
+    cpu_target: Annotated[str, typer.Option("--cpu-target", metavar="TARGET", help=(
+        "CPU bundles: portable (the widest of the levels below this CPU has), native (this CPU: -march=native and its best "
+        "vector ISA; runs only on CPUs with all its flags), or an x86-64 level: avx512 (x86-64-v4), avx2 (x86-64-v3), "
+        "scalar (x86-64, no vector code)."))] = "portable",
 ) -> None:
     """Compile ExportedPrograms into a bundle with AOTInductor."""
     from ..runtime.devices import parse_device
@@ -326,7 +330,7 @@ def compile_command(
     call_helper = call_helper and _built_call_helper() is not None  # says why once, where it cannot be built
     with _native_stderr():
         manifest = compile_programs(programs, output, device=device, metadata=metadata, sample_inputs=arrays, progress=_progress,
-                                    options=parse.option_values(option, autotune), call_helper=call_helper)
+                                    options=parse.option_values(option, autotune), call_helper=call_helper, cpu_target=cpu_target)
     signed = _sign(output, sign_key)
     if not _State.quiet:
         _out().line(printable(f"wrote {output}: {', '.join(manifest.methods)} for {device}{signed}"))
@@ -414,7 +418,7 @@ BundleArgument = Annotated[str, typer.Argument(metavar="BUNDLE", help="The bundl
 InputsOption = Annotated[list[str], typer.Option(
     "--inputs", "-i", metavar="INPUT", help="PATH.npy by position, NAME=PATH.npy, @PATH.npy, PATH.npz, or NAME=VALUE inline (repeatable).")]
 MethodOption = Annotated[Optional[str], typer.Option(metavar="NAME", help="Method to run (default: the only one, or 'forward').")]
-DeviceOption = Annotated[Optional[str], typer.Option(metavar="DEVICE", help="cpu, cuda or cuda:N (default: the bundle's device).")]
+DeviceOption = Annotated[Optional[str], typer.Option("--device", metavar="DEVICE", help="cpu, cuda or cuda:N (default: the bundle's device).")]
 RandomOption = Annotated[bool, typer.Option("--random-inputs", help="Generate inputs from the declared signature.")]
 SeedOption = Annotated[int, typer.Option(min=0, metavar="INT", help="Seed for --random-inputs.")]
 ShapeOption = Annotated[list[str], typer.Option("--shape", metavar="INPUT=DIMS", help="Sizes of an input for --random-inputs, e.g. x=4x128 (repeatable).")]

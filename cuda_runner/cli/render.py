@@ -116,6 +116,9 @@ def inspect_lines(result: Any) -> list[str]:
         lines += _method_lines(name, report)
         if result.program is not None:
             lines += _program_method_lines(result.program.methods[name], result.shim_check[name])
+    if result.program is not None:
+        for name, values in result.program.constant_methods.items():
+            lines += ["", clean(f"constant method {name}: returns {', '.join(repr(value) for value in values)}")]
     lines += ["", "segments"]
     headers = ["name", "offset", "size", "digest"] + (["verified"] if result.segment_digests_ok is not None else [])
     rows = []
@@ -175,6 +178,28 @@ def _signature_lines(signature: Any, segments_checked: bool) -> list[str]:
     return [clean(line)]
 
 
+def _wiring_lines(spec: Any) -> list[str]:
+    """How values reach the library where it is not in order, which inputs the
+    library writes into, and what state a run changes."""
+    from ..format.manifest import MUTATED_BUFFERS_OPTION
+    from ..runtime.method import written_inputs
+
+    lines = []
+    if spec.wiring is not None:
+        taken = ", ".join(spec.inputs[index].name for index in spec.wiring.library_inputs)
+        sources = ", ".join(
+            f"{output.name} = {spec.inputs[source.index].name if source.from_input else f'library output {source.index}'}"
+            for output, source in zip(spec.outputs, spec.wiring.outputs))
+        lines.append(clean(f"  wiring: the library takes ({taken}); {sources}"))
+    written = written_inputs(spec)
+    if written:
+        lines.append(clean(f"  writes into inputs: {', '.join(spec.inputs[index].name for index in sorted(written))} (each run gets private copies)"))
+    mutated = spec.compile_options.get(MUTATED_BUFFERS_OPTION)
+    if mutated:
+        lines.append(clean(f"  state: {', '.join(str(name) for name in mutated[:8])}{' ...' if len(mutated) > 8 else ''} change on every run (kept between calls; one lane)"))
+    return lines
+
+
 def _method_lines(name: str, report: Any) -> list[str]:
     from ..inspection import isa_name
 
@@ -196,6 +221,7 @@ def _method_lines(name: str, report: Any) -> list[str]:
             lines.append(f"  {role}: {human_bytes(entry.size)}  {entry.digest}")
     if device.type == "cpu" and device.cpu_flags:
         lines.append(clean(f"  needs CPU flags: {' '.join(device.cpu_flags)}"))
+    lines += _wiring_lines(spec)
     lines.append(f"  samples: {'yes' if spec.has_samples else 'no'}")
     if report.library_check is not None:
         lines.append(clean(f"  library check: {report.library_check}"))

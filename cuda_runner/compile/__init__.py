@@ -21,7 +21,7 @@ from ..files import check_destination
 from ..format import Manifest, MethodSpec, write_bundle
 from ..format.manifest import CALL_HELPER, MUTATED_BUFFERS_OPTION, MUTATED_INPUTS_OPTION, method_name_problem
 from ..opening import require_regular
-from .aot import Progress, check_device, check_options, compile_program, import_torch
+from .aot import DEFAULT_CPU_TARGET, Progress, check_cpu_target, check_device, check_options, compile_program, import_torch
 from .signature import dim_names_from_dynamic_shapes, program_signature
 
 __all__ = ["MethodSource", "compile_module", "compile_programs", "export_module"]
@@ -65,13 +65,15 @@ def compile_module(
     progress: Progress = _quiet,
     options: Mapping[str, Any] | None = None,
     call_helper: bool = True,
+    cpu_target: str = DEFAULT_CPU_TARGET,
 ) -> Manifest:
     """Export `module` with example `args` and compile it into a one-method bundle.
 
     `options` are Inductor config values ({"max_autotune": True}, or
     AUTOTUNE_OPTIONS); they are recorded in the manifest. `call_helper` builds
     the native helper that makes each call one foreign call (needs a C compiler;
-    without one the bundle is written without it)."""
+    without one the bundle is written without it). `cpu_target` (CPU bundles):
+    "native" (the build CPU), or a portable level "avx512", "avx2", "scalar"."""
     torch = import_torch()
     target = check_device(torch, device)
     if target != "cpu":
@@ -81,7 +83,8 @@ def compile_module(
     progress(f"exporting {method}")
     source = export_module(module, args, kwargs, dynamic_shapes)
     source = MethodSource(source.program, source.dim_names, sample_inputs)
-    return compile_sources({method: source}, path, device=target, metadata=metadata, progress=progress, options=options, call_helper=call_helper)
+    return compile_sources({method: source}, path, device=target, metadata=metadata, progress=progress, options=options, call_helper=call_helper,
+                           cpu_target=cpu_target)
 
 
 def compile_programs(
@@ -94,6 +97,7 @@ def compile_programs(
     progress: Progress = _quiet,
     options: Mapping[str, Any] | None = None,
     call_helper: bool = True,
+    cpu_target: str = DEFAULT_CPU_TARGET,
 ) -> Manifest:
     """Compile saved ExportedPrograms (torch.export.save) into one bundle; keys are method names."""
     check_destination(Path(path))
@@ -105,7 +109,8 @@ def compile_programs(
         program = _load_program(torch, Path(program_path))
         samples = (sample_inputs or {}).get(method)
         sources[method] = MethodSource(program, None, samples)
-    return compile_sources(sources, path, device=target, metadata=metadata, progress=progress, options=options, call_helper=call_helper)
+    return compile_sources(sources, path, device=target, metadata=metadata, progress=progress, options=options, call_helper=call_helper,
+                           cpu_target=cpu_target)
 
 
 def _load_program(torch: Any, path: Path) -> Any:
@@ -127,11 +132,14 @@ def compile_sources(
     progress: Callable[[str], None] = _quiet,
     options: Mapping[str, Any] | None = None,
     call_helper: bool = True,
+    cpu_target: str = DEFAULT_CPU_TARGET,
 ) -> Manifest:
     """Compile each method and write the bundle atomically."""
     check_destination(Path(path))  # before minutes of compiling, not after
     torch = import_torch()
     user_options = check_options(torch, options or {})
+    if device == "cpu":
+        check_cpu_target(cpu_target)
     if not sources:
         raise InputError("nothing to compile: give at least one method")
     methods: dict[str, MethodSpec] = {}
@@ -140,7 +148,7 @@ def compile_sources(
         problem = method_name_problem(method)
         if problem:
             raise InputError(f"method name {method!r} {problem}")
-        spec, method_segments = _compile_method(torch, method, source, device, progress, user_options)
+        spec, method_segments = _compile_method(torch, method, source, device, progress, user_options, cpu_target)
         methods[method] = spec
         segments.update(method_segments)
     features = ["samples"] if any(spec.has_samples for spec in methods.values()) else []
@@ -174,6 +182,7 @@ def with_call_helper(methods: Mapping[str, MethodSpec], segments: dict[str, Any]
 
 def _compile_method(
     torch: Any, method: str, source: MethodSource, device: str, progress: Progress, options: Mapping[str, Any],
+    cpu_target: str = DEFAULT_CPU_TARGET,
 ) -> tuple[MethodSpec, dict[str, bytes]]:
     program = source.program
     if device != "cpu":
@@ -184,7 +193,7 @@ def _compile_method(
     mutated_inputs = set(program.graph_signature.user_inputs_to_mutate.values())
     args, kwargs = _example_inputs(program, device)
     progress(f"compiling method {method!r} for {device}")
-    compiled = compile_program(program, args, kwargs, device, progress, options)
+    compiled = compile_program(program, args, kwargs, device, progress, options, cpu_target)
     segments = {f"{method}_so_blob": compiled.library, f"{method}_weights_blob": compiled.weights}
     spec = MethodSpec(
         name=method,

@@ -8,21 +8,24 @@ blob, and CUDA kernels are embedded in the library.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
+import platform
 import re
 import shlex
 import shutil
+import subprocess
 import tempfile
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from ..errors import CompileError, InputError
 from ..format.manifest import DeviceSpec
-from ..runtime.devices import cpu_isa_flags
+from ..runtime.devices import checked_isa_flags
 
 MIN_TORCH = (2, 10)
 
@@ -40,6 +43,37 @@ AUTOTUNE_OPTIONS: dict[str, Any] = {"max_autotune": True, "coordinate_descent_tu
 
 # What the runtime relies on: a user option may not change these.
 _PROTECTED_OPTIONS = frozenset(SELF_CONTAINED_OPTIONS) | {"aot_inductor.output_path", "cpp.cxx", "aot_inductor.check_lowerbound"}
+
+# `compile --cpu-target`: what a CPU bundle's code may assume of the CPU it runs on.
+# "native" is the build CPU (-march=native and Inductor's best vector ISA there);
+# the others are portable: a psABI -march level and the vector width Inductor
+# picks its ISA by (cpp.simdlen; 0 matches no ISA: scalar code).
+CPU_TARGETS: dict[str, tuple[str, int] | None] = {
+    "native": None,
+    "avx512": ("x86-64-v4", 512),
+    "avx2": ("x86-64-v3", 256),
+    "scalar": ("x86-64", 0),
+}
+# The default: the widest portable level the build CPU has, so that a bundle
+# built on one vendor's CPU runs on another's with the same vector width
+# (-march=native made it require every flag of the build CPU: sse4a, sha_ni...).
+PORTABLE = "portable"
+DEFAULT_CPU_TARGET = PORTABLE
+# /proc/cpuinfo flags of each level (the psABI's x86-64-v3 and -v4).
+_LEVEL_FLAGS = {
+    "avx2": frozenset({"avx", "avx2", "bmi1", "bmi2", "f16c", "fma", "movbe", "popcnt", "sse4_1", "sse4_2", "ssse3", "abm"}),
+    "avx512": frozenset({"avx512f", "avx512bw", "avx512cd", "avx512dq", "avx512vl"}),
+}
+
+
+def portable_target(host_flags: frozenset[str]) -> str:
+    """The widest portable level a CPU with these flags can run ("native" off x86-64)."""
+    if platform.machine() not in ("x86_64", "AMD64"):
+        return "native"
+    level = {name: checked_isa_flags(flags) for name, flags in _LEVEL_FLAGS.items()}  # what cpu_isa_flags can report
+    if level["avx2"] <= host_flags:
+        return "avx512" if level["avx512"] <= host_flags else "avx2"
+    return "scalar"
 
 Progress = Callable[[str], None]
 
@@ -95,16 +129,37 @@ def check_device(torch: Any, device: str) -> str:
     return f"cuda:{index}"
 
 
+def check_cpu_target(target: str) -> str:
+    """The target to build for: `portable` resolved to this CPU's level."""
+    if target == PORTABLE:
+        from ..runtime.devices import cpu_isa_flags
+
+        return portable_target(cpu_isa_flags())
+    if target not in CPU_TARGETS:
+        raise InputError(f"unknown CPU target {target!r}; use one of {PORTABLE}, {', '.join(CPU_TARGETS)}", subject="cpu-target")
+    if CPU_TARGETS[target] is not None and platform.machine() not in ("x86_64", "AMD64"):
+        raise InputError(f"CPU target {target!r} is an x86-64 level; this machine is {platform.machine()} (use native)", subject="cpu-target")
+    return target
+
+
 def compile_program(
     program: Any, example_args: tuple, example_kwargs: Mapping[str, Any], device: str, progress: Progress,
-    user_options: Mapping[str, Any] | None = None,
+    user_options: Mapping[str, Any] | None = None, cpu_target: str = DEFAULT_CPU_TARGET,
 ) -> CompiledLibrary:
     """Compile an ExportedProgram that already lives on `device`."""
     torch = import_torch()
     work_dir = Path(tempfile.mkdtemp(prefix="cuda-runner-compile-"))
     options = {**(user_options or {}), **SELF_CONTAINED_OPTIONS, "aot_inductor.output_path": str(work_dir)}
+    cpu_build: _CpuBuild | None = None
     try:
-        options["cpp.cxx"] = (None, _unloadable_compiler(work_dir))
+        cpu_target = check_cpu_target(cpu_target) if device == "cpu" else cpu_target
+        level = CPU_TARGETS[cpu_target] if device == "cpu" else None
+        has_march = _inductor_has_march(torch)
+        compiler = _unloadable_compiler(work_dir, None if level is None or has_march else level[0])
+        options["cpp.cxx"] = (None, compiler)
+        if device == "cpu":
+            cpu_build = _cpu_build(torch, compiler, cpu_target, has_march, options)
+            options = {**cpu_build.options, **options}  # the user's cpp.* options win
         if hasattr(torch._inductor.config.aot_inductor, "check_lowerbound"):
             # The library's own input checks (run --check-inputs) would refuse
             # sizes 0 and 1 of every dynamic dim, which export assumes >= 2 but
@@ -119,14 +174,132 @@ def compile_program(
         metadata = _sidecar_metadata(library_path)
         recorded = {key: value for key, value in options.items() if key not in ("aot_inductor.output_path", "cpp.cxx")}
         recorded["cxx_flags"] = list(EXTRA_CXX_FLAGS)
+        if cpu_build is not None:
+            recorded["cpu_target"] = cpu_target
+            recorded["cpu_build_flags"] = list(cpu_build.flags)
+            isa = metadata.get("AOTI_CPU_ISA")
+            if isa is not None and isa != cpu_build.isa:
+                raise CompileError(f"Inductor built {isa} code where its probe had chosen {cpu_build.isa}; compile in a fresh process")
         return CompiledLibrary(
             library=library_path.read_bytes(),
             weights=weights_path.read_bytes() if weights_path.exists() else b"",
-            device=_device_spec(torch, device, metadata),
+            device=_device_spec(torch, device, metadata, cpu_build),
             options=recorded,
         )
     finally:
         shutil.rmtree(work_dir, ignore_errors=True)
+
+
+@dataclass(frozen=True)
+class _CpuBuild:
+    options: dict[str, Any]  # Inductor config that pins the target and the probe's answer
+    isa: str  # AOTI_CPU_ISA of the chosen vector ISA ("AVX2", "INVALID_VEC_ISA")
+    flags: tuple[str, ...]  # the -march and vector-ISA flags the library is built with
+    required: tuple[str, ...]  # /proc/cpuinfo flags those flags let the compiler use
+
+
+def _inductor_has_march(torch: Any) -> bool:
+    """Whether Inductor takes the -march level from cpp.march (torch 2.13);
+    before that it always passes -march=native, which our wrapper rewrites."""
+    return hasattr(torch._inductor.config.cpp, "march")
+
+
+def _cpu_build(torch: Any, compiler: str, target: str, has_march: bool, options: Mapping[str, Any]) -> _CpuBuild:
+    """Choose the vector ISA before compiling, with Inductor's own probe.
+
+    The probe (VecISA.check_build) compiles a tiny library that calls Sleef's
+    exp and dlopens it in a child Python that does not import torch: the
+    Sleef symbols resolve only because the probe links libtorch_cpu, which it
+    does only when aot_inductor.link_libtorch is on. Under our
+    link_libtorch=False every probe fails ("undefined symbol:
+    Sleef_expf16_u10") and Inductor writes scalar code. So the probe runs here
+    with link_libtorch on (the model library is still built without it), and
+    its answer is pinned for the compile: Inductor caches the ISA list and each
+    ISA's answer for the process, and cpp.vec_isa_ok=True skips any new probe.
+    """
+    from torch._inductor import cpu_vec_isa
+
+    config = torch._inductor.config
+    settings: dict[str, Any] = {}
+    level = CPU_TARGETS[target]
+    if level is not None:
+        settings["cpp.simdlen"] = level[1]
+        if has_march:
+            settings["cpp.march"] = level[0]
+    probe = {**settings, **options, "aot_inductor.link_libtorch": True}
+    with config.patch(probe), _probe_cache():
+        isa = cpu_vec_isa.pick_vec_isa()
+        arch = _arch_flags(config, compiler, level)
+        isa_flags = isa.build_arch_flags().split() if isa else []
+    name = str(isa).upper()
+    if level is not None and level[1] and isa.bit_width() != level[1]:
+        raise CompileError(f"--cpu-target {target} needs a build CPU, compiler and torch that can build {level[1]}-bit vector code; Inductor found {name}")
+    if isa:
+        settings["cpp.vec_isa_ok"] = True  # the probe passed: do not run it again without libtorch
+    flags = tuple(arch + isa_flags)
+    return _CpuBuild(settings, name, flags, _flags_enabled_by(compiler, flags))
+
+
+@contextlib.contextmanager
+def _probe_cache() -> Iterator[None]:
+    """A cache folder of the probe's own. Inductor reuses a probe library it
+    finds in its cache, keyed by compiler, ISA flags and torch version but not
+    by the link flags: one left by a probe without libtorch (any earlier
+    link_libtorch=False compile) fails to load, and the ISA is lost again."""
+    from torch._inductor.runtime.cache_dir_utils import cache_dir
+
+    variable = "TORCHINDUCTOR_CACHE_DIR"
+    previous = os.environ.get(variable)
+    os.environ[variable] = os.path.join(cache_dir(), "cuda-runner-isa-probe")
+    try:
+        yield
+    finally:
+        if previous is None:
+            os.environ.pop(variable, None)
+        else:
+            os.environ[variable] = previous
+
+
+def _arch_flags(config: Any, compiler: str, level: tuple[str, int] | None) -> list[str]:
+    """The -march flag Inductor (or our wrapper) puts on the command line."""
+    if level is not None:
+        return [f"-march={level[0]}"]
+    try:
+        from torch._inductor.cpp_builder import _get_cpu_arch_cflags
+
+        return [f"-{flag}" for flag in _get_cpu_arch_cflags(compiler)]
+    except ImportError:  # before torch 2.13: always -march=native (mcpu on POWER)
+        return ["-mcpu=native" if platform.machine() == "ppc64le" else "-march=native"]
+
+
+# The compiler's predefined macros for an ISA extension, and its /proc/cpuinfo flag.
+_MACRO_FLAGS = {
+    "__SSE2__": "sse2", "__SSE3__": "pni", "__SSSE3__": "ssse3", "__SSE4_1__": "sse4_1", "__SSE4_2__": "sse4_2",
+    "__SSE4A__": "sse4a", "__POPCNT__": "popcnt", "__AVX__": "avx", "__AVX2__": "avx2", "__FMA__": "fma",
+    "__FMA4__": "fma4", "__F16C__": "f16c", "__BMI__": "bmi1", "__BMI2__": "bmi2", "__LZCNT__": "abm",
+    "__MOVBE__": "movbe", "__ADX__": "adx", "__SHA__": "sha_ni", "__VAES__": "vaes", "__VPCLMULQDQ__": "vpclmulqdq",
+    "__GFNI__": "gfni", "__AVXVNNI__": "avx_vnni", "__AVX512F__": "avx512f", "__AVX512DQ__": "avx512dq",
+    "__AVX512VL__": "avx512vl", "__AVX512BW__": "avx512bw", "__AVX512CD__": "avx512cd", "__AVX512IFMA__": "avx512ifma",
+    "__AVX512VBMI__": "avx512vbmi", "__AVX512VBMI2__": "avx512_vbmi2", "__AVX512VNNI__": "avx512_vnni",
+    "__AVX512BITALG__": "avx512_bitalg", "__AVX512VPOPCNTDQ__": "avx512_vpopcntdq", "__AVX512BF16__": "avx512_bf16",
+    "__AVX512FP16__": "avx512_fp16", "__AMX_TILE__": "amx_tile", "__AMX_BF16__": "amx_bf16",
+    "__AMX_INT8__": "amx_int8", "__AMX_FP16__": "amx_fp16",
+}
+
+
+def _flags_enabled_by(compiler: str, flags: Sequence[str]) -> tuple[str, ...]:
+    """The CPU flags (as /proc/cpuinfo names them, among those the runner checks)
+    whose instructions the compiler may emit under `flags`: the ISA macros it
+    predefines for them. -march=native gives the build CPU's; a portable level
+    gives that level's, whatever CPU builds it."""
+    try:
+        result = subprocess.run([compiler, *flags, "-dM", "-E", "-x", "c++", "-"], input="", capture_output=True, text=True, timeout=60)
+    except (OSError, subprocess.SubprocessError) as error:
+        raise CompileError(f"cannot run the compiler to see what {' '.join(flags)} enable: {_first_line(error)}") from error
+    if result.returncode != 0:
+        raise CompileError(f"the compiler refuses {' '.join(flags)}: {_first_line(RuntimeError(result.stderr))}")
+    macros = {line.split()[1] for line in result.stdout.splitlines() if line.startswith("#define ")}
+    return tuple(sorted(checked_isa_flags(flag for macro, flag in _MACRO_FLAGS.items() if macro in macros)))
 
 
 # Without STB_GNU_UNIQUE symbols a library can be unloaded (dlclose) once no
@@ -136,12 +309,17 @@ def compile_program(
 EXTRA_CXX_FLAGS = ("-fno-gnu-unique",)
 
 
-def _unloadable_compiler(work_dir: Path) -> str:
-    """A wrapper script that adds EXTRA_CXX_FLAGS. It lives at a stable per-user
+def _unloadable_compiler(work_dir: Path, march: str | None = None) -> str:
+    """A wrapper script that adds EXTRA_CXX_FLAGS (and, given `march`, turns
+    Inductor's -march=native into -march=`march`). It lives at a stable per-user
     path when one can be made private (inductor's compile cache is keyed by the
     compiler's path, so a new path per compile would defeat the cache)."""
     compiler = os.environ.get("CXX") or shutil.which("g++") or "g++"
-    script = f'#!/bin/sh\nexec {shlex.quote(compiler)} {" ".join(EXTRA_CXX_FLAGS)} "$@"\n'
+    rewrite = ""
+    if march is not None:
+        rewrite = ('for arg do\n  shift\n  case $arg in -march=native) arg=' + shlex.quote(f"-march={march}")
+                   + ' ;; esac\n  set -- "$@" "$arg"\ndone\n')
+    script = f'#!/bin/sh\n{rewrite}exec {shlex.quote(compiler)} {" ".join(EXTRA_CXX_FLAGS)} "$@"\n'
     digest = hashlib.sha256(script.encode()).hexdigest()[:16]
     for folder in (_private_cache_dir(digest), work_dir):
         if folder is None:
@@ -185,8 +363,9 @@ def _sidecar_metadata(library_path: Path) -> dict[str, str]:
         return {}
 
 
-def _device_spec(torch: Any, device: str, metadata: Mapping[str, str]) -> DeviceSpec:
+def _device_spec(torch: Any, device: str, metadata: Mapping[str, str], cpu_build: _CpuBuild | None = None) -> DeviceSpec:
     if device == "cpu":
-        return DeviceSpec(type="cpu", cpu_isa=metadata.get("AOTI_CPU_ISA") or None, cpu_flags=tuple(sorted(cpu_isa_flags())))
+        assert cpu_build is not None
+        return DeviceSpec(type="cpu", cpu_isa=metadata.get("AOTI_CPU_ISA") or cpu_build.isa, cpu_flags=cpu_build.required)
     major, minor = torch.cuda.get_device_capability(torch.device(device))
     return DeviceSpec(type="cuda", compute_capability=f"{major}.{minor}")

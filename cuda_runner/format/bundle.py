@@ -38,7 +38,7 @@ from .manifest import MAX_SEGMENTS, Manifest, SegmentEntry, manifest_from_json
 
 MAGIC = b"\x89CRB\r\n\x1a\n"
 FORMAT_MAJOR = 1
-FORMAT_MINOR = 2
+FORMAT_MINOR = 3
 HEADER = struct.Struct("<8sHHIQQQII16s")
 HEADER_SIZE = 64
 CHECKSUMMED_HEADER_BYTES = 48

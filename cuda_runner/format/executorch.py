@@ -26,6 +26,7 @@ import re
 import struct
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from typing import Any
 
 from ..dtypes import SCALAR_TYPE_CODES, itemsize
 from ..errors import BundleError
@@ -140,6 +141,12 @@ class Plan:
     instructions: tuple[Instruction, ...]
     delegates: tuple[Delegate, ...]
     chains: int
+    scalars: Mapping[int, int | float | bool | None] = field(default_factory=dict)  # value index -> Int/Double/Bool/Null value
+
+    @property
+    def is_constant(self) -> bool:
+        """A constant method: no instructions; it returns values stored in the program."""
+        return not self.instructions and all(value in self.scalars for value in self.outputs)
 
 
 @dataclass(frozen=True)
@@ -265,7 +272,9 @@ def _plan(table: Table, inline: list[memoryview], spans: list[Span], data: memor
     name = table.string(0, "method name", 1024)
     if not name:
         raise BundleError("program: a method has no name")
-    values = tuple(_value(item) for item in table.tables(2, "values", MAX_VALUES))
+    value_tables = table.tables(2, "values", MAX_VALUES)
+    values = tuple(_value(item) for item in value_tables)
+    scalars = {index: scalar for index, item in enumerate(value_tables) if (scalar := _scalar(item)) is not _NOT_SCALAR}
     inputs = tuple(table.scalars(3, "i32", "inputs", MAX_VALUES))
     outputs = tuple(table.scalars(4, "i32", "outputs", MAX_VALUES))
     for index in inputs + outputs:
@@ -278,7 +287,25 @@ def _plan(table: Table, inline: list[memoryview], spans: list[Span], data: memor
         for chain in chains for item in chain.tables(2, "instructions", MAX_INSTRUCTIONS)
     )
     delegates = tuple(_delegate(item, inline, spans, data) for item in table.tables(7, "delegates", MAX_DELEGATES))
-    return Plan(name, values, inputs, outputs, instructions, delegates, len(chains))
+    return Plan(name, values, inputs, outputs, instructions, delegates, len(chains), scalars)
+
+
+_NULL, _INT, _BOOL, _DOUBLE = 1, 2, 3, 4
+_NOT_SCALAR = object()
+
+
+def _scalar(table: Table) -> Any:
+    """The value of an Int, Bool, Double or Null EValue; _NOT_SCALAR for others."""
+    tag, value = table.union(0, "value")
+    if tag == _NULL:
+        return None
+    if value is None or tag not in (_INT, _BOOL, _DOUBLE):
+        return _NOT_SCALAR
+    if tag == _INT:
+        return value.scalar(0, "i64")
+    if tag == _BOOL:
+        return bool(value.scalar(0, "u8"))
+    return value.scalar(0, "f64")
 
 
 def _value(table: Table) -> ValueTensor | None:

@@ -29,7 +29,7 @@ _SCALARS = {
     "u8": struct.Struct("<B"), "i8": struct.Struct("<b"), "bool": struct.Struct("<?"),
     "u16": struct.Struct("<H"), "i16": struct.Struct("<h"),
     "u32": struct.Struct("<I"), "i32": struct.Struct("<i"),
-    "u64": struct.Struct("<Q"), "i64": struct.Struct("<q"),
+    "u64": struct.Struct("<Q"), "i64": struct.Struct("<q"), "f64": struct.Struct("<d"),
 }
 
 T = TypeVar("T")

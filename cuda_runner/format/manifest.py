@@ -48,11 +48,12 @@ MUTATED_BUFFERS_OPTION = "mutated_buffers"
 # user_inputs_to_mutate); the runtime hands the library private copies of them.
 MUTATED_INPUTS_OPTION = "mutated_inputs"
 CONSTANT_TABLE = "constant-table"  # weights as one tensor view per constant (format 1.1)
+WIRING = "wiring"  # a method's values mapped to its library's by position (format 1.3)
 CALL_HELPER = "call-helper"  # a native helper that makes each call one foreign call (format 1.2; optional)
 
 # Features a reader must understand to use a bundle that lists them as
 # required. A bundle that requires anything else is refused.
-KNOWN_FEATURES = frozenset({"samples", CONSTANT_TABLE, CALL_HELPER})
+KNOWN_FEATURES = frozenset({"samples", CONSTANT_TABLE, CALL_HELPER, WIRING})
 
 
 @dataclass(frozen=True)
@@ -116,6 +117,27 @@ class ConstantSpec:
 
 
 @dataclass(frozen=True)
+class OutputSource:
+    """Where a method output comes from: the library's output `index`, or
+    (`from_input`) the method's own input `index`, returned as given."""
+
+    index: int
+    from_input: bool = False
+
+
+@dataclass(frozen=True)
+class Wiring:
+    """How a method's values reach its library, where the two differ (ExecuTorch
+    programs pass values by identity, not position): the method input each
+    library input takes, the library's outputs, and each method output's source.
+    A library output may be returned twice, or not at all."""
+
+    library_inputs: tuple[int, ...]
+    library_outputs: tuple[TensorSpec, ...]
+    outputs: tuple[OutputSource, ...]
+
+
+@dataclass(frozen=True)
 class MethodSpec:
     name: str
     device: DeviceSpec
@@ -130,6 +152,14 @@ class MethodSpec:
     sample_outputs_segment: str | None = None
     constants: tuple[ConstantSpec, ...] = ()
     call_helper_segment: str | None = None  # code: checked before loading like the library
+    wiring: Wiring | None = None  # None: the library takes the inputs and gives the outputs in the method's order
+
+    @property
+    def library_signature(self) -> tuple[tuple[TensorSpec, ...], tuple[TensorSpec, ...]]:
+        """The library's inputs and outputs, in its own order."""
+        if self.wiring is None:
+            return self.inputs, self.outputs
+        return tuple(self.inputs[index] for index in self.wiring.library_inputs), self.wiring.library_outputs
 
     def input(self, name: str) -> TensorSpec | None:
         return next((spec for spec in self.inputs if spec.name == name), None)
@@ -199,6 +229,12 @@ def _method_to_json(method: MethodSpec) -> dict[str, Any]:
         data["sample_outputs_segment"] = method.sample_outputs_segment
     if method.call_helper_segment is not None:
         data["call_helper_segment"] = method.call_helper_segment
+    if method.wiring is not None:
+        data["wiring"] = {
+            "library_inputs": list(method.wiring.library_inputs),
+            "library_outputs": [_tensor_to_json(spec) for spec in method.wiring.library_outputs],
+            "outputs": [{"from": "input" if source.from_input else "library", "index": source.index} for source in method.wiring.outputs],
+        }
     return data
 
 
@@ -252,6 +288,8 @@ def manifest_from_json(data: Any) -> Manifest:
     _check_references(manifest)
     if any(method.constants for method in methods.values()) and CONSTANT_TABLE not in manifest.required_features:
         raise BundleError(f"manifest has constant tables but does not list {CONSTANT_TABLE!r} in required_features")
+    if any(method.wiring for method in methods.values()) and WIRING not in manifest.required_features:
+        raise BundleError(f"manifest wires methods to their libraries but does not list {WIRING!r} in required_features")
     return manifest
 
 
@@ -313,13 +351,17 @@ def _method(name: str, data: Any) -> MethodSpec:
         raise BundleError(f"{where}: a method has a weights segment or constants, not both")
     if len({item.fqn for item in constants}) != len(constants):
         raise BundleError(f"{where}.constants names a constant twice")
+    inputs = _signature(obj.get("inputs"), f"{where}.inputs", dims)
+    outputs = _signature(obj.get("outputs"), f"{where}.outputs", dims)
+    wiring = None if obj.get("wiring") is None else _wiring(obj["wiring"], f"{where}.wiring", len(inputs), len(outputs), dims)
     return MethodSpec(
         name=name,
+        wiring=wiring,
         device=_device(obj.get("device"), f"{where}.device"),
         library_segment=_checked_name(obj.get("library_segment"), f"{where}.library_segment"),
         weights_segment=None if weights is None else _checked_name(weights, f"{where}.weights_segment"),
-        inputs=_signature(obj.get("inputs"), f"{where}.inputs", dims),
-        outputs=_signature(obj.get("outputs"), f"{where}.outputs", dims),
+        inputs=inputs,
+        outputs=outputs,
         dims=dims,
         torch_version=_string(obj.get("torch_version"), f"{where}.torch_version"),
         compile_options=_object(obj.get("compile_options", {}), f"{where}.compile_options"),
@@ -328,6 +370,27 @@ def _method(name: str, data: Any) -> MethodSpec:
         constants=constants,
         call_helper_segment=None if helper is None else _checked_name(helper, f"{where}.call_helper_segment"),
     )
+
+
+def _wiring(data: Any, where: str, inputs: int, outputs: int, dims: Mapping[str, DimSpec]) -> Wiring:
+    obj = _object(data, where)
+    library_inputs = tuple(_int(item, f"{where}.library_inputs[]", 0) for item in _list(obj.get("library_inputs"), f"{where}.library_inputs", MAX_TENSORS_PER_SIGNATURE))
+    if any(index >= inputs for index in library_inputs):
+        raise BundleError(f"{where}.library_inputs names an input the method does not have")
+    library_outputs = _signature(obj.get("library_outputs"), f"{where}.library_outputs", dims)
+    sources = []
+    for i, item in enumerate(_list(obj.get("outputs"), f"{where}.outputs", MAX_TENSORS_PER_SIGNATURE)):
+        entry = _object(item, f"{where}.outputs[{i}]")
+        kind = entry.get("from")
+        if kind not in ("input", "library"):
+            raise BundleError(f"{where}.outputs[{i}].from must be 'input' or 'library'")
+        index = _int(entry.get("index"), f"{where}.outputs[{i}].index", 0)
+        if index >= (inputs if kind == "input" else len(library_outputs)):
+            raise BundleError(f"{where}.outputs[{i}] refers to a value that does not exist")
+        sources.append(OutputSource(index, kind == "input"))
+    if len(sources) != outputs:
+        raise BundleError(f"{where}.outputs must give a source for each of the method's {outputs} outputs")
+    return Wiring(library_inputs, library_outputs, tuple(sources))
 
 
 def _constant(data: Any, where: str) -> ConstantSpec:

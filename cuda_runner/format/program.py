@@ -20,6 +20,7 @@ the library always, before it is loaded; weights while they load.
 from __future__ import annotations
 
 import hashlib
+import json
 import mmap
 import os
 from collections.abc import Mapping
@@ -35,16 +36,18 @@ from .digest import in_background
 from .elf import LibraryFacts, read_library_facts
 from .manifest import (
     CONSTANT_TABLE,
-    LIBRARY_CHECKS_OPTION,
     MUTATED_INPUTS_OPTION,
+    WIRING,
     ConstantSpec,
     DeviceSpec,
     DimSpec,
     Manifest,
     MethodSpec,
+    OutputSource,
     SegmentEntry,
     ShapeEntry,
     TensorSpec,
+    Wiring,
     method_name_problem,
 )
 
@@ -79,6 +82,7 @@ class ProgramMethodInfo:
 class ProgramInfo:
     data_path: Path | None
     methods: dict[str, ProgramMethodInfo] = field(default_factory=dict)
+    constant_methods: dict[str, list[int | float | bool | None]] = field(default_factory=dict)  # name -> the values it returns
 
 
 class ProgramReader:
@@ -113,16 +117,20 @@ class ProgramReader:
         self.data_path = data_path
         self.info = ProgramInfo(data_path)
         lookup = _KeyLookup(program, data_file, self.path, data_path)
-        methods = {name: self._method(plan, lookup) for name, plan in program.plans.items()}
+        methods = {name: self._method(plan, lookup) for name, plan in program.plans.items() if not plan.is_constant}
+        # Constant methods (get_max_seq_len, use_kv_cache, ...) run no code: their values are shown, not run.
+        self.info.constant_methods = {
+            name: [plan.scalars[value] for value in plan.outputs] for name, plan in program.plans.items() if plan.is_constant
+        }
+        if not methods:
+            raise BundleError("program: it has no method that runs code, only constant methods")
         segments = tuple(
             SegmentEntry(name, stored.span.offset, stored.span.size, f"sha256:{stored.sha256}" if stored.sha256 else NO_DIGEST)
             for name, stored in self._stored.items()
         )
-        uses_constants = any(method.constants for method in methods.values())
-        self.manifest = Manifest(
-            methods=methods, segments=segments, build={"source": "executorch"},
-            required_features=(CONSTANT_TABLE,) if uses_constants else (),
-        )
+        features = [name for name, used in ((CONSTANT_TABLE, any(method.constants for method in methods.values())),
+                                            (WIRING, any(method.wiring for method in methods.values()))) if used]
+        self.manifest = Manifest(methods=methods, segments=segments, build={"source": "executorch"}, required_features=tuple(features))
 
     def _map(self, role: str, path: Path) -> memoryview:
         handle = open_regular(path, "an ExecuTorch program" if role == "pte" else "an ExecuTorch data file", not_regular=BundleError)
@@ -148,7 +156,8 @@ class ProgramReader:
         problem = method_name_problem(plan.name)
         if problem:
             raise BundleError(f"program: method name {plan.name[:40]!r} {problem}")
-        delegate, inputs, outputs = _delegate_signature(plan)
+        wired = _delegate_signature(plan)
+        delegate = wired.delegate
         # Methods may share one payload; decoding it again and again is refused past the file's size.
         self._decoded += len(delegate.processed)
         if self._decoded > 2 * self.file_size + (1 << 20):
@@ -172,14 +181,22 @@ class ProgramReader:
                 weights_segment = self._store(f"{plan.name}_weights_blob", weights)
                 weights_bytes = weights.span.size
         dims: dict[str, DimSpec] = {}
-        signature_in = tuple(_tensor_spec(f"input_{position}", tensor, dims) for position, tensor in inputs)
-        signature_out = tuple(_tensor_spec(f"output_{position}", tensor, dims) for position, tensor in outputs)
+        signature_in = tuple(_tensor_spec(f"input_{position}", tensor, dims) for position, tensor in enumerate(wired.inputs))
+        label = "output" if wired.straight else "library_output"  # a straight method's outputs are the library's
+        library_out = tuple(_tensor_spec(f"{label}_{index}", tensor, dims) for index, tensor in enumerate(wired.library_outputs))
+        signature_out = tuple(
+            _renamed(signature_in[source.index] if source.from_input else library_out[source.index], f"output_{position}")
+            for position, (source, _) in enumerate(wired.outputs)
+        )
+        wiring = _wiring_if_needed(wired, library_out)
         specs = {key: value.decode("utf-8", "replace") for key, value in delegate.specs.items()}
-        # Nothing in a program vouches for its signature (no digest covers it),
-        # and for dynamic tensors it gives only bounds: the library's own input
-        # checks stay on for every program method (docs/executorch.md).
+        # The library's own input checks stay off, as in ExecuTorch: they
+        # compare the stride of every dim literally, so a size-1 dim exported
+        # from a slice ([1, 5] of [1, 8]) refuses every contiguous input. What
+        # the runner checks is what ExecuTorch checks: dtype, rank and the
+        # program's upper bounds (docs/executorch.md).
         options: dict[str, Any] = {
-            "executorch_payload_layout": payload.layout.value, "executorch_compile_specs": specs, LIBRARY_CHECKS_OPTION: True,
+            "executorch_payload_layout": payload.layout.value, "executorch_compile_specs": specs,
             MUTATED_INPUTS_OPTION: [],  # a delegate never writes a method input: ExecuTorch copies outside it
         }
         self.info.methods[plan.name] = ProgramMethodInfo(
@@ -190,7 +207,7 @@ class ProgramReader:
         return MethodSpec(
             name=plan.name, device=_device(facts), library_segment=library, weights_segment=weights_segment,
             inputs=signature_in, outputs=signature_out, dims=dims, torch_version="unknown (not recorded in ExecuTorch programs)",
-            compile_options=options, constants=constants,
+            compile_options=options, constants=constants, wiring=wiring,
         )
 
     def _constant(self, method: str, view: et.WeightView, lookup: _KeyLookup) -> ConstantSpec:
@@ -316,13 +333,31 @@ class _KeyLookup:
         return found
 
 
-def _delegate_signature(plan: et.Plan) -> tuple[et.Delegate, list[tuple[int, et.ValueTensor]], list[tuple[int, et.ValueTensor]]]:
-    """The method's one CUDA delegate, and its inputs and outputs in the
-    library's order, each with its position in the method's signature."""
+@dataclass(frozen=True)
+class _DelegateSignature:
+    delegate: et.Delegate
+    inputs: list[et.ValueTensor]  # the method's inputs, in its order
+    library_inputs: list[int]  # the method input each library input takes
+    library_outputs: list[et.ValueTensor]
+    outputs: list[tuple[OutputSource, et.ValueTensor]]  # each method output: its source, and its tensor
+
+    @property
+    def straight(self) -> bool:
+        """The library takes every input and gives every output in the method's order."""
+        return self.library_inputs == list(range(len(self.inputs))) and [
+            (source.index, source.from_input) for source, _ in self.outputs] == [(index, False) for index in range(len(self.library_outputs))]
+
+
+def _delegate_signature(plan: et.Plan) -> _DelegateSignature:
+    """The method's one CUDA delegate, and how values flow between the method and
+    it, by value: ExecuTorch passes the delegate the values it needs in its own
+    order, and a method may return a delegate output twice, or one of its inputs."""
     if plan.chains != 1:
         raise BundleError(f"program: method {plan.name!r} has {plan.chains} chains; only one delegate call can run here")
     calls = [item for item in plan.instructions if item.kind == "delegate call"]
     if len(calls) != 1:
+        if not calls and all(plan.values[value] is None for value in plan.outputs):
+            raise BundleError(f"program: method {plan.name!r} returns constants only and runs no code (a constant method; inspect shows its values)")
         raise BundleError(f"program: method {plan.name!r} makes {len(calls)} delegate calls; only methods that are one CudaBackend call can run here")
     call = calls[0]
     if not 0 <= call.index < len(plan.delegates):
@@ -332,29 +367,38 @@ def _delegate_signature(plan: et.Plan) -> tuple[et.Delegate, list[tuple[int, et.
         raise BundleError(f"program: method {plan.name!r} is lowered to {delegate.backend[:60]!r}; only {et.CUDA_BACKEND} programs can run here")
     to_device, to_host = _copies(plan, calls[0])
     input_position = {value: position for position, value in enumerate(plan.inputs)}
-    output_position = {value: position for position, value in enumerate(plan.outputs)}
-    inputs: list[tuple[int, et.ValueTensor]] = []
-    outputs: list[tuple[int, et.ValueTensor]] = []
-    for value in call.args:
-        source, target = to_device.get(value, value), to_host.get(value, value)
+    inputs = []
+    for position, value in enumerate(plan.inputs):
         tensor = plan.values[value]
         if tensor is None:
-            raise BundleError(f"program: method {plan.name!r} passes a non-tensor value to the delegate, which is not supported")
-        if source in input_position:
-            if outputs:
-                raise BundleError(f"program: method {plan.name!r} gives the delegate an input after an output")
-            inputs.append((input_position[source], plan.values[source] or tensor))
-        elif target in output_position:
-            outputs.append((output_position[target], plan.values[target] or tensor))
+            raise BundleError(f"program: method {plan.name!r} takes a non-tensor input {position}, which is not supported")
+        inputs.append(tensor)
+    # The delegate's arguments are its inputs, then its outputs: the inputs are
+    # the leading arguments that are method inputs (through a host-to-device copy).
+    arguments = list(call.args)
+    split = 0
+    while split < len(arguments) and to_device.get(arguments[split], arguments[split]) in input_position:
+        split += 1
+    library_inputs = [input_position[to_device.get(value, value)] for value in arguments[:split]]
+    library_outputs: list[et.ValueTensor] = []
+    produced: dict[int, int] = {}  # method-side value -> library output index
+    for value in arguments[split:]:
+        tensor = plan.values[value]
+        if tensor is None:
+            raise BundleError(f"program: method {plan.name!r} gives the delegate a non-tensor argument, which is not supported")
+        produced.setdefault(to_host.get(value, value), len(library_outputs))
+        library_outputs.append(tensor)
+    outputs = []
+    for position, value in enumerate(plan.outputs):
+        tensor = plan.values[value]
+        if value in produced:
+            outputs.append((OutputSource(produced[value]), tensor or library_outputs[produced[value]]))
+        elif value in input_position and tensor is not None:
+            outputs.append((OutputSource(input_position[value], from_input=True), tensor))
         else:
-            raise BundleError(f"program: method {plan.name!r} passes the delegate a value that is neither a method input nor an output")
-    # Inputs are named by their place in the method and given to the library in
-    # its own order; the two must agree, or a positional input would go astray.
-    if [position for position, _ in inputs] != list(range(len(plan.inputs))):
-        raise BundleError(f"program: method {plan.name!r} passes its inputs to the delegate out of order, or not each once")
-    if [position for position, _ in outputs] != list(range(len(plan.outputs))):
-        raise BundleError(f"program: method {plan.name!r} takes its outputs from the delegate out of order, or not each once")
-    return delegate, inputs, outputs
+            what = "a constant" if tensor is None else "a tensor the delegate does not produce"
+            raise BundleError(f"program: method {plan.name!r} returns {what} as output {position}, which cannot run here")
+    return _DelegateSignature(delegate, inputs, library_inputs, library_outputs, outputs)
 
 
 def _copies(plan: et.Plan, call: et.Instruction) -> tuple[dict[int, int], dict[int, int]]:
@@ -395,6 +439,16 @@ def _tensor_spec(name: str, tensor: et.ValueTensor, dims: dict[str, DimSpec]) ->
     return TensorSpec(name, dtype, tuple(shape))
 
 
+def _renamed(spec: TensorSpec, name: str) -> TensorSpec:
+    return TensorSpec(name, spec.dtype, spec.shape)
+
+
+def _wiring_if_needed(wired: _DelegateSignature, library_outputs: tuple[TensorSpec, ...]) -> Wiring | None:
+    if wired.straight:
+        return None
+    return Wiring(tuple(wired.library_inputs), library_outputs, tuple(source for source, _ in wired.outputs))
+
+
 def _device(facts: LibraryFacts) -> DeviceSpec:
     if facts.uses_cuda:
         return DeviceSpec("cuda", compute_capability=facts.compute_capability)
@@ -430,7 +484,11 @@ def convert_program(reader: ProgramReader, destination: str | os.PathLike[str], 
     manifest = Manifest(
         methods=methods,
         build={"source": "executorch", "converted_by": f"cuda-runner {__version__}"},
-        metadata={"executorch_program": reader.path.name[:4096], **({"executorch_data": reader.data_path.name[:4096]} if reader.data_path else {})},
+        metadata={
+            "executorch_program": reader.path.name[:4096],
+            **({"executorch_data": reader.data_path.name[:4096]} if reader.data_path else {}),
+            **({"executorch_constant_methods": json.dumps(reader.info.constant_methods)[:4096]} if reader.info.constant_methods else {}),
+        },
         required_features=reader.manifest.required_features,
         optional_features=optional,
     )

@@ -17,9 +17,9 @@ from collections.abc import Callable, Sequence
 
 import numpy as np
 
-from ..dtypes import SCALAR_TYPE_CODES
+from ..dtypes import SCALAR_TYPE_CODES, itemsize
 from ..errors import BundleError
-from ..format.manifest import ConstantSpec
+from ..format.manifest import ConstantSpec, constant_span_bytes
 from .container import Container
 from .devices import Device
 from .host import aligned_empty
@@ -43,6 +43,27 @@ class ConstantMemory:
         self._device.append((index, pointer))
         return pointer
 
+    def reload(self, constants: Sequence[ConstantSpec], segment: Callable[[str], memoryview]) -> None:
+        """Copy the stored bytes of these constants' storages again (state back to its initial values)."""
+        for key in sorted({(constant.segment, constant.device) for constant in constants}):
+            address = self.storages.get(key)
+            if address is None:
+                continue
+            source = segment(key[0])
+            if key[1] == "cuda":
+                from .cuda import HOST_TO_DEVICE, cuda_runtime
+                from .host import buffer_address
+
+                index = next(index for index, pointer in self._device if pointer == address)
+                runtime = cuda_runtime()
+                runtime.setDevice(index)
+                runtime.deviceSynchronize()  # no run may still read or write it
+                if source.nbytes:
+                    runtime.memcpy(address, buffer_address(source), source.nbytes, HOST_TO_DEVICE)
+            else:
+                kept = next(array for array in self._host if int(array.ctypes.data) == address)
+                kept[...] = np.frombuffer(source, dtype=np.uint8)
+
     def release(self) -> None:
         if self._device:
             from .cuda import cuda_runtime
@@ -58,9 +79,13 @@ class ConstantMemory:
 
 def bind_constants(
     container: Container, device: Device, shim: Shim, constants: Sequence[ConstantSpec], segment: Callable[[str], memoryview],
+    memory: ConstantMemory | None = None,
 ) -> ConstantMemory:
+    """Bind `constants`, copying their storages into `memory` (new if None;
+    storages already there, from another method, are used as they are)."""
     internal = _internal_names(container, constants, segment)
-    memory = ConstantMemory()
+    shared = memory is not None
+    memory = memory if memory is not None else ConstantMemory()
     handles: list[int] = []
     try:
         pairs = []
@@ -75,7 +100,8 @@ def bind_constants(
             pairs += [(name, handle) for name in internal[constant.fqn]]
         container.bind_constants(pairs)
     except BaseException:
-        memory.release()
+        if not shared:
+            memory.release()
         raise
     finally:
         for handle in handles:  # the library made its own handles; ours go
@@ -106,9 +132,12 @@ def _internal_names(container: Container, constants: Sequence[ConstantSpec], seg
             raise BundleError(f"constant {fqn[:80]!r} is {constant.dtype} in the weights but has dtype code(s) {sorted(dtypes[fqn])} in the model library")
         # The library reads as many bytes as it was built for (its storage, as
         # ExecuTorch checks it), whatever the view says.
+        # It reads them from the view's first element: the storage offset counts.
         stored = segment(constant.segment).nbytes
-        if stored < sizes[fqn]:
-            raise BundleError(f"constant {fqn[:80]!r} has {stored} bytes of storage in the weights but the model library reads {sizes[fqn]}")
+        start = constant.storage_offset * itemsize(constant.dtype)
+        if start + sizes[fqn] > stored or constant_span_bytes(constant) > stored:
+            raise BundleError(
+                f"constant {fqn[:80]!r} starts {start} bytes into a storage of {stored} bytes, and the model library reads {sizes[fqn]} bytes from there")
     return by_fqn
 
 

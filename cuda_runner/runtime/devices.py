@@ -35,13 +35,18 @@ def parse_device(text: str) -> Device:
     return Device("cuda", int(match.group(2) or 0))
 
 
+def checked_isa_flags(flags: Iterable[str]) -> frozenset[str]:
+    """The ISA extension flags among `flags` (/proc/cpuinfo names) that a CPU bundle can require."""
+    return frozenset(flag for flag in flags if _ISA_FLAG_PATTERN.match(flag))
+
+
 def cpu_isa_flags() -> frozenset[str]:
-    """ISA extension flags of this CPU (/proc/cpuinfo) that -march=native code may use."""
+    """ISA extension flags of this CPU (/proc/cpuinfo) that a CPU bundle can require."""
     try:
         with open("/proc/cpuinfo") as handle:
             for line in handle:
                 if line.startswith("flags"):
-                    return frozenset(flag for flag in line.partition(":")[2].split() if _ISA_FLAG_PATTERN.match(flag))
+                    return checked_isa_flags(line.partition(":")[2].split())
     except OSError:
         pass
     return frozenset()

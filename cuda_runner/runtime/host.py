@@ -11,7 +11,7 @@ from .container import Container
 from .executor import Executor
 from .invoke import CallHelper, Invoker, make_invoker
 from .shim import Shim
-from .tensors import TensorView, gather, span_nbytes
+from .tensors import TensorView, contiguous_strides, gather, span_nbytes
 
 # The generated code clones (with a warning) inputs that are not 16-byte
 # aligned; NumPy's allocations already are, so only odd views get copied.
@@ -41,11 +41,6 @@ def runnable_copy(array: np.ndarray) -> np.ndarray:
     return out
 
 
-def element_strides(array: np.ndarray) -> tuple[int, ...]:
-    """NumPy gives byte strides; the shim wants element strides."""
-    return tuple(stride // array.itemsize for stride in array.strides)
-
-
 def copy_from_address(view: TensorView) -> np.ndarray:
     """A fresh C-contiguous NumPy copy of host memory described by `view`."""
     nbytes = span_nbytes(view)
@@ -70,7 +65,9 @@ class CpuExecutor(Executor):
         clock = time.perf_counter
         started = clock()
         arrays = [runnable_copy(array) for array in arrays]
-        layouts = [(array.ctypes.data, array.shape, element_strides(array)) for array in arrays]
+        # Every array is C-contiguous now; its size-1 dims may still carry any
+        # stride (x[None], broadcast_to), which the library's own checks refuse.
+        layouts = [(array.ctypes.data, array.shape, contiguous_strides(array.shape)) for array in arrays]
         prepared = clock()
         invoker = self._invoker
         if invoker is None or invoker.container is not container:

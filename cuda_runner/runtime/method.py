@@ -18,6 +18,7 @@ to `lanes` calls run at once. Closing waits for the calls in flight.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import math
 import os
 import threading
@@ -163,7 +164,9 @@ class Method:
         self._container: Container | None = container
         self._lanes = lanes
         self.load_timings = timings
-        self._dtypes = [input_spec.dtype for input_spec in spec.inputs]
+        library_inputs, _ = spec.library_signature
+        self._dtypes = [input_spec.dtype for input_spec in library_inputs]  # in the library's order
+        self._wiring = spec.wiring
         self._names = [input_spec.name for input_spec in spec.inputs]
         self._written_inputs = written_inputs(spec)
         self._copies_inputs = self._written_inputs is None or bool(self._written_inputs)
@@ -173,6 +176,9 @@ class Method:
         self._accepted_device: set[tuple[Any, ...]] = set()
         self._last_stream = threading.local()
         self._constants: ConstantMemory | None = None
+        #: Whether a run may change state the next run sees (buffers such as a KV cache).
+        self.stateful = False
+        self._reset_source: tuple[ConstantMemory, Callable[[str], memoryview]] | None = None
         self._close_lock = threading.Lock()
         self.warm_up_note = "not done"
         self._helper: CallHelper | None = None
@@ -183,7 +189,7 @@ class Method:
     def load(
         cls, reader: AnyReader, spec: MethodSpec, device: Device, *,
         verify_weights: bool = True, cuda_graph: bool = False, lanes: int = 1, check_inputs: bool = False, warm_up: bool = True,
-        call_helper: bool = True,
+        call_helper: bool = True, shared_constants: ConstantMemory | None = None,
     ) -> Method:
         """The load sequence: check the library, load it, create the container, feed the weights."""
         if lanes < 1:
@@ -237,7 +243,8 @@ class Method:
             timings["create_container"] = clock() - started
             started = clock()
             if spec.constants:
-                constants = bind_constants(container, device, shim, spec.constants, lambda name: reader.segment(name, verify=False))
+                # Storages shared by FQN with other methods of the model are uploaded once (and state in them is shared, as in ExecuTorch).
+                constants = bind_constants(container, device, shim, spec.constants, lambda name: reader.segment(name, verify=False), shared_constants)
             else:
                 _load_weights(device, container, weights)
             timings["load_weights"] = clock() - started
@@ -254,12 +261,16 @@ class Method:
                 check.cancel()
                 with contextlib.suppress(BaseException):
                     check.result()  # no thread may read the mapping once it closes
-            _close_parts(executors, container, library, constants, helper)
+            _close_parts(executors, container, library, constants if shared_constants is None else None, helper)
             raise
         finally:
             weights.release()
-        method = cls(spec, device, library, container, _Lanes(make, 1 if cuda_graph else lanes, executors[0]), timings, check_inputs)
-        method._constants = constants
+        stateful = changes_state(spec, container)
+        # Calls of a method with state must see each other's writes in order: one lane.
+        method = cls(spec, device, library, container, _Lanes(make, 1 if cuda_graph or stateful else lanes, executors[0]), timings, check_inputs)
+        method.stateful = stateful
+        method._constants = constants if shared_constants is None else None  # shared memory is the model's to release
+        method._reset_source = (constants, lambda name: reader.segment(name, verify=False)) if constants is not None else None
         method._helper = helper
         method.call_path = call_path or "ctypes"
         method._first_run_done = cuda_graph
@@ -275,8 +286,7 @@ class Method:
         cuBLAS handles and workspaces: 86 ms of a 0.1 ms model on the H200).
         Skipped where a run might change the model's state; a failure is kept
         as a note, and the first real run then reports it with its own inputs."""
-        mutated = self.spec.compile_options.get(MUTATED_BUFFERS_OPTION)
-        if mutated or (mutated is None and container.has_buffers() is not False):
+        if self.stateful:
             return "skipped: a run may change the model's buffers"
         arrays = _zeros_for(self.spec)
         if arrays is None:
@@ -286,6 +296,19 @@ class Method:
         except Exception as error:  # the method stays loaded; its first real run reports what is wrong
             return f"failed: {error}"
         return "done"
+
+    def reset_state(self) -> None:
+        """Put the method's buffers (a KV cache, say) back to their stored
+        initial values, without reloading. Waits for no call: do not call it
+        while the method runs. Only methods with per-constant weights (ExecuTorch
+        1.5 programs, and bundles converted from them) can be reset; for others,
+        load the model again."""
+        if self._reset_source is None:
+            if not self.stateful:
+                return
+            raise InputError(f"method {self.spec.name!r} keeps its weights in one blob, which cannot be loaded twice; load the model again to reset its state")
+        memory, segment = self._reset_source
+        memory.reload(self.spec.constants, segment)
 
     @property
     def lanes(self) -> int:
@@ -316,12 +339,15 @@ class Method:
         self._accept(ordered, _host_dtype_name, self._accepted_host, screen)
         if self._copies_inputs:
             ordered = self._private_copies(ordered, np.array)
+        given = ordered
+        if self._wiring is not None:
+            ordered = [given[index] for index in self._wiring.library_inputs]
         with self._lanes.borrow() as executor:
             self._last_stream.stream = executor.stream
             if self._first_run_done and not self.check_inputs:
-                return self._named(executor.run(self._live_container(), self._dtypes, ordered, phases))
+                return self._named(executor.run(self._live_container(), self._dtypes, ordered, phases), given, np.array)
             with self._first_run(), self._lying_manifest():
-                return self._named(executor.run(self._live_container(), self._dtypes, ordered, phases))
+                return self._named(executor.run(self._live_container(), self._dtypes, ordered, phases), given, np.array)
 
     def pinned_input(self, name: str, shape: tuple[int, ...] | None = None) -> np.ndarray:
         """A page-locked host array for input `name` (CUDA only). Fill it and pass
@@ -338,7 +364,12 @@ class Method:
             if not all(isinstance(entry, int) for entry in spec.shape):
                 raise InputError(f"input {name!r} has dynamic dimensions {spec.shape_text()}; give its shape")
             shape = tuple(int(entry) for entry in spec.shape)
-        return self._lanes.first.pinned_input(self.spec.inputs.index(spec), tuple(shape), spec.dtype)
+        position = self.spec.inputs.index(spec)
+        if self._wiring is not None:  # the staging slot is the library's
+            if position not in self._wiring.library_inputs:
+                raise InputError(f"input {name!r} is not passed to the library; it needs no pinned buffer")
+            position = self._wiring.library_inputs.index(position)
+        return self._lanes.first.pinned_input(position, tuple(shape), spec.dtype)
 
     def run_device(self, inputs: Inputs) -> dict[str, Any]:
         """CuPy arrays in, CuPy arrays out, no host copies (CUDA only).
@@ -358,11 +389,14 @@ class Method:
             self._accept(ordered, _device_dtype_name, self._accepted_device)
             if self._copies_inputs:
                 ordered = self._private_copies(ordered, cupy.array)
+            given = ordered
+            if self._wiring is not None:
+                ordered = [given[index] for index in self._wiring.library_inputs]
             self._last_stream.stream = executor.stream
             if self._first_run_done and not self.check_inputs:
-                return self._named(executor.run_device(self._live_container(), self._dtypes, ordered))
+                return self._named(executor.run_device(self._live_container(), self._dtypes, ordered), given, cupy.array)
             with self._first_run(), self._lying_manifest():
-                return self._named(executor.run_device(self._live_container(), self._dtypes, ordered))
+                return self._named(executor.run_device(self._live_container(), self._dtypes, ordered), given, cupy.array)
         finally:
             lanes.give_back(executor)
 
@@ -450,8 +484,16 @@ class Method:
             arrays.append(array)
         return arrays
 
-    def _named(self, outputs: list[Any]) -> dict[str, Any]:
-        return {output_spec.name: output for output_spec, output in zip(self.spec.outputs, outputs)}
+    def _named(self, outputs: list[Any], given: list[Any], copy: Callable[[Any], Any]) -> dict[str, Any]:
+        """The method's outputs by name, from the library's (and, where the
+        method returns an input, a copy of that input)."""
+        wiring = self._wiring
+        if wiring is None:
+            return {output_spec.name: output for output_spec, output in zip(self.spec.outputs, outputs)}
+        return {
+            output_spec.name: copy(given[source.index]) if source.from_input else outputs[source.index]
+            for output_spec, source in zip(self.spec.outputs, wiring.outputs)
+        }
 
     def _live_container(self) -> Container:
         if self._container is None:
@@ -529,7 +571,8 @@ def _graph_executor(executor: Executor, container: Container, spec: MethodSpec, 
     from .graphs import CudaGraphExecutor
 
     started = time.perf_counter()
-    graph = CudaGraphExecutor(executor, container, spec)
+    inputs, outputs = spec.library_signature  # the graph replays the library's own call
+    graph = CudaGraphExecutor(executor, container, dataclasses.replace(spec, inputs=inputs, outputs=outputs, wiring=None))
     timings["capture_graph"] = time.perf_counter() - started
     return graph
 
@@ -537,9 +580,10 @@ def _graph_executor(executor: Executor, container: Container, spec: MethodSpec, 
 def _check_counts(spec: MethodSpec, container: Container) -> None:
     # A wrong count given to Run terminates the process, so a manifest that
     # disagrees with its library is refused here, before any Run.
-    if container.num_inputs != len(spec.inputs) or container.num_outputs != len(spec.outputs):
+    inputs, outputs = spec.library_signature
+    if container.num_inputs != len(inputs) or container.num_outputs != len(outputs):
         raise BundleError(
-            f"method {spec.name!r}: the manifest lists {len(spec.inputs)} inputs and {len(spec.outputs)} outputs, "
+            f"method {spec.name!r}: the manifest gives its library {len(inputs)} inputs and {len(outputs)} outputs, "
             f"but the library has {container.num_inputs} and {container.num_outputs}"
         )
 
@@ -578,6 +622,16 @@ def _zeros_for(spec: MethodSpec) -> dict[str, np.ndarray] | None:
 
 
 WARM_UP_BYTES = 256 << 20
+
+
+def changes_state(spec: MethodSpec, container: Container) -> bool:
+    """Whether a run may change what the next run sees: buffers compile found
+    mutated, or, where nothing says (ExecuTorch programs, older bundles), any
+    buffer the library has."""
+    mutated = spec.compile_options.get(MUTATED_BUFFERS_OPTION)
+    if mutated is not None:
+        return bool(mutated)
+    return container.has_buffers() is not False
 
 
 def signature_needs_library_checks(spec: MethodSpec) -> bool:

@@ -23,16 +23,31 @@ from ..errors import InputError
 from ..format.manifest import Manifest, MethodSpec, choose_method
 from ..format.source import AnyReader, open_model
 from ..signing import TrustedKey
+from .constants import ConstantMemory
 from .devices import Device, choose_device
 from .method import Inputs, Method
 
 
 class Model:
-    def __init__(self, reader: AnyReader, device: Device, methods: dict[str, Method], open_seconds: float = 0.0):
+    def __init__(self, reader: AnyReader, device: Device, methods: dict[str, Method], open_seconds: float = 0.0,
+                 constants: ConstantMemory | None = None):
         self._reader = reader
         self.device = device
         self.methods = methods
         self.open_seconds = open_seconds
+        self._constants = constants  # storages the methods share by FQN; released after the last method
+
+    @property
+    def constant_storages(self) -> int:
+        """How many constant storages (per-FQN weights and state) the model holds: one per
+        storage however many methods use it."""
+        return 0 if self._constants is None else len(self._constants.storages)
+
+    def reset_state(self, method: str | None = None) -> None:
+        """Put the buffers (a KV cache) of one method, or of every method, back
+        to their initial values without reloading (Method.reset_state)."""
+        for target in [self.method(method)] if method is not None else self.methods.values():
+            target.reset_state()
 
     @property
     def manifest(self) -> Manifest:
@@ -69,6 +84,9 @@ class Model:
         for method in reversed(list(self.methods.values())):
             method.close()
         self.methods = {}
+        if self._constants is not None:  # no container views it any more
+            self._constants.release()
+            self._constants = None
         self._reader.close()
 
     def __enter__(self) -> Model:
@@ -193,6 +211,7 @@ def load_model(
     started = time.perf_counter()
     reader = open_model(source, data) if isinstance(source, (str, os.PathLike)) else source
     loaded: dict[str, Method] = {}
+    shared = ConstantMemory()  # weights and state named alike in several methods are one storage
     try:
         if trusted_keys and reader.signature is None:
             reader.require_signature(trusted_keys)
@@ -202,14 +221,15 @@ def load_model(
         for spec in specs:
             loaded[spec.name] = Method.load(
                 reader, spec, target, verify_weights=verify_weights, cuda_graph=cuda_graph, lanes=lanes, check_inputs=check_inputs, warm_up=warm_up,
-                call_helper=call_helper,
+                call_helper=call_helper, shared_constants=shared,
             )
         if reader.signature is not None:
             reader.signature.cancel()  # what is loaded is checked; hash nothing more while the model runs
-        return Model(reader, target, loaded, open_seconds)
+        return Model(reader, target, loaded, open_seconds, shared)
     except BaseException:
         for method in reversed(list(loaded.values())):
             method.close()
+        shared.release()
         reader.close()
         raise
 

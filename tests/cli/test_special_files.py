@@ -197,3 +197,14 @@ def test_unreadable_paths_are_refused(special, bundle):
     assert completed.returncode == 0, completed.stderr[-2000:]
     for (argv, path), (code, stdout, stderr) in zip(argvs, json.loads(completed.stdout.splitlines()[-1])):
         _check(code, stdout, stderr, path, argv)
+
+
+def test_option_names_do_not_depend_on_the_typer_version():
+    """typer 0.27 named an option without explicit names after its metavar when
+    the two matched ("--DEVICE"); every option spells its names out."""
+    for name, command in typer.main.get_command(app).commands.items():
+        for parameter in command.params:
+            for option in parameter.opts:
+                assert option == option.lower(), (name, option)
+            if parameter.opts and parameter.opts[0].startswith("-"):
+                assert f"--{parameter.name.replace('_', '-')}" in parameter.opts or parameter.name in ("json_output", "value_range", "print_stats"), (name, parameter.opts)

@@ -53,7 +53,7 @@ def test_a_dynamic_two_input_program_from_the_gpu_machine():
         spec = reader.manifest.methods["forward"]
     assert [t.name for t in spec.inputs] == ["input_0", "input_1"] and [t.name for t in spec.outputs] == ["output_0", "output_1"]
     assert spec.inputs[0].shape == ("input_0_d0", "input_0_d1") and spec.dims["input_0_d0"].max == 32
-    assert spec.outputs[1].shape == ("output_1_d0",) and spec.compile_options["library_checks_required"] is True
+    assert spec.outputs[1].shape == ("output_1_d0",) and "library_checks_required" not in spec.compile_options
     assert len(spec.constants) == 5
 
 
@@ -232,13 +232,14 @@ def test_a_weight_view_past_its_storage_is_refused():
         et.decode_payload(fqn_manifest("k_so_blob", [weight]), "forward")
 
 
-def test_a_dynamic_program_names_its_dims_and_keeps_the_library_checks_on(tmp_path):
+def test_a_dynamic_program_names_its_dims_and_leaves_the_library_checks_off(tmp_path):
+    """As ExecuTorch does: the checks compare size-1 strides literally and refuse valid inputs."""
     method = MethodPlan("forward", _library(), [TensorValue(6, (64, 16), 1)], [TensorValue(6, (64, 8), 1)], weights_blob=b"\0" * 3456)
     with ProgramReader(_write(tmp_path, [method], "G2")) as reader:
         spec = reader.manifest.methods["forward"]
     assert spec.inputs[0].shape == ("input_0_d0", "input_0_d1")
     assert spec.dims["input_0_d0"].max == 64 and spec.dims["input_0_d0"].min == 1
-    assert spec.compile_options["library_checks_required"] is True
+    assert "library_checks_required" not in spec.compile_options
 
 
 # ---------------------------------------------------------------------------
@@ -338,7 +339,7 @@ def test_a_weight_named_twice_is_refused_and_short_entries_are_counted_right():
     assert len(et.decode_payload(fqn_manifest("k_so_blob", many), "forward").weights) == 10
 
 
-def test_inputs_given_to_the_delegate_out_of_order_are_refused(tmp_path):
+def test_inputs_given_to_the_delegate_out_of_order_are_wired_by_value(tmp_path):
     pte, ptd = write_program([MethodPlan("forward", _library(), [_tensor(4, 16), _tensor(4, 16)], [_tensor(4, 8)], weights_blob=b"\0" * 3456)], "G2")
     program = et.read_program(memoryview(pte))
     plan = program.plans["forward"]
@@ -348,5 +349,6 @@ def test_inputs_given_to_the_delegate_out_of_order_are_refused(tmp_path):
     assert args_at > 0
     (tmp_path / "model.pte").write_bytes(pte[:args_at] + struct.pack("<3i", *swapped) + pte[args_at + 12:])
     (tmp_path / "aoti_cuda_blob.ptd").write_bytes(ptd)
-    with pytest.raises(BundleError, match="out of order"):
-        ProgramReader(tmp_path / "model.pte")
+    with ProgramReader(tmp_path / "model.pte") as reader:
+        wiring = reader.manifest.methods["forward"].wiring
+    assert wiring is not None and wiring.library_inputs == (1, 0)

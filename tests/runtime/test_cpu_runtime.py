@@ -72,7 +72,7 @@ def test_manifest_that_disagrees_with_its_library_is_refused(dict_mlp_bundle, tm
     method = manifest.methods["forward"]
     lying = replace(manifest, methods={"forward": replace(method, outputs=method.outputs[:2])})
     write_bundle(tmp_path / "lying.bundle", lying, segments)
-    with pytest.raises(BundleError, match="lists 2 inputs and 2 outputs, but the library has 2 and 3"):
+    with pytest.raises(BundleError, match="gives its library 2 inputs and 2 outputs, but the library has 2 and 3"):
         cuda_runner.load(tmp_path / "lying.bundle")
 
 

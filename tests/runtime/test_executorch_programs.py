@@ -15,7 +15,7 @@ from helpers import cli
 
 import cuda_runner
 from cuda_runner.dtypes import SCALAR_TYPE_CODES
-from cuda_runner.errors import BundleError
+from cuda_runner.errors import BundleError, ModelRuntimeError
 from cuda_runner.format.bundle import open_bundle
 
 FLOAT32 = SCALAR_TYPE_CODES["float32"]
@@ -76,7 +76,7 @@ def test_programs_run_exactly_like_their_bundle(programs, compiled, layout):
     arrays = _inputs()
     with cuda_runner.load(programs[layout]) as model:
         method = model.method()
-        assert method.check_inputs  # bounds only: the library's own checks stay on
+        assert not method.check_inputs  # as in ExecuTorch: dtype, rank and bounds are checked, not strides
         outputs = model.run(arrays)
     for got, expected in zip([outputs["output_0"], outputs["output_1"], outputs["output_2"]], _reference(compiled, arrays)):
         np.testing.assert_array_equal(got, expected)
@@ -96,11 +96,15 @@ def test_a_converted_program_runs_exactly_like_the_program(programs, tmp_path, l
         np.testing.assert_array_equal(direct[name], through_bundle[name])
 
 
-def test_a_size_the_library_was_not_built_for_is_refused(programs):
-    """The program only bounds input_0's dims; the library's checks refuse 15 columns."""
+def test_a_size_the_library_was_not_built_for_is_refused_with_check_inputs(programs):
+    """The program only bounds input_0's dims: with check_inputs the library's
+    checks refuse 15 columns; without them (the default, as ExecuTorch runs) the
+    run fails as a runtime error, not a crash."""
     arrays = _inputs()
     arrays["input_0"] = np.zeros((5, 15), np.float32)
-    with cuda_runner.load(programs["G2"]) as model, pytest.raises(BundleError, match="does not match the library"):
+    with cuda_runner.load(programs["G2"], check_inputs=True) as model, pytest.raises(BundleError, match="does not match the library"):
+        model.run(arrays)
+    with cuda_runner.load(programs["G2"]) as model, pytest.raises(ModelRuntimeError):
         model.run(arrays)
 
 
@@ -158,3 +162,51 @@ def test_a_storage_smaller_than_the_library_reads_is_refused(compiled, tmp_path)
     (tmp_path / "aoti_cuda_blob.ptd").write_bytes(ptd)
     with pytest.raises(BundleError, match="reads"):
         cuda_runner.load(tmp_path / "model.pte")
+
+
+def test_a_wired_method_runs_by_value(compiled, tmp_path):
+    """A method whose library takes its inputs in another order, and whose
+    outputs are library outputs out of order, one of them twice, and one of its
+    inputs: written as a format 1.3 bundle around a real CPU library."""
+    import dataclasses
+
+    import numpy as np
+
+    import cuda_runner
+    from cuda_runner.format import write_bundle
+    from cuda_runner.format.bundle import open_bundle
+    from cuda_runner.format.manifest import WIRING, Manifest, OutputSource, TensorSpec, Wiring
+
+    source = compiled("dict_mlp", "cpu").path
+    with open_bundle(source) as reader:
+        straight = reader.manifest.methods["forward"]
+        segments = {entry.name: bytes(reader.segment(entry.name)) for entry in reader.manifest.segments}
+        x, bias = straight.inputs
+        library_outputs = straight.outputs
+        method_outputs = (
+            TensorSpec("second", library_outputs[1].dtype, library_outputs[1].shape),
+            TensorSpec("first", library_outputs[0].dtype, library_outputs[0].shape),
+            TensorSpec("first_again", library_outputs[0].dtype, library_outputs[0].shape),
+            TensorSpec("bias_back", bias.dtype, bias.shape),
+        )
+        wired = dataclasses.replace(
+            straight, inputs=(bias, x), outputs=method_outputs, sample_inputs_segment=None, sample_outputs_segment=None,
+            wiring=Wiring((1, 0), library_outputs, (OutputSource(1), OutputSource(0), OutputSource(0), OutputSource(0, from_input=True))),
+        )
+        manifest = Manifest({"forward": wired}, build=reader.manifest.build, required_features=(WIRING,),
+                            optional_features=tuple(name for name in reader.manifest.optional_features if name != "samples"))
+    write_bundle(tmp_path / "wired.bundle", manifest, {name: data for name, data in segments.items() if "sample" not in name})
+    rng = np.random.default_rng(3)
+    arrays = {"x": rng.standard_normal((3, 16), dtype=np.float32), "bias": rng.standard_normal(8, dtype=np.float32)}
+    with cuda_runner.load(source) as model:
+        expected = model.run(arrays)
+    names = [spec.name for spec in straight.outputs]
+    with cuda_runner.load(tmp_path / "wired.bundle") as model:
+        got = model.run([arrays["bias"], arrays["x"]])  # by position, in the method's order
+    np.testing.assert_array_equal(got["second"], expected[names[1]])
+    np.testing.assert_array_equal(got["first"], expected[names[0]])
+    np.testing.assert_array_equal(got["first_again"], expected[names[0]])
+    np.testing.assert_array_equal(got["bias_back"], arrays["bias"])
+    assert got["bias_back"] is not arrays["bias"]  # a copy: the caller's array is not handed back
+    shown = cli("inspect", str(tmp_path / "wired.bundle"))
+    assert "wiring: the library takes (x, bias)" in shown.stdout, shown.stdout

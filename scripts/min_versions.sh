@@ -1,0 +1,43 @@
+#!/usr/bin/env bash
+# The lowest versions pyproject.toml allows for the run-time dependencies (and
+# typer 0.27, whose option naming differs), without torch: the CLI parses every
+# command's options, refuses bad input with its exit codes, and reads, inspects
+# and converts a real ExecuTorch program. CI runs this after the test suite.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+venv=.venv-min
+python3 -m venv "$venv"
+"$venv/bin/python" -m pip install --quiet "numpy==1.24.0" "ml_dtypes==0.3.0" "xxhash==3.2.0" "rich==13.0.0" "typer==0.21.1"
+"$venv/bin/python" -m pip install --quiet --no-deps -e .
+program=tests/data/executorch/standin_g3/model.pte
+work=$(mktemp -d)
+trap 'rm -rf "$work"' EXIT
+check() {  # check EXPECTED_EXIT COMMAND...
+  local expected=$1; shift
+  set +e
+  "$venv/bin/python" -m cuda_runner "$@" >"$work/out" 2>"$work/err"
+  local code=$?
+  set -e
+  if [ "$code" != "$expected" ] || grep -q Traceback "$work/err"; then
+    echo "FAILED ($code, wanted $expected): cuda-runner $*" >&2
+    cat "$work/err" >&2
+    exit 1
+  fi
+}
+for typer_version in 0.21.1 0.27.2; do
+  "$venv/bin/python" -m pip install --quiet "typer==$typer_version"
+  check 0 --help
+  for command in compile sign convert inspect run bench devices; do
+    check 0 "$command" --help
+  done
+  grep -q -- "--device" <("$venv/bin/python" -m cuda_runner run --help)
+  check 2 run "$work/missing.bundle" --device cpu --random-inputs
+  check 2 bench "$work/missing.bundle" --device cpu
+  check 4 compile "$work/missing.pt2" --device cuda -o "$work/m.bundle"  # needs torch: one line, exit 4
+  check 0 inspect "$program"
+  check 0 inspect "$program" --json
+  check 0 convert "$program" -o "$work/converted.bundle" --no-call-helper
+  check 0 inspect "$work/converted.bundle"
+  check 0 devices --json
+  echo "minimum versions with typer $typer_version: ok"
+done
