@@ -28,6 +28,17 @@ def kind_of(mode: int) -> str:
     return "special file"
 
 
+def _stat(path: Path) -> os.stat_result:
+    """What `path` is (following links), or an InputError saying why it cannot be known."""
+    try:
+        return os.stat(path)
+    except FileNotFoundError:
+        dangling = os.path.islink(path)
+        raise InputError(f"{path} does not exist" + (" (a symbolic link to nothing)" if dangling else "")) from None
+    except OSError as error:
+        raise InputError(f"cannot read {path}: {error.strerror or error}") from None
+
+
 def open_regular(path: str | os.PathLike[str], what: str, *, not_regular: type[CudaRunnerError] = InputError) -> BinaryIO:
     """`path` opened for reading, or an error naming `what` it should have been.
 
@@ -35,13 +46,7 @@ def open_regular(path: str | os.PathLike[str], what: str, *, not_regular: type[C
     path); a path that exists but is no regular file raises `not_regular`
     (a bundle reader passes BundleError: such a thing is not a bundle)."""
     path = Path(path)
-    try:
-        info = os.stat(path)
-    except FileNotFoundError:
-        dangling = os.path.islink(path)
-        raise InputError(f"{path} does not exist" + (" (a symbolic link to nothing)" if dangling else "")) from None
-    except OSError as error:
-        raise InputError(f"cannot read {path}: {error.strerror or error}") from None
+    info = _stat(path)
     if not stat.S_ISREG(info.st_mode):
         raise not_regular(f"{path} is not a regular file (a {kind_of(info.st_mode)}), so not {what}")
     try:
@@ -79,13 +84,7 @@ def require_regular(path: str | os.PathLike[str], what: str, *, not_regular: typ
 def require_folder(path: str | os.PathLike[str], what: str) -> None:
     """Check that `path` is a directory this process can list."""
     path = Path(path)
-    try:
-        info = os.stat(path)
-    except FileNotFoundError:
-        dangling = os.path.islink(path)
-        raise InputError(f"{path} does not exist" + (" (a symbolic link to nothing)" if dangling else "")) from None
-    except OSError as error:
-        raise InputError(f"cannot read {path}: {error.strerror or error}") from None
+    info = _stat(path)
     if not stat.S_ISDIR(info.st_mode):
         raise InputError(f"{path} is a {'regular file' if stat.S_ISREG(info.st_mode) else kind_of(info.st_mode)}, not {what}")
     if not os.access(path, os.R_OK | os.X_OK):

@@ -29,8 +29,8 @@ Modes:
     --dry-run       torch.export only; checks the exported modules against the eager references and
                     writes io.npz + entry.json (no executorch needed)
     --cpu-standin   CPU stand-in: ExecuTorch's AotiBackend pipeline with a backend *named* CudaBackend
-                    that compiles for the CPU (as /work/shared/tools/et_fake_cpu_cuda_export.py, G3,
-                    plus a multi-method preprocess like the real one and the partitioner's target_device
+                    that compiles for the CPU (G3 layout: ExecuTorch's CudaWeightCollector around
+                    AotiBackend.preprocess, a multi-method preprocess like the real one, and the partitioner's target_device
                     spec so the plan gets the same h2d/d2h copies); the .so is CPU code.
 
 Inductor's options are the backend's own: nothing here overrides max_autotune (the CUDA backend
