@@ -51,6 +51,7 @@ def load(
     data: str | os.PathLike[str] | None = None,
     warm_up: bool = True,
     call_helper: bool = True,
+    provider: str | None = None,
 ) -> Model:
     """Load a bundle's methods onto a device ("cpu", "cuda", "cuda:1"; None picks the bundle's).
 
@@ -62,6 +63,10 @@ def load(
 
     A bundle compiled with its call helper makes each call one foreign call
     (`call_helper=False` goes through ctypes alone, as bundles without one do).
+
+    `provider` picks whose shim functions each model library runs on: "auto"
+    (the default, or CUDA_RUNNER_PROVIDER), "shim" (cuda-runner's own, with no
+    libtorch in the process) or "libtorch" (README, "Running without torch").
 
     The model is safe to call from any number of threads; `lanes` is how many
     calls of one method run at once (each lane has its own CUDA stream and
@@ -77,7 +82,7 @@ def load(
     keys = keys_for_loading(trusted_keys or (), require_signature)
     return load_model(path, device, verify_weights=verify_weights, methods=methods, cuda_graph=cuda_graph, lanes=lanes,
                       check_inputs=check_inputs, trusted_keys=keys, data=data, warm_up=warm_up,
-                      call_helper=call_helper)
+                      call_helper=call_helper, provider=provider)
 
 
 def load_pool(path: str | os.PathLike[str], devices: str | Iterable[int | str] = "all", **options: Any) -> ModelPool:

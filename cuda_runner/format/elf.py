@@ -6,10 +6,15 @@ the symbols it leaves for others to define (the aoti_torch_* shim functions
 it expects from libtorch), and the GPU architectures of the CUDA kernels
 embedded in it (fatbins). Only 64-bit little-endian ELF is read; every offset
 is checked against the file.
+
+`rename_imports` writes the one change the runtime ever makes to a library:
+in a private copy, the names of some undefined symbols get another prefix of
+the same length, so that they bind to cuda-runner's own shim (runtime/providers.py).
 """
 
 from __future__ import annotations
 
+import bisect
 import struct
 from dataclasses import dataclass
 
@@ -20,6 +25,9 @@ _SYMBOL = struct.Struct("<IBBHQQ")
 _DYNAMIC = struct.Struct("<qQ")
 _SHT_DYNAMIC, _SHT_DYNSYM = 6, 11
 _DT_NEEDED = 1
+_STB_GLOBAL, _STB_WEAK = 1, 2
+_SHT_GNU_VERNEED = 0x6FFFFFFE
+_SHT_GNU_VERSYM = 0x6FFFFFFF
 _MAX_SECTIONS = 1 << 16
 _MAX_SYMBOLS = 1 << 22
 
@@ -35,6 +43,7 @@ class LibraryFacts:
     needed: tuple[str, ...]  # DT_NEEDED entries
     undefined: tuple[str, ...]  # undefined dynamic symbols, sorted
     kernels: tuple[str, ...]  # "sm_90 (sass)", "sm_90 (ptx)": the fatbin entries' architectures
+    defined: tuple[str, ...] = ()  # exported (defined, global or weak) dynamic symbols, sorted
 
     @property
     def uses_cuda(self) -> bool:
@@ -70,6 +79,7 @@ def read_library_facts(data: bytes | memoryview) -> LibraryFacts:
     sections = [_SECTION.unpack_from(view, section_offset + index * _SECTION.size) for index in range(count)]
     needed: dict[str, None] = {}  # ordered, without repeats
     undefined: set[str] = set()
+    defined: set[str] = set()
     seen: set[tuple[int, int, int]] = set()  # several headers may describe one section: read it once
     for section in sections:
         kind, offset, size, link, entsize = section[1], section[4], section[5], section[6], section[9]
@@ -84,10 +94,12 @@ def read_library_facts(data: bytes | memoryview) -> LibraryFacts:
                 if tag == _DT_NEEDED and len(needed) < _MAX_NEEDED:
                     needed[_string(strings, value)] = None
         elif entsize == _SYMBOL.size and size // _SYMBOL.size <= _MAX_SYMBOLS:
-            for name, _info, _other, section_index, _value, _size in _SYMBOL.iter_unpack(view[offset:offset + size - size % _SYMBOL.size]):
+            for name, info, _other, section_index, _value, _size in _SYMBOL.iter_unpack(view[offset:offset + size - size % _SYMBOL.size]):
                 if name and section_index == 0:
                     undefined.add(_string(strings, name))
-    return LibraryFacts(tuple(needed), tuple(sorted(undefined)), fatbin_kernels(view))
+                elif name and info >> 4 in (_STB_GLOBAL, _STB_WEAK):
+                    defined.add(_string(strings, name))
+    return LibraryFacts(tuple(needed), tuple(sorted(undefined)), fatbin_kernels(view), tuple(sorted(defined)))
 
 
 _MAX_NEEDED = 256
@@ -139,3 +151,102 @@ def _fatbin_entries(raw: bytes, start: int, budget: list[int]) -> tuple[set[str]
         found.add(f"sm_{arch} ({_FATBIN_KINDS[kind]})")
         cursor += entry_header + payload
     return found, cursor
+
+
+def rename_imports(data: bytes | memoryview, renames: dict[str, str]) -> bytes:
+    """A copy of the library in which every undefined dynamic symbol whose name
+    starts with a key of `renames` starts with its value instead.
+
+    Each new prefix has its old one's length, so only bytes of the dynamic
+    string table change. Refused (BundleError) where that could change any
+    other name: a string the dynamic section, another symbol or the version
+    tables point into, or an import that asks for a symbol version."""
+    if any(len(old) != len(new) or not old for old, new in renames.items()):
+        raise ValueError("a renamed prefix must keep its length")
+    view = memoryview(data).cast("B")
+    facts = read_library_facts(view)  # the same checks as for reading
+    del facts
+    out = bytearray(view)
+    section_offset = int(struct.unpack_from("<Q", view, 0x28)[0])
+    _entry_size, count = struct.unpack_from("<HH", view, 0x3A)
+    sections = [_SECTION.unpack_from(view, section_offset + index * _SECTION.size) for index in range(count)]
+    for index, section in enumerate(sections):
+        if section[1] != _SHT_DYNSYM:
+            continue
+        strings = sections[section[6]]
+        base, table = strings[4], _span(view, strings)
+        versions = _symbol_versions(view, sections, index)
+        changes: list[tuple[int, bytes]] = []
+        references: list[int] = []
+        for number, (name, _info, _other, section_index, _value, _size) in enumerate(_SYMBOL.iter_unpack(view[section[4]:section[4] + section[5] - section[5] % _SYMBOL.size])):
+            if not name:
+                continue
+            text = _string(table, name)
+            new = next((renames[old] + text[len(old):] for old in renames if text.startswith(old)), None)
+            if new is None or section_index != 0:
+                references.append(name)
+                continue
+            if versions is not None and number < len(versions) and versions[number] > 1:
+                raise _fail(f"its import {text!r} asks for a symbol version, so it cannot be bound to another provider")
+            changes.append((name, new.encode()))
+        references += _other_string_references(view, sections, section[6])
+        _check_no_overlap(changes, references, table)
+        for name, new_bytes in changes:
+            out[base + name:base + name + len(new_bytes)] = new_bytes
+    return bytes(out)
+
+
+def _symbol_versions(view: memoryview, sections: list[tuple[int, ...]], dynsym_index: int) -> list[int] | None:
+    for section in sections:
+        if section[1] == _SHT_GNU_VERSYM and section[6] == dynsym_index:
+            span = _span(view, section)
+            return [value & 0x7FFF for (value,) in struct.iter_unpack("<H", span[:len(span) - len(span) % 2])]
+    return None
+
+
+def _other_string_references(view: memoryview, sections: list[tuple[int, ...]], strings_index: int) -> list[int]:
+    """Offsets into the dynamic string table used by the dynamic section and the
+    version-needed table (library names, versions, run paths)."""
+    found: list[int] = []
+    for section in sections:
+        if section[6] != strings_index:
+            continue
+        if section[1] == _SHT_DYNAMIC:
+            span = _span(view, section)
+            # NEEDED, SONAME, RPATH, RUNPATH, AUXILIARY, FILTER: values that are string offsets.
+            found += [value for tag, value in _DYNAMIC.iter_unpack(span[:len(span) - len(span) % _DYNAMIC.size]) if tag in (1, 14, 15, 29, 0x7FFFFFFD, 0x7FFFFFFF)]
+        elif section[1] == _SHT_GNU_VERNEED:
+            found += _verneed_strings(_span(view, section))
+    return found
+
+
+def _verneed_strings(span: memoryview) -> list[int]:
+    found: list[int] = []
+    cursor, budget = 0, 1 << 12
+    while budget > 0 and cursor + 16 <= len(span):
+        budget -= 1
+        _version, count, file_name, aux, following = struct.unpack_from("<HHIII", span, cursor)
+        found.append(file_name)
+        entry = cursor + aux
+        for _ in range(min(count, 1 << 12)):
+            if entry + 16 > len(span):
+                break
+            _hash, _flags, _other, name, step = struct.unpack_from("<IHHII", span, entry)
+            found.append(name)
+            if not step:
+                break
+            entry += step
+        if not following:
+            break
+        cursor += following
+    return found
+
+
+def _check_no_overlap(changes: list[tuple[int, bytes]], references: list[int], table: memoryview) -> None:
+    changed = sorted((start, start + len(new)) for start, new in changes)
+    for reference in references:
+        end = bytes(table[reference:reference + 4096]).find(b"\0")
+        stop = reference + (end if end >= 0 else 4096)
+        position = bisect.bisect_right(changed, (stop, stop)) - 1
+        if position >= 0 and changed[position][1] > reference and changed[position][0] < stop:
+            raise _fail("a renamed import shares its name's bytes with another name, so it cannot be bound to another provider")

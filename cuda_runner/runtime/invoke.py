@@ -68,7 +68,7 @@ class CallHelper:
         self.lease.release()
 
 
-def load_call_helper(reader: AnyReader, spec: MethodSpec) -> tuple[CallHelper | None, str]:
+def load_call_helper(reader: AnyReader, spec: MethodSpec, prepare: Callable[[bytes], bytes] = bytes) -> tuple[CallHelper | None, str]:
     """The method's call helper, checked like a library before it is loaded.
 
     The helper is optional, so where it cannot serve here (another ABI, or a
@@ -81,7 +81,7 @@ def load_call_helper(reader: AnyReader, spec: MethodSpec) -> tuple[CallHelper | 
     if data[:4] != b"\x7fELF":
         raise BundleError(f"method {spec.name!r}: segment {name!r} is not a shared library, so not a call helper")
     try:
-        lease = lease_library(data, f"{name}@{reader.path.name}")
+        lease = lease_library(prepare(data), f"{name}@{reader.path.name}")
     except ModelRuntimeError as error:
         return None, f"ctypes: the call helper cannot be loaded here ({error})"
     try:
@@ -230,5 +230,5 @@ class HelperInvoker(Invoker):
             self.container.check_run(frame.run_status, printed)
         if status == _DESCRIBE_FAILED:
             OwnedHandles(self._shim, [item.handle or 0 for item in self._output_items]).release()
-            raise ModelRuntimeError(f"libtorch shim call failed: read an output tensor's metadata (output {frame.failed_index})")
+            raise ModelRuntimeError(self._shim.failure(f"read an output tensor's metadata (output {frame.failed_index})"))
         raise ModelRuntimeError(f"the call helper returned an unknown status {status}")

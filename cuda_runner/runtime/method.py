@@ -40,7 +40,8 @@ from .executor import Executor
 from .host import CpuExecutor, load_weights_on_host
 from .invoke import CallHelper, load_call_helper
 from .library import LibraryLease, lease_library
-from .shim import Shim, load_shim
+from .providers import bind_library, default_provider
+from .shim import Shim
 
 Inputs = Mapping[str, Any] | Sequence[Any]
 
@@ -184,32 +185,35 @@ class Method:
         self._helper: CallHelper | None = None
         #: How each call reaches the library: "call helper", or "ctypes: <why>".
         self.call_path = "ctypes"
+        #: Whose shim functions the library is bound to: "cuda-runner shim" or "libtorch".
+        self.provider = ""
 
     @classmethod
     def load(
         cls, reader: AnyReader, spec: MethodSpec, device: Device, *,
         verify_weights: bool = True, cuda_graph: bool = False, lanes: int = 1, check_inputs: bool = False, warm_up: bool = True,
-        call_helper: bool = True, shared_constants: ConstantMemory | None = None,
+        call_helper: bool = True, shared_constants: ConstantMemory | None = None, provider: str | None = None,
     ) -> Method:
-        """The load sequence: check the library, load it, create the container, feed the weights."""
+        """The load sequence: check the library, choose its shim provider and load it, create the container, feed the weights."""
         if lanes < 1:
             raise InputError("a method needs at least one lane")
         timings: dict[str, float] = {}
         clock = time.perf_counter
-        started = clock()
         if device.type == "cuda":
             from .cuda import start_context, wait_for_context
 
-            start_context(device.index)  # while libtorch loads
-        shim = load_shim(device.type)
-        timings["libtorch"] = clock() - started
+            start_context(device.index)  # while the library is checked and its provider loads
+        started = clock()
+        library_bytes = reader.read_verified(spec.library_segment)  # always checked, before it is loaded
+        timings["verify_library"] = clock() - started
+        started = clock()
+        chosen, library_bytes = bind_library(library_bytes, device.type, default_provider(provider))
+        timings["libtorch" if chosen.needs_torch else "shim"] = clock() - started
+        shim = chosen.shim
         if device.type == "cuda":
             started = clock()
             wait_for_context(device.index)
             timings["cuda_context"] = clock() - started
-        started = clock()
-        library_bytes = reader.read_verified(spec.library_segment)  # always checked, before it is loaded
-        timings["verify_library"] = clock() - started
         weights = reader.segment(spec.weights_segment, verify=False) if spec.weights_segment else memoryview(b"")
         # The weights and samples are data, not code: they are checked on other
         # threads while the weights load, and the method is refused if a check
@@ -232,7 +236,7 @@ class Method:
             timings["load_library"] = clock() - started
             if call_path is None:
                 started = clock()
-                helper, call_path = load_call_helper(reader, spec)
+                helper, call_path = load_call_helper(reader, spec, chosen.prepare)
                 timings["load_call_helper"] = clock() - started
             make = _executor_factory(shim, device, helper)
             executors.append(make())
@@ -273,6 +277,7 @@ class Method:
         method._reset_source = (constants, lambda name: reader.segment(name, verify=False)) if constants is not None else None
         method._helper = helper
         method.call_path = call_path or "ctypes"
+        method.provider = chosen.name
         method._first_run_done = cuda_graph
         if warm_up and device.type == "cuda" and not cuda_graph:
             started = clock()

@@ -203,6 +203,7 @@ def load_model(
     trusted_keys: Sequence[TrustedKey] = (),
     warm_up: bool = True,
     call_helper: bool = True,
+    provider: str | None = None,
 ) -> Model:
     """Load methods (all by default) onto `device`. The Model takes over an open reader.
 
@@ -221,7 +222,7 @@ def load_model(
         for spec in specs:
             loaded[spec.name] = Method.load(
                 reader, spec, target, verify_weights=verify_weights, cuda_graph=cuda_graph, lanes=lanes, check_inputs=check_inputs, warm_up=warm_up,
-                call_helper=call_helper, shared_constants=shared,
+                call_helper=call_helper, shared_constants=shared, provider=provider,
             )
         if reader.signature is not None:
             reader.signature.cancel()  # what is loaded is checked; hash nothing more while the model runs

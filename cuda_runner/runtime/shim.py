@@ -1,9 +1,10 @@
-"""libtorch's C shim (aoti_torch_*), loaded without importing the torch module.
+"""The C shim functions the runtime itself calls, from either provider.
 
 A link_libtorch=False model library leaves its aoti_torch_* symbols undefined,
-to be bound when it is dlopened; so libtorch's libraries must be loaded
-RTLD_GLOBAL first. Loading them directly takes about 0.3 s against 3.6 s for
-`import torch` (docs/aoti-abi.md, "Tensor handles").
+to be bound when it is dlopened. libtorch provides them once its libraries are
+loaded RTLD_GLOBAL (directly: about 0.3 s against 3.6 s for `import torch`;
+docs/aoti-abi.md, "Tensor handles"); cuda-runner's own shim provides them
+under another prefix (runtime/providers.py).
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import functools
 import importlib.util
 import os
 import threading
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -30,11 +32,14 @@ _LIBRARIES = {
 _STATUS = ctypes.c_int32
 
 
-def _bind(library: ctypes.CDLL, name: str, *argtypes: Any) -> Any:
+def _bind(library: Any, name: str, *argtypes: Any) -> Any:
     function = getattr(library, name)
     function.argtypes = argtypes
     function.restype = _STATUS
     return function
+
+
+TORCH_PREFIX = "aoti_torch_"
 
 
 def torch_library_dir() -> Path:
@@ -46,13 +51,18 @@ def torch_library_dir() -> Path:
 
 
 class Shim:
-    """The aoti_torch_* functions the runtime calls, and the dtype/device codes, read from libtorch.
+    """The shim functions the runtime calls, and the dtype/device codes, read
+    from one provider: `library` exports them as `prefix` + the name libtorch
+    gives them after "aoti_torch_".
 
     Every function returns an AOTITorchError status (0 = success)."""
 
-    def __init__(self, libraries: list[ctypes.CDLL]):
+    def __init__(self, libraries: list[ctypes.CDLL], library: ctypes.CDLL, prefix: str = TORCH_PREFIX, label: str = "libtorch",
+                 last_error: Callable[[], str] | None = None):
         self._libraries = libraries  # keep them loaded
-        torch_cpu = libraries[1]
+        self.label = label
+        self._last_error = last_error
+        torch_cpu = _Prefixed(library, prefix)
         self.create_tensor_from_blob_v2 = _bind(
             torch_cpu, "aoti_torch_create_tensor_from_blob_v2",
             ctypes.c_void_p, ctypes.c_int64, _I64P, _I64P, ctypes.c_int64, ctypes.c_int32,
@@ -70,24 +80,43 @@ class Shim:
         self.device_cpu = self._code(torch_cpu, "aoti_torch_device_type_cpu")
         self.device_cuda = self._code(torch_cpu, "aoti_torch_device_type_cuda")
         self.layout_strided = self._code(torch_cpu, "aoti_torch_layout_strided")
-        self.library_dir = Path(torch_cpu._name).parent
+        self.library_dir = Path(library._name).parent
 
     @staticmethod
-    def _code(library: ctypes.CDLL, symbol: str) -> int:
+    def _code(library: Any, symbol: str) -> int:
         function = getattr(library, symbol)
         function.restype = ctypes.c_int32
         function.argtypes = ()
         return int(function())
 
-    def _read_dtype_codes(self, library: ctypes.CDLL) -> dict[str, int]:
+    def _read_dtype_codes(self, library: Any) -> dict[str, int]:
         codes = {name: self._code(library, f"aoti_torch_dtype_{name}") for name in SCALAR_TYPE_CODES}
         if codes != SCALAR_TYPE_CODES:
-            raise ModelRuntimeError(f"libtorch reports unexpected dtype codes {codes}")
+            raise ModelRuntimeError(f"{self.label} reports unexpected dtype codes {codes}")
         return codes
 
     def check(self, status: int, what: str) -> None:
         if status != 0:
-            raise ModelRuntimeError(f"libtorch shim call failed: {what}")
+            raise ModelRuntimeError(self.failure(what))
+
+    def failure(self, what: str) -> str:
+        """The message for a failed call: what the runtime was doing, and the provider's reason where it keeps one."""
+        reason = self._last_error() if self._last_error is not None else ""
+        return f"{self.label} shim call failed: {what}" + (f" ({reason})" if reason else "")
+
+
+class _Prefixed:
+    """A library whose functions are looked up under another prefix than aoti_torch_."""
+
+    def __init__(self, library: ctypes.CDLL, prefix: str):
+        self._library = library
+        self._prefix = prefix
+        self._name = library._name
+
+    def __getattr__(self, name: str) -> Any:
+        if name.startswith(TORCH_PREFIX):
+            name = self._prefix + name[len(TORCH_PREFIX):]
+        return getattr(self._library, name)
 
 
 _lock = threading.Lock()
@@ -99,7 +128,7 @@ def load_shim(device_type: str) -> Shim:
     with _lock:
         lib_dir = torch_library_dir()
         try:
-            return Shim(_load_global(lib_dir, _LIBRARIES[device_type]))
+            return _load_global(lib_dir, _LIBRARIES[device_type])
         except OSError as direct_error:
             # Some installs need torch's own start-up (it preloads CUDA
             # libraries from pip wheels) before libtorch can be loaded.
@@ -108,14 +137,15 @@ def load_shim(device_type: str) -> Shim:
             except Exception:
                 raise DeviceError(f"cannot load libtorch from {lib_dir}: {direct_error}") from direct_error
             try:
-                return Shim(_load_global(lib_dir, _LIBRARIES[device_type]))
+                return _load_global(lib_dir, _LIBRARIES[device_type])
             except OSError as error:
                 raise DeviceError(f"cannot load libtorch's {device_type} libraries from {lib_dir}: {error}") from error
 
 
-def _load_global(lib_dir: Path, names: tuple[str, ...]) -> list[ctypes.CDLL]:
+def _load_global(lib_dir: Path, names: tuple[str, ...]) -> Shim:
     mode = os.RTLD_NOW | os.RTLD_GLOBAL
-    return [ctypes.CDLL(str(lib_dir / name), mode=mode) for name in names]
+    libraries = [ctypes.CDLL(str(lib_dir / name), mode=mode) for name in names]
+    return Shim(libraries, libraries[1])
 
 
 def missing_symbols(names: tuple[str, ...] | list[str], device_type: str) -> tuple[list[str] | None, str | None]:

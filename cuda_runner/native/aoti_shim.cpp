@@ -1,0 +1,1118 @@
+/*
+ * cuda-runner's own AOTInductor shim: the aoti_torch_* functions a model
+ * library calls, over a small tensor type of our own, so that libraries run
+ * without libtorch (docs/standalone-runtime.md).
+ *
+ * Every function is exported as cudarunner_<name> instead of aoti_torch_<name>.
+ * The two prefixes have the same length, and the runtime renames the
+ * library's undefined aoti_torch_ symbols to cudarunner_ in its private copy
+ * before loading it (runtime/providers.py). A library bound this way can never
+ * resolve a function to libtorch, and libtorch's own libraries never resolve
+ * to ours, so both providers can live in one process.
+ *
+ * CUDA is reached through the driver API (libcuda.so.1, loaded on first use),
+ * so building this file needs no CUDA toolkit. Device memory is allocated
+ * stream-ordered (cuMemAllocAsync) on the calling thread's current stream, the
+ * stream the generated code makes current for the length of a run; memory
+ * allocated during a CUDA graph capture therefore becomes part of the graph.
+ *
+ * Status codes: 0 success, 1 failure; the failure's message is kept per
+ * thread (cudarunner_shim_last_error).
+ */
+#include <dlfcn.h>
+
+#include <atomic>
+#include <cmath>
+#include <cstdarg>
+#include <cstdint>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <mutex>
+#include <new>
+#include <stdexcept>
+#include <string>
+#include <vector>
+
+#define EXPORT extern "C" __attribute__((visibility("default")))
+#define SHIM_ABI_VERSION 1
+
+namespace {
+
+using Status = int32_t;
+constexpr Status kOk = 0;
+constexpr Status kFailure = 1;
+
+// c10::ScalarType codes (the values libtorch's shim reports).
+enum Dtype : int32_t {
+  kUInt8 = 0, kInt8 = 1, kInt16 = 2, kInt32 = 3, kInt64 = 4, kFloat16 = 5, kFloat32 = 6, kFloat64 = 7,
+  kComplex32 = 8, kComplex64 = 9, kComplex128 = 10, kBool = 11, kBFloat16 = 15, kFloat8E5M2 = 23,
+  kFloat8E4M3FN = 24, kFloat8E5M2FNUZ = 25, kFloat8E4M3FNUZ = 26, kUInt16 = 27, kUInt32 = 28, kUInt64 = 29,
+  kFloat8E8M0FNU = 44, kFloat4E2M1FNx2 = 45,
+};
+constexpr int32_t kDeviceCpu = 0;
+constexpr int32_t kDeviceCuda = 1;
+constexpr int kMaxDevices = 64;
+constexpr int64_t kInlineDims = 6;
+
+thread_local std::string last_error;
+
+Status fail(const char *format, ...) __attribute__((format(printf, 1, 2)));
+Status fail(const char *format, ...) {
+  char buffer[512];
+  va_list arguments;
+  va_start(arguments, format);
+  vsnprintf(buffer, sizeof buffer, format, arguments);
+  va_end(arguments);
+  last_error = buffer;
+  if (getenv("CUDA_RUNNER_SHIM_TRACE")) fprintf(stderr, "cuda-runner shim: %s\n", buffer);
+  return kFailure;
+}
+
+size_t element_size(int32_t dtype) {
+  switch (dtype) {
+    case kUInt8: case kInt8: case kBool: case kFloat8E5M2: case kFloat8E4M3FN: case kFloat8E5M2FNUZ:
+    case kFloat8E4M3FNUZ: case kFloat8E8M0FNU: case kFloat4E2M1FNx2:
+      return 1;
+    case kInt16: case kFloat16: case kBFloat16: case kUInt16:
+      return 2;
+    case kInt32: case kFloat32: case kComplex32: case kUInt32:
+      return 4;
+    case kInt64: case kFloat64: case kComplex64: case kUInt64:
+      return 8;
+    case kComplex128:
+      return 16;
+    default:
+      return 0;
+  }
+}
+
+// ---------------------------------------------------------------- CUDA driver
+typedef int CUresult;
+typedef int CUdevice;
+typedef struct CUctx_st *CUcontext;
+typedef struct CUstream_st *CUstream;
+typedef struct CUmemPoolHandle_st *CUmemoryPool;
+typedef unsigned long long CUdeviceptr;
+constexpr int kReleaseThreshold = 4;  // CU_MEMPOOL_ATTR_RELEASE_THRESHOLD
+
+struct Driver {
+  bool loaded = false;
+  std::string error;
+  CUresult (*cuInit)(unsigned);
+  CUresult (*cuDeviceGet)(CUdevice *, int);
+  CUresult (*cuDevicePrimaryCtxRetain)(CUcontext *, CUdevice);
+  CUresult (*cuCtxGetCurrent)(CUcontext *);
+  CUresult (*cuCtxSetCurrent)(CUcontext);
+  CUresult (*cuCtxGetDevice)(CUdevice *);
+  CUresult (*cuMemAllocAsync)(CUdeviceptr *, size_t, CUstream);
+  CUresult (*cuMemFreeAsync)(CUdeviceptr, CUstream);
+  CUresult (*cuMemcpyAsync)(CUdeviceptr, CUdeviceptr, size_t, CUstream);
+  CUresult (*cuMemsetD8Async)(CUdeviceptr, unsigned char, size_t, CUstream);
+  CUresult (*cuStreamSynchronize)(CUstream);
+  CUresult (*cuDeviceGetDefaultMemPool)(CUmemoryPool *, CUdevice);
+  CUresult (*cuMemPoolSetAttribute)(CUmemoryPool, int, void *);
+  CUresult (*cuGetErrorString)(CUresult, const char **);
+  CUcontext primary[kMaxDevices] = {};
+};
+
+Driver driver;
+std::once_flag driver_once;
+
+template <typename Function>
+bool bind(void *library, const char *name, Function *slot) {
+  *slot = reinterpret_cast<Function>(dlsym(library, name));
+  if (*slot == nullptr) driver.error = std::string("libcuda.so.1 lacks ") + name;
+  return *slot != nullptr;
+}
+
+void load_driver() {
+  void *library = dlopen("libcuda.so.1", RTLD_NOW | RTLD_LOCAL);
+  if (library == nullptr) {
+    const char *why = dlerror();
+    driver.error = std::string("cannot load libcuda.so.1: ") + (why ? why : "unknown error");
+    return;
+  }
+  bool ok = bind(library, "cuInit", &driver.cuInit) && bind(library, "cuDeviceGet", &driver.cuDeviceGet) &&
+            bind(library, "cuDevicePrimaryCtxRetain", &driver.cuDevicePrimaryCtxRetain) &&
+            bind(library, "cuCtxGetCurrent", &driver.cuCtxGetCurrent) &&
+            bind(library, "cuCtxSetCurrent", &driver.cuCtxSetCurrent) &&
+            bind(library, "cuCtxGetDevice", &driver.cuCtxGetDevice) &&
+            bind(library, "cuMemAllocAsync", &driver.cuMemAllocAsync) &&
+            bind(library, "cuMemFreeAsync", &driver.cuMemFreeAsync) &&
+            bind(library, "cuMemcpyAsync", &driver.cuMemcpyAsync) &&
+            bind(library, "cuMemsetD8Async", &driver.cuMemsetD8Async) &&
+            bind(library, "cuStreamSynchronize", &driver.cuStreamSynchronize) &&
+            bind(library, "cuDeviceGetDefaultMemPool", &driver.cuDeviceGetDefaultMemPool) &&
+            bind(library, "cuMemPoolSetAttribute", &driver.cuMemPoolSetAttribute) &&
+            bind(library, "cuGetErrorString", &driver.cuGetErrorString);
+  if (ok && driver.cuInit(0) != 0) {
+    driver.error = "cuInit failed: no usable CUDA driver or device";
+    ok = false;
+  }
+  driver.loaded = ok;
+}
+
+Status cuda_failure(CUresult result, const char *what) {
+  const char *text = nullptr;
+  if (driver.cuGetErrorString == nullptr || driver.cuGetErrorString(result, &text) != 0 || text == nullptr) text = "unknown error";
+  return fail("%s failed: CUDA error %d (%s)", what, result, text);
+}
+
+#define CU(call, what)                                  \
+  do {                                                  \
+    CUresult cu_result_ = (call);                       \
+    if (cu_result_ != 0) return cuda_failure(cu_result_, what); \
+  } while (0)
+
+std::mutex primary_lock;
+
+// Make the device's primary context current on this thread (the context the
+// CUDA runtime, and so the model library and CuPy, use), once per thread.
+Status use_device(int32_t index) {
+  std::call_once(driver_once, load_driver);
+  if (!driver.loaded) return fail("%s", driver.error.c_str());
+  if (index < 0 || index >= kMaxDevices) return fail("CUDA device index %d is out of range", index);
+  CUcontext current = nullptr;
+  CU(driver.cuCtxGetCurrent(&current), "cuCtxGetCurrent");
+  CUcontext wanted;
+  {
+    std::lock_guard<std::mutex> hold(primary_lock);
+    if (driver.primary[index] == nullptr) {
+      CUdevice device;
+      CU(driver.cuDeviceGet(&device, index), "cuDeviceGet");
+      CUcontext context;
+      CU(driver.cuDevicePrimaryCtxRetain(&context, device), "cuDevicePrimaryCtxRetain");
+      // Keep freed blocks in the device's pool between calls instead of
+      // returning them to the driver at every synchronisation.
+      CUmemoryPool pool;
+      if (driver.cuDeviceGetDefaultMemPool(&pool, device) == 0) {
+        uint64_t keep = UINT64_MAX;
+        driver.cuMemPoolSetAttribute(pool, kReleaseThreshold, &keep);
+      }
+      driver.primary[index] = context;
+    }
+    wanted = driver.primary[index];
+  }
+  if (current != wanted) CU(driver.cuCtxSetCurrent(wanted), "cuCtxSetCurrent");
+  return kOk;
+}
+
+// The current stream, per thread and device, as the generated code sets it
+// through the stream guards. nullptr is the legacy default stream.
+thread_local CUstream current_stream[kMaxDevices] = {};
+thread_local int32_t current_device = 0;
+
+CUstream stream_for(int32_t device) { return device >= 0 && device < kMaxDevices ? current_stream[device] : nullptr; }
+
+// ---------------------------------------------------------------- tensors
+struct Storage {
+  std::atomic<int64_t> references{1};
+  void *data = nullptr;
+  size_t bytes = 0;
+  int32_t device_type = kDeviceCpu;
+  int32_t device_index = 0;
+  bool owning = false;
+  CUstream stream = nullptr;  // where CUDA memory was allocated, for a free outside any stream guard
+};
+
+struct Tensor {
+  Storage *storage = nullptr;
+  int64_t offset = 0;  // in elements
+  int64_t dim = 0;
+  int32_t dtype = kFloat32;
+  int64_t *sizes = inline_dims;
+  int64_t *strides = inline_dims + kInlineDims;
+  int64_t inline_dims[2 * kInlineDims];
+};
+
+std::atomic<int64_t> live_tensors{0};
+std::atomic<int64_t> live_storages{0};
+
+Storage *new_storage() {
+  Storage *storage = new (std::nothrow) Storage();
+  if (storage != nullptr) live_storages.fetch_add(1, std::memory_order_relaxed);
+  return storage;
+}
+
+bool valid_device(int32_t device_type) { return device_type == kDeviceCpu || device_type == kDeviceCuda; }
+
+void release_storage(Storage *storage) {
+  if (storage == nullptr || storage->references.fetch_sub(1, std::memory_order_acq_rel) != 1) return;
+  if (storage->owning && storage->data != nullptr) {
+    if (storage->device_type == kDeviceCuda) {
+      // Freed on the stream that is current here if a guard set one, else on
+      // the stream it was allocated on: after the work that used it.
+      CUstream stream = stream_for(storage->device_index);
+      if (stream == nullptr) stream = storage->stream;
+      if (use_device(storage->device_index) == kOk)
+        driver.cuMemFreeAsync(reinterpret_cast<CUdeviceptr>(storage->data), stream);
+    } else {
+      free(storage->data);
+    }
+  }
+  live_storages.fetch_sub(1, std::memory_order_relaxed);
+  delete storage;
+}
+
+Tensor *new_tensor(Storage *storage, int64_t offset, int64_t dim, const int64_t *sizes, const int64_t *strides, int32_t dtype) {
+  Tensor *tensor = new (std::nothrow) Tensor();
+  if (tensor == nullptr) return nullptr;
+  if (dim > kInlineDims) {
+    tensor->sizes = new (std::nothrow) int64_t[2 * dim];
+    if (tensor->sizes == nullptr) {
+      delete tensor;
+      return nullptr;
+    }
+    tensor->strides = tensor->sizes + dim;
+  }
+  tensor->storage = storage;
+  tensor->offset = offset;
+  tensor->dim = dim;
+  tensor->dtype = dtype;
+  if (dim > 0) {
+    memcpy(tensor->sizes, sizes, sizeof(int64_t) * dim);
+    memcpy(tensor->strides, strides, sizeof(int64_t) * dim);
+  }
+  live_tensors.fetch_add(1, std::memory_order_relaxed);
+  return tensor;
+}
+
+void delete_tensor(Tensor *tensor) {
+  release_storage(tensor->storage);
+  if (tensor->sizes != tensor->inline_dims) delete[] tensor->sizes;
+  live_tensors.fetch_sub(1, std::memory_order_relaxed);
+  delete tensor;
+}
+
+Tensor *as_tensor(void *handle) { return static_cast<Tensor *>(handle); }
+
+int64_t numel_of(int64_t dim, const int64_t *sizes) {
+  int64_t count = 1;
+  for (int64_t d = 0; d < dim; ++d) count *= sizes[d];
+  return count;
+}
+
+// Elements from the first one addressed to one past the last; 0 when empty.
+// False for negative sizes or strides, or a span that overflows.
+bool span_of(int64_t dim, const int64_t *sizes, const int64_t *strides, int64_t *span) {
+  for (int64_t d = 0; d < dim; ++d) {
+    if (sizes[d] < 0 || strides[d] < 0) return false;
+    if (sizes[d] == 0) {
+      *span = 0;
+      return true;
+    }
+  }
+  int64_t extent = 0;
+  for (int64_t d = 0; d < dim; ++d) {
+    int64_t step;
+    if (__builtin_mul_overflow(sizes[d] - 1, strides[d], &step) || __builtin_add_overflow(extent, step, &extent)) return false;
+  }
+  *span = extent + 1;
+  return true;
+}
+
+bool is_contiguous(const Tensor *tensor) {
+  int64_t expected = 1;
+  for (int64_t d = tensor->dim - 1; d >= 0; --d) {
+    if (tensor->sizes[d] == 1) continue;
+    if (tensor->strides[d] != expected) return false;
+    expected *= tensor->sizes[d];
+  }
+  return true;
+}
+
+char *data_of(const Tensor *tensor) {
+  if (tensor->storage == nullptr || tensor->storage->data == nullptr) return nullptr;
+  return static_cast<char *>(tensor->storage->data) + tensor->offset * static_cast<int64_t>(element_size(tensor->dtype));
+}
+
+Status check_shape(int64_t dim, const int64_t *sizes, const int64_t *strides) {
+  if (dim < 0 || dim > 64) return fail("a tensor of %lld dims is not supported", static_cast<long long>(dim));
+  if (dim > 0 && (sizes == nullptr || strides == nullptr)) return fail("a tensor's sizes or strides are missing");
+  return kOk;
+}
+
+Status allocate(int32_t device_type, int32_t device_index, size_t bytes, Storage **result) {
+  Storage *storage = new_storage();
+  if (storage == nullptr) return fail("out of host memory");
+  storage->device_type = device_type;
+  storage->device_index = device_type == kDeviceCuda ? device_index : 0;
+  storage->bytes = bytes;
+  storage->owning = true;
+  if (bytes > 0) {
+    if (device_type == kDeviceCuda) {
+      Status status = use_device(device_index);
+      if (status != kOk) {
+        release_storage(storage);
+        return status;
+      }
+      CUdeviceptr pointer = 0;
+      storage->stream = stream_for(device_index);
+      CUresult result_code = driver.cuMemAllocAsync(&pointer, bytes, storage->stream);
+      if (result_code != 0) {
+        release_storage(storage);
+        return cuda_failure(result_code, "cuMemAllocAsync");
+      }
+      storage->data = reinterpret_cast<void *>(pointer);
+    } else {
+      // 64-byte aligned, as vectorised CPU kernels expect.
+      size_t rounded = (bytes + 63) & ~static_cast<size_t>(63);
+      storage->data = aligned_alloc(64, rounded);
+      if (storage->data == nullptr) {
+        release_storage(storage);
+        return fail("out of host memory allocating %zu bytes", bytes);
+      }
+    }
+  }
+  *result = storage;
+  return kOk;
+}
+
+Status new_empty(int64_t dim, const int64_t *sizes, const int64_t *strides, int32_t dtype, int32_t device_type, int32_t device_index,
+                 Tensor **result) {
+  if (check_shape(dim, sizes, strides) != kOk) return kFailure;
+  size_t size = element_size(dtype);
+  if (size == 0) return fail("dtype code %d is not supported", dtype);
+  if (!valid_device(device_type)) return fail("device type %d is not supported (CPU and CUDA only)", device_type);
+  int64_t span = 0;
+  if (!span_of(dim, sizes, strides, &span)) return fail("a tensor's sizes and strides overflow or are negative");
+  size_t bytes;
+  if (__builtin_mul_overflow(static_cast<size_t>(span), size, &bytes)) return fail("a tensor's size overflows");
+  Storage *storage = nullptr;
+  if (allocate(device_type, device_index, bytes, &storage) != kOk) return kFailure;
+  Tensor *tensor = new_tensor(storage, 0, dim, sizes, strides, dtype);
+  if (tensor == nullptr) {
+    release_storage(storage);
+    return fail("out of host memory");
+  }
+  *result = tensor;
+  return kOk;
+}
+
+// ---------------------------------------------------------------- copies
+// Host-side strided copy of elements of one size, any strides, broadcasting
+// nothing: both tensors have the same sizes.
+void strided_copy(char *destination, const int64_t *destination_strides, const char *source, const int64_t *source_strides,
+                  const int64_t *sizes, int64_t dim, size_t size) {
+  if (dim == 0) {
+    memcpy(destination, source, size);
+    return;
+  }
+  std::vector<int64_t> index(dim, 0);
+  int64_t count = numel_of(dim, sizes);
+  for (int64_t n = 0; n < count; ++n) {
+    int64_t to = 0, from = 0;
+    for (int64_t d = 0; d < dim; ++d) {
+      to += index[d] * destination_strides[d];
+      from += index[d] * source_strides[d];
+    }
+    memcpy(destination + to * static_cast<int64_t>(size), source + from * static_cast<int64_t>(size), size);
+    for (int64_t d = dim - 1; d >= 0; --d) {
+      if (++index[d] < sizes[d]) break;
+      index[d] = 0;
+    }
+  }
+}
+
+bool same_layout(const Tensor *a, const Tensor *b) {
+  if (a->dim != b->dim) return false;
+  for (int64_t d = 0; d < a->dim; ++d)
+    if (a->sizes[d] != b->sizes[d] || (a->sizes[d] != 1 && a->strides[d] != b->strides[d])) return false;
+  return true;
+}
+
+int32_t device_of(const Tensor *tensor) { return tensor->storage ? tensor->storage->device_type : kDeviceCpu; }
+
+// Whole-span bytes of a tensor, for the bulk copy paths.
+size_t span_bytes(const Tensor *tensor) {
+  int64_t span = 0;
+  span_of(tensor->dim, tensor->sizes, tensor->strides, &span);
+  return static_cast<size_t>(span) * element_size(tensor->dtype);
+}
+
+Status copy_bytes(void *destination, int32_t destination_device, const void *source, int32_t source_device, size_t bytes, int32_t device_index,
+                  bool wait) {
+  if (bytes == 0) return kOk;
+  if (destination_device == kDeviceCpu && source_device == kDeviceCpu) {
+    memmove(destination, source, bytes);
+    return kOk;
+  }
+  if (use_device(device_index) != kOk) return kFailure;
+  CUstream stream = stream_for(device_index);
+  CU(driver.cuMemcpyAsync(reinterpret_cast<CUdeviceptr>(destination), reinterpret_cast<CUdeviceptr>(source), bytes, stream), "cuMemcpyAsync");
+  // A copy that touches host memory is finished before returning: the caller
+  // may read or free that memory next.
+  if (wait || destination_device == kDeviceCpu || source_device == kDeviceCpu) CU(driver.cuStreamSynchronize(stream), "cuStreamSynchronize");
+  return kOk;
+}
+
+Status copy_into(Tensor *destination, const Tensor *source) {
+  if (destination->dtype != source->dtype)
+    return fail("copy between dtypes %d and %d is not supported by this shim", source->dtype, destination->dtype);
+  if (destination->dim != source->dim) return fail("copy between tensors of %lld and %lld dims", (long long)source->dim, (long long)destination->dim);
+  for (int64_t d = 0; d < source->dim; ++d)
+    if (destination->sizes[d] != source->sizes[d]) return fail("copy between tensors of different sizes");
+  if (numel_of(source->dim, source->sizes) == 0) return kOk;
+  size_t size = element_size(source->dtype);
+  int32_t to_device = device_of(destination), from_device = device_of(source);
+  int32_t index = to_device == kDeviceCuda ? destination->storage->device_index : from_device == kDeviceCuda ? source->storage->device_index : 0;
+  if (same_layout(destination, source) && (is_contiguous(source) || (to_device == kDeviceCpu && from_device == kDeviceCpu))) {
+    if (is_contiguous(source))
+      return copy_bytes(data_of(destination), to_device, data_of(source), from_device, numel_of(source->dim, source->sizes) * size, index, false);
+  }
+  if (to_device == kDeviceCpu && from_device == kDeviceCpu) {
+    strided_copy(data_of(destination), destination->strides, data_of(source), source->strides, source->sizes, source->dim, size);
+    return kOk;
+  }
+  // A strided copy that involves the GPU goes through host memory: rare in
+  // generated code (buffer mutations are contiguous), and correct.
+  size_t from_bytes = span_bytes(source), to_bytes = span_bytes(destination);
+  std::vector<char> from(from_bytes), to(to_bytes);
+  if (copy_bytes(from.data(), kDeviceCpu, data_of(source), from_device, from_bytes, index, true) != kOk) return kFailure;
+  if (copy_bytes(to.data(), kDeviceCpu, data_of(destination), to_device, to_bytes, index, true) != kOk) return kFailure;
+  strided_copy(to.data(), destination->strides, from.data(), source->strides, source->sizes, source->dim, size);
+  return copy_bytes(data_of(destination), to_device, to.data(), kDeviceCpu, to_bytes, index, true);
+}
+
+// ---------------------------------------------------------------- CPU matmul
+// out = beta * self + alpha * (a @ b), for float32 and float64 matrices of any
+// strides. Blocked over k so rows of b stay in cache; the inner loop runs over
+// contiguous columns of out when b's rows are contiguous.
+template <typename T>
+void matmul(T *out, const int64_t *out_strides, const T *self, const int64_t *self_strides, const T *a, const int64_t *a_strides, const T *b,
+            const int64_t *b_strides, int64_t m, int64_t n, int64_t k, T beta, T alpha) {
+  for (int64_t i = 0; i < m; ++i) {
+    T *row = out + i * out_strides[0];
+    for (int64_t j = 0; j < n; ++j) {
+      T start = 0;
+      if (self != nullptr && beta != 0) start = beta * self[i * self_strides[0] + j * self_strides[1]];
+      row[j * out_strides[1]] = start;
+    }
+  }
+  if (b_strides[1] == 1 && out_strides[1] == 1) {
+    constexpr int64_t kBlock = 256;
+    for (int64_t k0 = 0; k0 < k; k0 += kBlock) {
+      int64_t k1 = k0 + kBlock < k ? k0 + kBlock : k;
+      for (int64_t i = 0; i < m; ++i) {
+        T *row = out + i * out_strides[0];
+        for (int64_t p = k0; p < k1; ++p) {
+          T scale = alpha * a[i * a_strides[0] + p * a_strides[1]];
+          const T *b_row = b + p * b_strides[0];
+          for (int64_t j = 0; j < n; ++j) row[j] += scale * b_row[j];
+        }
+      }
+    }
+    return;
+  }
+  // b transposed (a Linear weight): dot products over contiguous k.
+  for (int64_t i = 0; i < m; ++i) {
+    const T *a_row = a + i * a_strides[0];
+    for (int64_t j = 0; j < n; ++j) {
+      const T *b_column = b + j * b_strides[1];
+      T partial[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+      int64_t p = 0;
+      if (a_strides[1] == 1 && b_strides[0] == 1) {
+        for (; p + 8 <= k; p += 8)
+          for (int lane = 0; lane < 8; ++lane) partial[lane] += a_row[p + lane] * b_column[p + lane];
+      }
+      T sum = 0;
+      for (; p < k; ++p) sum += a_row[p * a_strides[1]] * b_column[p * b_strides[0]];
+      for (int lane = 0; lane < 8; ++lane) sum += partial[lane];
+      out[i * out_strides[0] + j * out_strides[1]] += alpha * sum;
+    }
+  }
+}
+
+Status cpu_addmm(Tensor *out, const Tensor *self, const Tensor *a, const Tensor *b, double beta, double alpha) {
+  if (a->dim != 2 || b->dim != 2 || out->dim != 2) return fail("addmm/mm needs 2-D matrices");
+  int64_t m = a->sizes[0], k = a->sizes[1], n = b->sizes[1];
+  if (b->sizes[0] != k || out->sizes[0] != m || out->sizes[1] != n) return fail("addmm/mm: matrix sizes do not match");
+  if (a->dtype != b->dtype || out->dtype != a->dtype) return fail("addmm/mm: mixed dtypes");
+  if (device_of(out) != kDeviceCpu || device_of(a) != kDeviceCpu || device_of(b) != kDeviceCpu) return fail("cpu addmm/mm got a CUDA tensor");
+  // self broadcasts to [m, n]: a bias [n] or [1, n], or a full matrix.
+  int64_t self_strides[2] = {0, 0};
+  if (self != nullptr) {
+    if (self->dim == 1 && self->sizes[0] == n) {
+      self_strides[1] = self->strides[0];
+    } else if (self->dim == 2 && (self->sizes[0] == m || self->sizes[0] == 1) && (self->sizes[1] == n || self->sizes[1] == 1)) {
+      self_strides[0] = self->sizes[0] == 1 ? 0 : self->strides[0];
+      self_strides[1] = self->sizes[1] == 1 ? 0 : self->strides[1];
+    } else {
+      return fail("addmm: the added matrix does not broadcast to the result");
+    }
+    if (self->dtype != a->dtype) return fail("addmm: mixed dtypes");
+  }
+  if (a->dtype == kFloat32) {
+    matmul<float>(reinterpret_cast<float *>(data_of(out)), out->strides, self ? reinterpret_cast<const float *>(data_of(self)) : nullptr, self_strides,
+                  reinterpret_cast<const float *>(data_of(a)), a->strides, reinterpret_cast<const float *>(data_of(b)), b->strides, m, n, k,
+                  static_cast<float>(beta), static_cast<float>(alpha));
+  } else if (a->dtype == kFloat64) {
+    matmul<double>(reinterpret_cast<double *>(data_of(out)), out->strides, self ? reinterpret_cast<const double *>(data_of(self)) : nullptr,
+                   self_strides, reinterpret_cast<const double *>(data_of(a)), a->strides, reinterpret_cast<const double *>(data_of(b)), b->strides,
+                   m, n, k, beta, alpha);
+  } else {
+    return fail("cpu addmm/mm supports float32 and float64 here, not dtype code %d", a->dtype);
+  }
+  return kOk;
+}
+
+struct StreamGuard {
+  int32_t device;
+  CUstream previous_stream;
+  int32_t previous_device;
+};
+
+struct DeviceGuard {
+  int32_t previous_device;
+};
+
+thread_local bool grad_enabled = false;
+
+template <typename T>
+Status read_item(void *handle, T *result, int32_t dtype) {
+  Tensor *tensor = as_tensor(handle);
+  if (tensor == nullptr || result == nullptr) return fail("item: null argument");
+  if (tensor->dtype != dtype) return fail("item: the tensor's dtype is code %d, not %d", tensor->dtype, dtype);
+  if (numel_of(tensor->dim, tensor->sizes) != 1) return fail("item: the tensor has more than one element");
+  int32_t device = device_of(tensor);
+  return copy_bytes(result, kDeviceCpu, data_of(tensor), device, sizeof(T), device == kDeviceCuda ? tensor->storage->device_index : 0, true);
+}
+
+}  // namespace
+
+#define GUARD_NULL(pointer)                                                      \
+  do {                                                                           \
+    if ((pointer) == nullptr) return fail("%s: null argument " #pointer, __func__); \
+  } while (0)
+
+// ---------------------------------------------------------------- codes
+#define CODE(name, value) \
+  EXPORT int32_t cudarunner_##name() { return value; }
+CODE(device_type_cpu, kDeviceCpu)
+CODE(device_type_cuda, kDeviceCuda)
+CODE(device_type_meta, 9)
+CODE(device_type_xpu, 12)
+CODE(device_type_mps, 13)
+CODE(device_type_privateuse1, 20)
+CODE(dtype_float8_e5m2, kFloat8E5M2)
+CODE(dtype_float8_e4m3fn, kFloat8E4M3FN)
+CODE(dtype_float8_e5m2fnuz, kFloat8E5M2FNUZ)
+CODE(dtype_float8_e4m3fnuz, kFloat8E4M3FNUZ)
+CODE(dtype_float8_e8m0fnu, kFloat8E8M0FNU)
+CODE(dtype_float4_e2m1fn_x2, kFloat4E2M1FNx2)
+CODE(dtype_bfloat16, kBFloat16)
+CODE(dtype_float16, kFloat16)
+CODE(dtype_float32, kFloat32)
+CODE(dtype_float64, kFloat64)
+CODE(dtype_uint8, kUInt8)
+CODE(dtype_uint16, kUInt16)
+CODE(dtype_uint32, kUInt32)
+CODE(dtype_uint64, kUInt64)
+CODE(dtype_int8, kInt8)
+CODE(dtype_int16, kInt16)
+CODE(dtype_int32, kInt32)
+CODE(dtype_int64, kInt64)
+CODE(dtype_bool, kBool)
+CODE(dtype_complex32, kComplex32)
+CODE(dtype_complex64, kComplex64)
+CODE(dtype_complex128, kComplex128)
+CODE(layout_strided, 0)
+CODE(memory_format_contiguous_format, 0)
+CODE(memory_format_preserve_format, 1)
+CODE(memory_format_channels_last, 2)
+CODE(memory_format_channels_last_3d, 3)
+
+EXPORT size_t cudarunner_dtype_element_size(int32_t dtype) { return element_size(dtype); }
+
+// ---------------------------------------------------------------- our own entry points
+EXPORT int32_t cudarunner_shim_abi_version() { return SHIM_ABI_VERSION; }
+EXPORT const char *cudarunner_shim_last_error() { return last_error.c_str(); }
+
+// Live tensors and storages, so that tests can check that a run leaks none.
+EXPORT int64_t cudarunner_shim_live_tensors() { return live_tensors.load(); }
+EXPORT int64_t cudarunner_shim_live_storages() { return live_storages.load(); }
+
+// ---------------------------------------------------------------- grad mode, messages
+EXPORT bool cudarunner_grad_mode_is_enabled() { return grad_enabled; }
+EXPORT void cudarunner_grad_mode_set_enabled(bool enabled) { grad_enabled = enabled; }  // no autograd here; the flag is kept
+
+EXPORT void cudarunner_warn(const char *function, const char *file, uint32_t line, const char *message) {
+  if (getenv("CUDA_RUNNER_SHIM_TRACE")) fprintf(stderr, "cuda-runner shim: warning from %s (%s:%u): %s\n", function, file, line, message);
+}
+
+// Generated code calls this for its own checks; the container catches the
+// exception and returns a failure, as with libtorch.
+EXPORT void cudarunner_check(bool condition, const char *function, const char *file, uint32_t line, const char *message) {
+  if (condition) return;
+  fail("check failed in %s (%s:%u): %s", function ? function : "?", file ? file : "?", line, message ? message : "");
+  throw std::runtime_error(last_error);
+}
+
+// ---------------------------------------------------------------- queries
+EXPORT Status cudarunner_get_data_ptr(void *handle, void **result) {
+  GUARD_NULL(handle);
+  GUARD_NULL(result);
+  *result = data_of(as_tensor(handle));
+  return kOk;
+}
+EXPORT Status cudarunner_get_storage_size(void *handle, int64_t *result) {
+  GUARD_NULL(handle);
+  GUARD_NULL(result);
+  Tensor *tensor = as_tensor(handle);
+  *result = tensor->storage ? static_cast<int64_t>(tensor->storage->bytes) : 0;
+  return kOk;
+}
+EXPORT Status cudarunner_get_storage_numel(void *handle, int64_t *result) {
+  GUARD_NULL(handle);
+  GUARD_NULL(result);
+  Tensor *tensor = as_tensor(handle);
+  *result = tensor->storage ? static_cast<int64_t>(tensor->storage->bytes / element_size(tensor->dtype)) : 0;
+  return kOk;
+}
+EXPORT Status cudarunner_get_dim(void *handle, int64_t *result) {
+  GUARD_NULL(handle);
+  GUARD_NULL(result);
+  *result = as_tensor(handle)->dim;
+  return kOk;
+}
+EXPORT Status cudarunner_get_numel(void *handle, int64_t *result) {
+  GUARD_NULL(handle);
+  GUARD_NULL(result);
+  *result = numel_of(as_tensor(handle)->dim, as_tensor(handle)->sizes);
+  return kOk;
+}
+EXPORT Status cudarunner_get_sizes(void *handle, int64_t **result) {
+  GUARD_NULL(handle);
+  GUARD_NULL(result);
+  *result = as_tensor(handle)->sizes;
+  return kOk;
+}
+EXPORT Status cudarunner_get_strides(void *handle, int64_t **result) {
+  GUARD_NULL(handle);
+  GUARD_NULL(result);
+  *result = as_tensor(handle)->strides;
+  return kOk;
+}
+EXPORT Status cudarunner_get_size(void *handle, int64_t d, int64_t *result) {
+  GUARD_NULL(handle);
+  GUARD_NULL(result);
+  Tensor *tensor = as_tensor(handle);
+  if (d < 0) d += tensor->dim;
+  if (d < 0 || d >= tensor->dim) return fail("get_size: dim %lld out of range", static_cast<long long>(d));
+  *result = tensor->sizes[d];
+  return kOk;
+}
+EXPORT Status cudarunner_get_stride(void *handle, int64_t d, int64_t *result) {
+  GUARD_NULL(handle);
+  GUARD_NULL(result);
+  Tensor *tensor = as_tensor(handle);
+  if (d < 0) d += tensor->dim;
+  if (d < 0 || d >= tensor->dim) return fail("get_stride: dim %lld out of range", static_cast<long long>(d));
+  *result = tensor->strides[d];
+  return kOk;
+}
+EXPORT Status cudarunner_get_dtype(void *handle, int32_t *result) {
+  GUARD_NULL(handle);
+  GUARD_NULL(result);
+  *result = as_tensor(handle)->dtype;
+  return kOk;
+}
+EXPORT Status cudarunner_get_device_type(void *handle, int32_t *result) {
+  GUARD_NULL(handle);
+  GUARD_NULL(result);
+  *result = device_of(as_tensor(handle));
+  return kOk;
+}
+EXPORT Status cudarunner_get_device_index(void *handle, int32_t *result) {
+  GUARD_NULL(handle);
+  GUARD_NULL(result);
+  Tensor *tensor = as_tensor(handle);
+  *result = device_of(tensor) == kDeviceCuda ? tensor->storage->device_index : -1;
+  return kOk;
+}
+EXPORT Status cudarunner_get_layout(void *handle, int32_t *result) {
+  GUARD_NULL(handle);
+  GUARD_NULL(result);
+  *result = 0;
+  return kOk;
+}
+EXPORT Status cudarunner_get_storage_offset(void *handle, int64_t *result) {
+  GUARD_NULL(handle);
+  GUARD_NULL(result);
+  *result = as_tensor(handle)->offset;
+  return kOk;
+}
+EXPORT Status cudarunner_is_contiguous(void *handle, bool *result) {
+  GUARD_NULL(handle);
+  GUARD_NULL(result);
+  *result = is_contiguous(as_tensor(handle));
+  return kOk;
+}
+EXPORT Status cudarunner_is_defined(void *handle, bool *result) {
+  GUARD_NULL(result);
+  *result = handle != nullptr && as_tensor(handle)->storage != nullptr;
+  return kOk;
+}
+
+// ---------------------------------------------------------------- creation and lifetime
+EXPORT Status cudarunner_delete_tensor_object(void *handle) {
+  GUARD_NULL(handle);
+  delete_tensor(as_tensor(handle));
+  return kOk;
+}
+
+EXPORT Status cudarunner_empty_strided(int64_t dim, const int64_t *sizes, const int64_t *strides, int32_t dtype, int32_t device_type,
+                                       int32_t device_index, void **result) {
+  GUARD_NULL(result);
+  Tensor *tensor = nullptr;
+  if (new_empty(dim, sizes, strides, dtype, device_type, device_index, &tensor) != kOk) return kFailure;
+  *result = tensor;
+  return kOk;
+}
+
+// Refused on purpose: the AOTInductor runtime falls back to an ordinary copy.
+EXPORT Status cudarunner_empty_strided_pinned(int64_t, const int64_t *, const int64_t *, int32_t, int32_t, int32_t, void **) {
+  return fail("pinned host tensors are not provided by cuda-runner's shim");
+}
+
+EXPORT Status cudarunner_create_tensor_from_blob_v2(void *data, int64_t dim, const int64_t *sizes, const int64_t *strides, int64_t storage_offset,
+                                                    int32_t dtype, int32_t device_type, int32_t device_index, void **result, int32_t layout,
+                                                    const uint8_t *, int64_t) {
+  GUARD_NULL(result);
+  if (layout != 0) return fail("only strided tensors are supported (layout code %d)", layout);
+  if (check_shape(dim, sizes, strides) != kOk) return kFailure;
+  size_t size = element_size(dtype);
+  if (size == 0) return fail("dtype code %d is not supported", dtype);
+  if (!valid_device(device_type)) return fail("device type %d is not supported (CPU and CUDA only)", device_type);
+  if (storage_offset < 0) return fail("a negative storage offset");
+  int64_t span = 0;
+  if (!span_of(dim, sizes, strides, &span)) return fail("a tensor's sizes and strides overflow or are negative");
+  Storage *storage = new_storage();
+  if (storage == nullptr) return fail("out of host memory");
+  storage->data = data;  // not owned: the caller keeps it alive
+  storage->bytes = static_cast<size_t>(span + storage_offset) * size;
+  storage->device_type = device_type;
+  storage->device_index = device_type == kDeviceCuda ? device_index : 0;
+  Tensor *tensor = new_tensor(storage, storage_offset, dim, sizes, strides, dtype);
+  if (tensor == nullptr) {
+    release_storage(storage);
+    return fail("out of host memory");
+  }
+  *result = tensor;
+  return kOk;
+}
+
+EXPORT Status cudarunner_create_tensor_from_blob(void *data, int64_t dim, const int64_t *sizes, const int64_t *strides, int64_t storage_offset,
+                                                 int32_t dtype, int32_t device_type, int32_t device_index, void **result) {
+  return cudarunner_create_tensor_from_blob_v2(data, dim, sizes, strides, storage_offset, dtype, device_type, device_index, result, 0, nullptr, 0);
+}
+
+// A view: same storage, new sizes, strides and offset.
+Status make_view(Tensor *source, int64_t dim, const int64_t *sizes, const int64_t *strides, int64_t offset, void **result) {
+  if (check_shape(dim, sizes, strides) != kOk) return kFailure;
+  if (offset < 0) return fail("a view with a negative storage offset");
+  if (source->storage) source->storage->references.fetch_add(1, std::memory_order_relaxed);
+  Tensor *view = new_tensor(source->storage, offset, dim, sizes, strides, source->dtype);
+  if (view == nullptr) {
+    release_storage(source->storage);
+    return fail("out of host memory");
+  }
+  *result = view;
+  return kOk;
+}
+
+EXPORT Status cudarunner__reinterpret_tensor(void *handle, int64_t dim, const int64_t *sizes, const int64_t *strides, int64_t offset_increment,
+                                             void **result) {
+  GUARD_NULL(handle);
+  GUARD_NULL(result);
+  Tensor *source = as_tensor(handle);
+  return make_view(source, dim, sizes, strides, source->offset + offset_increment, result);
+}
+
+EXPORT Status cudarunner_as_strided(void *handle, const int64_t *sizes, const int64_t *strides, void **result) {
+  GUARD_NULL(handle);
+  GUARD_NULL(result);
+  Tensor *source = as_tensor(handle);
+  return make_view(source, source->dim, sizes, strides, source->offset, result);
+}
+
+EXPORT Status cudarunner_new_tensor_handle(void *handle, void **result) {
+  GUARD_NULL(handle);
+  GUARD_NULL(result);
+  Tensor *source = as_tensor(handle);
+  return make_view(source, source->dim, source->sizes, source->strides, source->offset, result);
+}
+
+EXPORT Status cudarunner_assign_tensors_out(void *source, void **result) { return cudarunner_new_tensor_handle(source, result); }
+
+// libtorch's assign_tensors makes dst another name for src's data.
+EXPORT Status cudarunner_assign_tensors(void *source_handle, void *destination_handle) {
+  GUARD_NULL(source_handle);
+  GUARD_NULL(destination_handle);
+  Tensor *source = as_tensor(source_handle), *destination = as_tensor(destination_handle);
+  if (source == destination) return kOk;
+  Tensor *copy = new_tensor(source->storage, source->offset, source->dim, source->sizes, source->strides, source->dtype);
+  if (copy == nullptr) return fail("out of host memory");
+  if (source->storage) source->storage->references.fetch_add(1, std::memory_order_relaxed);
+  release_storage(destination->storage);
+  if (destination->sizes != destination->inline_dims) delete[] destination->sizes;
+  destination->storage = copy->storage;
+  destination->offset = copy->offset;
+  destination->dim = copy->dim;
+  destination->dtype = copy->dtype;
+  if (copy->sizes == copy->inline_dims) {
+    destination->sizes = destination->inline_dims;
+    destination->strides = destination->inline_dims + kInlineDims;
+    memcpy(destination->inline_dims, copy->inline_dims, sizeof copy->inline_dims);
+  } else {
+    destination->sizes = copy->sizes;
+    destination->strides = copy->strides;
+    copy->sizes = copy->inline_dims;  // moved
+  }
+  copy->storage = nullptr;
+  delete_tensor(copy);
+  return kOk;
+}
+
+EXPORT Status cudarunner_new_uninitialized_tensor(void **result) {
+  GUARD_NULL(result);
+  Tensor *tensor = new_tensor(nullptr, 0, 0, nullptr, nullptr, kFloat32);
+  if (tensor == nullptr) return fail("out of host memory");
+  *result = tensor;
+  return kOk;
+}
+
+EXPORT Status cudarunner_clone(void *handle, void **result) {
+  GUARD_NULL(handle);
+  GUARD_NULL(result);
+  Tensor *source = as_tensor(handle);
+  std::vector<int64_t> strides(source->dim);
+  int64_t step = 1;
+  for (int64_t d = source->dim - 1; d >= 0; --d) {
+    strides[d] = step;
+    step *= source->sizes[d] > 0 ? source->sizes[d] : 1;
+  }
+  Tensor *copy = nullptr;
+  int32_t device = device_of(source);
+  if (new_empty(source->dim, source->sizes, strides.data(), source->dtype, device, device == kDeviceCuda ? source->storage->device_index : 0,
+                &copy) != kOk)
+    return kFailure;
+  if (copy_into(copy, source) != kOk) {
+    delete_tensor(copy);
+    return kFailure;
+  }
+  *result = copy;
+  return kOk;
+}
+
+EXPORT Status cudarunner_clone_preserve_strides(void *handle, void **result) {
+  GUARD_NULL(handle);
+  GUARD_NULL(result);
+  Tensor *source = as_tensor(handle);
+  Tensor *copy = nullptr;
+  int32_t device = device_of(source);
+  int32_t index = device == kDeviceCuda ? source->storage->device_index : 0;
+  if (new_empty(source->dim, source->sizes, source->strides, source->dtype, device, index, &copy) != kOk) return kFailure;
+  // The same strides over a buffer of the same span: one bulk copy of the span.
+  if (copy_bytes(data_of(copy), device, data_of(source), device, span_bytes(source), index, false) != kOk) {
+    delete_tensor(copy);
+    return kFailure;
+  }
+  *result = copy;
+  return kOk;
+}
+
+EXPORT Status cudarunner_copy_(void *self, void *source, int32_t) {
+  GUARD_NULL(self);
+  GUARD_NULL(source);
+  return copy_into(as_tensor(self), as_tensor(source));
+}
+
+EXPORT Status cudarunner_tensor_copy_(void *source, void *destination) {
+  GUARD_NULL(source);
+  GUARD_NULL(destination);
+  return copy_into(as_tensor(destination), as_tensor(source));
+}
+
+EXPORT Status cudarunner_zero_(void *handle) {
+  GUARD_NULL(handle);
+  Tensor *tensor = as_tensor(handle);
+  if (numel_of(tensor->dim, tensor->sizes) == 0) return kOk;
+  size_t size = element_size(tensor->dtype);
+  if (is_contiguous(tensor)) {
+    size_t bytes = numel_of(tensor->dim, tensor->sizes) * size;
+    if (device_of(tensor) == kDeviceCpu) {
+      memset(data_of(tensor), 0, bytes);
+      return kOk;
+    }
+    int32_t index = tensor->storage->device_index;
+    if (use_device(index) != kOk) return kFailure;
+    CU(driver.cuMemsetD8Async(reinterpret_cast<CUdeviceptr>(data_of(tensor)), 0, bytes, stream_for(index)), "cuMemsetD8Async");
+    return kOk;
+  }
+  // Strided: copy from a contiguous block of zeros.
+  std::vector<int64_t> strides(tensor->dim);
+  int64_t step = 1;
+  for (int64_t d = tensor->dim - 1; d >= 0; --d) {
+    strides[d] = step;
+    step *= tensor->sizes[d];
+  }
+  std::vector<char> zeros(numel_of(tensor->dim, tensor->sizes) * size, 0);
+  Storage storage;
+  storage.data = zeros.data();
+  storage.bytes = zeros.size();
+  storage.references = 2;  // never released through the tensor below
+  Tensor source;
+  source.storage = &storage;
+  source.dim = tensor->dim;
+  source.dtype = tensor->dtype;
+  std::vector<int64_t> dims(2 * tensor->dim);
+  source.sizes = dims.data();
+  source.strides = dims.data() + tensor->dim;
+  memcpy(source.sizes, tensor->sizes, sizeof(int64_t) * tensor->dim);
+  memcpy(source.strides, strides.data(), sizeof(int64_t) * tensor->dim);
+  Status status = copy_into(tensor, &source);
+  source.storage = nullptr;
+  source.sizes = source.inline_dims;  // the vector owns the dims
+  return status;
+}
+
+#define ITEM(name, type, code) \
+  EXPORT Status cudarunner_item_##name(void *handle, type *result) { return read_item<type>(handle, result, code); }
+ITEM(float32, float, kFloat32)
+ITEM(float64, double, kFloat64)
+ITEM(uint8, uint8_t, kUInt8)
+ITEM(uint16, uint16_t, kUInt16)
+ITEM(uint32, uint32_t, kUInt32)
+ITEM(uint64, uint64_t, kUInt64)
+ITEM(int8, int8_t, kInt8)
+ITEM(int16, int16_t, kInt16)
+ITEM(int32, int32_t, kInt32)
+ITEM(int64, int64_t, kInt64)
+ITEM(bool, bool, kBool)
+ITEM(float16, uint16_t, kFloat16)   // the bits, as libtorch's c10::Half holds them
+ITEM(bfloat16, uint16_t, kBFloat16)
+
+#define SCALAR(name, type, code)                                                               \
+  EXPORT Status cudarunner_scalar_to_tensor_##name(type value, void **result) {                 \
+    GUARD_NULL(result);                                                                        \
+    Tensor *tensor = nullptr;                                                                  \
+    if (new_empty(0, nullptr, nullptr, code, kDeviceCpu, 0, &tensor) != kOk) return kFailure;  \
+    memcpy(data_of(tensor), &value, sizeof(type));                                             \
+    *result = tensor;                                                                          \
+    return kOk;                                                                                \
+  }
+SCALAR(float32, float, kFloat32)
+SCALAR(float64, double, kFloat64)
+SCALAR(uint8, uint8_t, kUInt8)
+SCALAR(uint16, uint16_t, kUInt16)
+SCALAR(uint32, uint32_t, kUInt32)
+SCALAR(uint64, uint64_t, kUInt64)
+SCALAR(int8, int8_t, kInt8)
+SCALAR(int16, int16_t, kInt16)
+SCALAR(int32, int32_t, kInt32)
+SCALAR(int64, int64_t, kInt64)
+SCALAR(bool, bool, kBool)
+
+// ---------------------------------------------------------------- guards and streams
+EXPORT Status cudarunner_create_cuda_guard(int32_t device_index, void **result) {
+  GUARD_NULL(result);
+  if (use_device(device_index) != kOk) return kFailure;
+  DeviceGuard *guard = new (std::nothrow) DeviceGuard{current_device};
+  if (guard == nullptr) return fail("out of host memory");
+  current_device = device_index;
+  *result = guard;
+  return kOk;
+}
+
+EXPORT Status cudarunner_cuda_guard_set_index(void *handle, int32_t device_index) {
+  GUARD_NULL(handle);
+  if (use_device(device_index) != kOk) return kFailure;
+  current_device = device_index;
+  return kOk;
+}
+
+EXPORT Status cudarunner_delete_cuda_guard(void *handle) {
+  GUARD_NULL(handle);
+  DeviceGuard *guard = static_cast<DeviceGuard *>(handle);
+  current_device = guard->previous_device;
+  delete guard;
+  return use_device(current_device);
+}
+
+// A null stream is accepted: it is the legacy default stream.
+EXPORT Status cudarunner_create_cuda_stream_guard(void *stream, int32_t device_index, void **result) {
+  GUARD_NULL(result);
+  if (device_index < 0 || device_index >= kMaxDevices) return fail("CUDA device index %d is out of range", device_index);
+  if (use_device(device_index) != kOk) return kFailure;
+  StreamGuard *guard = new (std::nothrow) StreamGuard{device_index, current_stream[device_index], current_device};
+  if (guard == nullptr) return fail("out of host memory");
+  current_stream[device_index] = static_cast<CUstream>(stream);
+  current_device = device_index;
+  *result = guard;
+  return kOk;
+}
+
+EXPORT Status cudarunner_delete_cuda_stream_guard(void *handle) {
+  GUARD_NULL(handle);
+  StreamGuard *guard = static_cast<StreamGuard *>(handle);
+  current_stream[guard->device] = guard->previous_stream;
+  current_device = guard->previous_device;
+  delete guard;
+  return kOk;
+}
+
+EXPORT Status cudarunner_get_current_cuda_stream(int32_t device_index, void **result) {
+  GUARD_NULL(result);
+  if (device_index < 0) device_index = current_device;
+  if (device_index >= kMaxDevices) return fail("CUDA device index %d is out of range", device_index);
+  *result = current_stream[device_index];
+  return kOk;
+}
+
+EXPORT Status cudarunner_get_current_device_index(int32_t *result) {
+  GUARD_NULL(result);
+  *result = current_device;
+  return kOk;
+}
+
+// ---------------------------------------------------------------- CPU extern kernels
+EXPORT Status cudarunner_cpu_addmm_out(void *out, void *self, void *a, void *b, double beta, double alpha) {
+  GUARD_NULL(out);
+  GUARD_NULL(a);
+  GUARD_NULL(b);
+  return cpu_addmm(as_tensor(out), as_tensor(self), as_tensor(a), as_tensor(b), beta, alpha);
+}
+
+EXPORT Status cudarunner_cpu_mm_out(void *out, void *a, void *b) {
+  GUARD_NULL(out);
+  GUARD_NULL(a);
+  GUARD_NULL(b);
+  return cpu_addmm(as_tensor(out), nullptr, as_tensor(a), as_tensor(b), 0.0, 1.0);
+}
+
+EXPORT Status cudarunner_cpu_bmm_out(void *out, void *a, void *b) {
+  GUARD_NULL(out);
+  GUARD_NULL(a);
+  GUARD_NULL(b);
+  Tensor *o = as_tensor(out), *x = as_tensor(a), *y = as_tensor(b);
+  if (o->dim != 3 || x->dim != 3 || y->dim != 3 || x->sizes[0] != y->sizes[0] || o->sizes[0] != x->sizes[0]) return fail("bmm needs 3-D batches of one size");
+  for (int64_t batch = 0; batch < x->sizes[0]; ++batch) {
+    Tensor o2, x2, y2;
+    for (auto [target, source] : {std::pair<Tensor *, Tensor *>{&o2, o}, {&x2, x}, {&y2, y}}) {
+      target->storage = source->storage;
+      target->offset = source->offset + batch * source->strides[0];
+      target->dim = 2;
+      target->dtype = source->dtype;
+      target->sizes[0] = source->sizes[1];
+      target->sizes[1] = source->sizes[2];
+      target->strides[0] = source->strides[1];
+      target->strides[1] = source->strides[2];
+    }
+    Status status = cpu_addmm(&o2, nullptr, &x2, &y2, 0.0, 1.0);
+    o2.storage = x2.storage = y2.storage = nullptr;
+    if (status != kOk) return status;
+  }
+  return kOk;
+}

@@ -1,0 +1,238 @@
+"""Who provides a model library's shim functions: libtorch, or cuda-runner's own shim.
+
+A library compiled with link_libtorch=False imports aoti_torch_* functions
+(and, for CPU vector code, SLEEF's Sleef_* functions) from whatever the
+process has loaded globally. Two providers that export the same names in one
+process would make a library bind by load order, and one provider's tensor
+handles read as the other's crash the process. So cuda-runner's shim
+(cuda_runner/native/aoti_shim.cpp, built with the package) exports its
+functions under other names of the same length, and a library that runs on it
+is loaded from a private copy whose imports are renamed to match
+(format.elf.rename_imports). libtorch-bound libraries keep the original names.
+Each library is bound to one provider, chosen before it is loaded, and both
+providers can serve libraries in one process.
+
+The choice (`choose_provider`), for `provider="auto"`:
+- our shim when it provides every function the library imports, and either the
+  library calls no compute kernel from its provider (it only creates, views and
+  copies tensors: every library compiled with `compile --standalone`) or
+  libtorch is not installed;
+- libtorch otherwise (its GEMM and convolution kernels are faster than the
+  plain ones our shim has for the CPU);
+- refused, with the functions our shim lacks, when neither can serve.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import glob
+import importlib.util
+import os
+import sys
+import threading
+from collections.abc import Iterable
+from dataclasses import dataclass
+from importlib import machinery
+from pathlib import Path
+
+from ..errors import BundleError, DeviceError, InputError
+from ..format.elf import LibraryFacts, read_library_facts, rename_imports
+from .shim import TORCH_PREFIX, Shim, load_shim
+
+OWN_PREFIX = "cudarunner_"
+SLEEF_PREFIX, OWN_SLEEF_PREFIX = "Sleef_", "cr_sl_"
+RENAMES = {TORCH_PREFIX: OWN_PREFIX, SLEEF_PREFIX: OWN_SLEEF_PREFIX}
+PROVIDERS = ("auto", "shim", "libtorch")
+SHIM_NAME = "cuda-runner shim"
+LIBTORCH_NAME = "libtorch"
+# Imports only libtorch's libraries define (mangled c10/ATen/torch names).
+_LIBTORCH_ONLY = ("_ZN3c10", "_ZNK3c10", "_ZN2at", "_ZNK2at", "_ZN5torch", "_ZNK5torch")
+_OWN_LIBRARY_STEM = "_aoti_shim"
+
+
+@dataclass(frozen=True)
+class Provider:
+    name: str  # SHIM_NAME or LIBTORCH_NAME
+    shim: Shim
+    renames: bool
+
+    def prepare(self, library: bytes) -> bytes:
+        """The bytes to load: for our shim, a copy whose imports name its functions."""
+        return rename_imports(library, RENAMES) if self.renames else library
+
+    @property
+    def needs_torch(self) -> bool:
+        return self.name == LIBTORCH_NAME
+
+
+def default_provider(name: str | None) -> str:
+    """`name`, or CUDA_RUNNER_PROVIDER, or "auto"."""
+    return check_provider(name if name is not None else os.environ.get("CUDA_RUNNER_PROVIDER") or "auto")
+
+
+def check_provider(name: str) -> str:
+    if name not in PROVIDERS:
+        raise InputError(f"unknown provider {name!r}; choose one of: {', '.join(PROVIDERS)}")
+    return name
+
+
+def own_shim_path() -> Path | None:
+    """The shim library built with the package, or None where it was not built."""
+    package = Path(__file__).resolve().parent.parent
+    for suffix in machinery.EXTENSION_SUFFIXES:
+        candidate = package / f"{_OWN_LIBRARY_STEM}{suffix}"
+        if candidate.is_file():
+            return candidate
+    return None
+
+
+@functools.cache
+def own_exports() -> frozenset[str]:
+    """The functions our shim provides, spelled as libraries import them
+    (aoti_torch_*, Sleef_*); empty where the shim was not built."""
+    path = own_shim_path()
+    if path is None:
+        return frozenset()
+    back = {new: old for old, new in RENAMES.items()}
+    names = set()
+    for name in read_library_facts(path.read_bytes()).defined:
+        for new, old in back.items():
+            if name.startswith(new):
+                names.add(old + name[len(new):])
+    return frozenset(names)
+
+
+def is_compute_kernel(name: str) -> bool:
+    """aoti_torch_cpu_* / aoti_torch_cuda_* are ATen kernels (GEMMs, convolutions, attention)."""
+    return name.startswith(("aoti_torch_cpu_", "aoti_torch_cuda_"))
+
+
+def provider_imports(facts: LibraryFacts) -> list[str]:
+    """The imports a shim provider has to satisfy: aoti_torch_* and Sleef_*, and any libtorch-only name."""
+    return [name for name in facts.undefined if name.startswith((TORCH_PREFIX, SLEEF_PREFIX, *_LIBTORCH_ONLY))]
+
+
+def missing_from_own_shim(facts: Iterable[LibraryFacts]) -> list[str]:
+    """What our shim lacks for these libraries, sorted; [] when it serves them all."""
+    exports = own_exports()
+    if not exports:
+        return ["(the shim library is not built in this install)"]
+    return sorted({name for item in facts for name in provider_imports(item) if name not in exports})
+
+
+def libtorch_installed() -> bool:
+    return importlib.util.find_spec("torch") is not None
+
+
+def needs_libtorch(facts: LibraryFacts, preference: str = "auto") -> bool:
+    """Whether the provider `choose_provider` picks for this library is libtorch,
+    assuming libtorch is installed (as `inspect` reports it)."""
+    if preference != "auto":
+        return preference == LIBTORCH_NAME
+    return bool(missing_from_own_shim([facts])) or any(is_compute_kernel(name) for name in provider_imports(facts))
+
+
+def choose_provider(libraries: Iterable[bytes | memoryview | LibraryFacts], device_type: str, preference: str = "auto") -> Provider:
+    """The provider these libraries (a method's model library and call helper) run on, loaded."""
+    facts = [item if isinstance(item, LibraryFacts) else read_library_facts(item) for item in libraries]
+    check_provider(preference)
+    missing = missing_from_own_shim(facts)
+    if preference == LIBTORCH_NAME:
+        return load_libtorch_provider(device_type)
+    if preference == "shim":
+        if missing:
+            raise DeviceError(f"cuda-runner's shim lacks {_listed(missing)}, which this model library imports; run it with --provider auto or libtorch")
+        return load_own_provider(device_type)
+    computes = any(is_compute_kernel(name) for item in facts for name in provider_imports(item))
+    if not missing and (not computes or not libtorch_installed()):
+        return load_own_provider(device_type)
+    if libtorch_installed():
+        return load_libtorch_provider(device_type)
+    raise DeviceError(
+        f"this model library needs libtorch (cuda-runner's shim lacks {_listed(missing)}); "
+        "install it with: pip install 'cuda-runner[torch]', or compile the model with --standalone")
+
+
+def bind_library(library: bytes, device_type: str, preference: str = "auto") -> tuple[Provider, bytes]:
+    """The provider a model library runs on, loaded, and the bytes to load for it.
+    A library whose imports cannot be renamed safely (format.elf.rename_imports)
+    runs on libtorch where the choice was ours to make."""
+    chosen = choose_provider([library], device_type, preference)
+    try:
+        return chosen, chosen.prepare(library)
+    except BundleError:
+        if preference != "auto" or not libtorch_installed():
+            raise
+        return load_libtorch_provider(device_type), library
+
+
+def _listed(names: list[str]) -> str:
+    shown = ", ".join(names[:6])
+    return shown + (f" and {len(names) - 6} more" if len(names) > 6 else "")
+
+
+def load_libtorch_provider(device_type: str) -> Provider:
+    return Provider(LIBTORCH_NAME, load_shim(device_type), renames=False)
+
+
+_lock = threading.Lock()
+
+
+@functools.cache
+def load_own_provider(device_type: str) -> Provider:
+    """Our shim, loaded RTLD_GLOBAL once per process (its names are its own, so
+    this shadows nothing), with the CUDA runtime for CUDA libraries."""
+    with _lock:
+        path = own_shim_path()
+        if path is None:
+            raise DeviceError("cuda-runner's shim is not built in this install; reinstall cuda-runner (pip builds it), or use --provider libtorch")
+        if device_type == "cuda":
+            load_cuda_runtime()
+        try:
+            library = ctypes.CDLL(str(path), mode=os.RTLD_NOW | os.RTLD_GLOBAL)
+        except OSError as error:
+            raise DeviceError(f"cannot load cuda-runner's shim {path.name}: {error}") from error
+        last_error = library.cudarunner_shim_last_error
+        last_error.restype = ctypes.c_char_p
+        last_error.argtypes = ()
+        shim = Shim([library], library, OWN_PREFIX, "cuda-runner", lambda: (last_error() or b"").decode("utf-8", "replace"))
+        return Provider(SHIM_NAME, shim, renames=True)
+
+
+_CUDART_NAMES = ("libcudart.so.13", "libcudart.so.12")
+
+
+@functools.cache
+def load_cuda_runtime() -> str:
+    """Make the CUDA runtime's functions global, as libtorch's CUDA libraries
+    would: link_libtorch=False libraries call cudaLaunchKernel and friends
+    without naming the library that defines them. Returns the path loaded."""
+    already = ctypes.CDLL(None)
+    if hasattr(already, "cudaGetDevice"):
+        return "(already loaded)"
+    errors = []
+    for candidate in _cudart_candidates():
+        try:
+            ctypes.CDLL(candidate, mode=os.RTLD_NOW | os.RTLD_GLOBAL)
+            return candidate
+        except OSError as error:
+            errors.append(str(error))
+    raise DeviceError(
+        "cannot find the CUDA runtime (libcudart.so.13 or .12) that CUDA model libraries need; "
+        "install it with: pip install 'cuda-runner[cuda13]' (or [cuda12])")
+
+
+def _cudart_candidates() -> list[str]:
+    """Where the CUDA runtime may be: NVIDIA's pip wheels (the ones CuPy uses),
+    the CUDA toolkit, then the loader's search path."""
+    found: list[str] = []
+    for root in sys.path:
+        for pattern in ("nvidia/cu13/lib/libcudart.so.13*", "nvidia/cuda_runtime/lib/libcudart.so.1[23]*", "nvidia/cu12/lib/libcudart.so.12*"):
+            found += sorted(glob.glob(os.path.join(root, pattern)))
+    for variable in ("CUDA_HOME", "CUDA_PATH"):
+        home = os.environ.get(variable)
+        if home:
+            found += sorted(glob.glob(os.path.join(home, "lib64", "libcudart.so.1[23]")))
+    found += sorted(glob.glob("/usr/local/cuda/lib64/libcudart.so.1[23]"))
+    return found + list(_CUDART_NAMES)

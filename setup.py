@@ -1,0 +1,21 @@
+"""Builds cuda-runner's own AOTInductor shim (cuda_runner/native/aoti_shim.cpp).
+
+It is a plain shared library that the runtime loads with ctypes, built as an
+extension module so that wheels carry it and `pip install` builds it: running
+a model never needs a compiler. Everything else is in pyproject.toml.
+"""
+
+from setuptools import Extension, setup
+
+setup(
+    ext_modules=[
+        Extension(
+            "cuda_runner._aoti_shim",
+            sources=["cuda_runner/native/aoti_shim.cpp", "cuda_runner/native/vector_math.cpp"],
+            language="c++",
+            # Hidden by default: only the cudarunner_* and cr_sl_* functions are exported.
+            extra_compile_args=["-std=c++17", "-O2", "-fvisibility=hidden", "-Wno-psabi"],
+            libraries=["dl"],
+        ),
+    ],
+)
