@@ -15,6 +15,9 @@ setup(
             language="c++",
             # Hidden by default: only the cudarunner_* and cr_sl_* functions are exported.
             extra_compile_args=["-std=c++17", "-O2", "-fvisibility=hidden", "-Wno-psabi"],
+            # Only cudarunner_* and cr_sl_*: no libstdc++ template code either.
+            extra_link_args=["-Wl,--version-script=cuda_runner/native/aoti_shim.map"],
+            depends=["cuda_runner/native/aoti_shim.map"],
             libraries=["dl"],
         ),
     ],

@@ -34,6 +34,7 @@ host-to-device copies from pinned staging; compute, the model; copy_out, the dev
 timers (copy_in, preparing and wrapping the inputs; compute; copy_out, copying the outputs out and freeing handles).
 device_resident_s: wall time of one run on device arrays with no host copies, synchronized (GPU only).
 call_path: how each call reaches the library: "call helper" (one foreign call), or "ctypes: <why>".\
+provider: whose shim functions the library runs on: "cuda-runner shim" or "libtorch".\
 """
 
 HIGH_SPREAD_CV = 0.10
@@ -137,6 +138,7 @@ class BenchResult:
     gates: list[GateResult] = field(default_factory=list)
     warnings: list[str] = field(default_factory=list)
     call_path: str = ""
+    provider: str = ""
 
     @property
     def throughput(self) -> float:
@@ -174,6 +176,7 @@ class BenchResult:
             "input_bytes": self.input_bytes,
             "output_bytes": self.output_bytes,
             "call_path": self.call_path,
+            "provider": self.provider,
             "gates": [gate.to_json() for gate in self.gates],
             "verdict": self.verdict,
             "definitions": DEFINITIONS,
@@ -222,6 +225,7 @@ def _measure(request: BenchRequest, model: Model, name: str, arrays: dict[str, n
         steady=stats, timed_wall=wall, split=split, device_resident=resident,
         input_bytes=sum(array.nbytes for array in arrays.values()), output_bytes=sum(array.nbytes for array in outputs.values()),
         call_path=method.call_path,
+        provider=method.provider,
     )
     if stats.cv > HIGH_SPREAD_CV:
         result.warnings.append(f"high run-to-run spread (CV {stats.cv:.0%}): other work on this machine may be interfering; measure longer")

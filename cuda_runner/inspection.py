@@ -51,6 +51,8 @@ class MethodReport:
     not_runnable_reason: str | None
     library_check: str | None = None  # with verify: "passed", "skipped: ...", or why it failed
     call_helper: SegmentEntry | None = None
+    needs_libtorch: bool | None = None  # under provider auto; None where the library could not be read
+    provider_note: str = ""  # why
 
     def to_json(self) -> dict[str, Any]:
         spec, device = self.spec, self.spec.device
@@ -74,6 +76,8 @@ class MethodReport:
             "runnable_here": self.not_runnable_reason is None,
             "not_runnable_reason": self.not_runnable_reason,
             "library_check": self.library_check,
+            "needs_libtorch": self.needs_libtorch,
+            "provider_note": self.provider_note,
         }
 
 
@@ -206,6 +210,17 @@ def program_json(info: ProgramInfo, shim_check: dict[str, tuple[list[str] | None
     return {"data_file": None if info.data_path is None else str(info.data_path), "methods": methods, "constant_methods": dict(info.constant_methods)}
 
 
+def _provider_needs(reader: Any, spec: MethodSpec) -> tuple[bool | None, str]:
+    """Which shim provider the method's library would run on, read from its file (nothing is loaded)."""
+    from .format.elf import read_library_facts
+    from .runtime.providers import runs_on
+
+    try:
+        return runs_on(read_library_facts(reader.segment(spec.library_segment, verify=False)))
+    except (BundleError, OSError) as error:
+        return None, f"the library cannot be read: {error}"
+
+
 def runnable_problem(spec: MethodSpec) -> str | None:
     """Why this machine cannot run `spec` on the device it was built for, or None."""
     problem = incompatibility(spec, Device(spec.device.type))
@@ -224,6 +239,8 @@ def inspect_bundle(
                                call_helper=manifest.segment(spec.call_helper_segment) if spec.call_helper_segment else None)
             for name, spec in manifest.methods.items()
         }
+        for report in reports.values():
+            report.needs_libtorch, report.provider_note = _provider_needs(reader, report.spec)
         if isinstance(reader, ProgramReader):  # no signature; only SHA-256-named keys can be checked
             # Trusted keys make a signature the policy, which a program cannot meet: refused, and nothing loads.
             signature = _program_signature_report(reader, trusted_keys) if trusted_keys else None

@@ -8,6 +8,8 @@ cd "$(dirname "$0")/.."
 out="${OUT:-$PWD/gpu-out}"
 mkdir -p "$out"
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
+# cuda-runner's own shim, as pip would build it (the tree is not installed here).
+python3 setup.py build_ext --inplace -q > "$out/build-shim.log" 2>&1 || echo "building the shim failed (see build-shim.log)"
 python3 -c 'import torch, cupy, numpy, typer; print("torch", torch.__version__, "cupy", cupy.__version__, "numpy", numpy.__version__, "typer", typer.__version__, "gpu", torch.cuda.get_device_name(0))' | tee "$out/versions.txt"
 # Wheels carried to a machine without registry access (.gpu-wheels/: cryptography
 # for the signing tests, executorch and what its exporter imports), installed
@@ -51,6 +53,9 @@ PY
 if [ "${GPU_CHECKS:-1}" = 1 ]; then
   python3 -X faulthandler scripts/bench_checks.py --device cuda --output "$out/checks.json" 2>&1 | tee "$out/checks.log"
   python3 -X faulthandler scripts/bench_signing.py --device cuda --weights-gib 1 --output "$out/signing.json" 2>&1 | tee "$out/signing.log"
+fi
+if [ "${GPU_STANDALONE:-0}" = 1 ]; then
+  python3 -X faulthandler scripts/bench_standalone.py --output "$out/standalone.json" --markdown "$out/standalone.md" 2>&1 | tee "$out/standalone.log"
 fi
 if [ "${GPU_BENCH:-1}" = 1 ]; then
   python3 -X faulthandler scripts/bench_per_call.py --output "$out/per-call.json" 2>&1 | tee "$out/per-call.log"

@@ -301,6 +301,9 @@ def compile_command(
         "CPU bundles: portable (the widest of the levels below this CPU has), native (this CPU: -march=native and its best "
         "vector ISA; runs only on CPUs with all its flags), or an x86-64 level: avx512 (x86-64-v4), avx2 (x86-64-v3), "
         "scalar (x86-64, no vector code)."))] = "portable",
+    standalone: Annotated[bool, typer.Option("--standalone", help=(
+        "Compile so the library needs only cuda-runner's own shim, not libtorch, at run time (CUDA: Triton GEMMs and "
+        "convolutions); refused, naming the kernels, where the model still needs libtorch."))] = False,
 ) -> None:
     """Compile ExportedPrograms into a bundle with AOTInductor."""
     from ..runtime.devices import parse_device
@@ -330,7 +333,8 @@ def compile_command(
     call_helper = call_helper and _built_call_helper() is not None  # says why once, where it cannot be built
     with _native_stderr():
         manifest = compile_programs(programs, output, device=device, metadata=metadata, sample_inputs=arrays, progress=_progress,
-                                    options=parse.option_values(option, autotune), call_helper=call_helper, cpu_target=cpu_target)
+                                    options=parse.option_values(option, autotune), call_helper=call_helper, cpu_target=cpu_target,
+                                    standalone=standalone)
     signed = _sign(output, sign_key)
     if not _State.quiet:
         _out().line(printable(f"wrote {output}: {', '.join(manifest.methods)} for {device}{signed}"))
@@ -425,10 +429,21 @@ ShapeOption = Annotated[list[str], typer.Option("--shape", metavar="INPUT=DIMS",
 RangeOption = Annotated[list[str], typer.Option(
     "--range", metavar="INPUT=LO:HI", help="Value range for --random-inputs (default -1:1 for floats, 0:2 for integers).")]
 SkipDigestOption = Annotated[bool, typer.Option("--skip-weights-digest", help="Do not re-check the weights digest (the library is always checked).")]
-CudaGraphOption = Annotated[bool, typer.Option("--cuda-graph", help="Capture the (static-shape) method into a CUDA graph and replay it; imports torch.")]
+CudaGraphOption = Annotated[bool, typer.Option("--cuda-graph", help=(
+    "Capture the (static-shape) method into a CUDA graph and replay it (imports torch for libraries on libtorch)."))]
 TrustedKeyOption = Annotated[list[str], typer.Option("--trusted-key", metavar="PUBLIC.pem", help=(
     "Refuse the bundle unless BUNDLE.sig was made by this key (repeatable; CUDA_RUNNER_TRUSTED_KEYS adds more)."))]
 RequireSignatureOption = Annotated[bool, typer.Option("--require-signature", help="Fail if no trusted key is configured at all.")]
+ProviderOption = Annotated[Optional[str], typer.Option("--provider", metavar="auto|shim|libtorch", help=(
+    "Whose shim functions the model library runs on: auto (cuda-runner's own where it serves the library and no libtorch "
+    "kernel is wanted), shim (no libtorch in the process), libtorch (default: CUDA_RUNNER_PROVIDER, else auto)."))]
+
+
+def _use_provider(provider: str | None) -> None:
+    if provider is not None:
+        from ..runtime.providers import set_default_provider
+
+        set_default_provider(provider)
 
 
 def _trusted_keys(paths: list[str], require: bool) -> tuple[Any, ...]:
@@ -484,6 +499,7 @@ def run_command(
     cuda_graph: CudaGraphOption = False,
     trusted_key: TrustedKeyOption = [],  # noqa: B006
     require_signature: RequireSignatureOption = False,
+    provider: ProviderOption = None,
     batch: Annotated[Optional[str], typer.Option("--batch", metavar="DIR", help=(
         "Run every input set in DIR (NAME.npz files, or NAME/ folders of INPUT.npy) into --out-dir OUT/NAME/."))] = None,
     out_format: Annotated[str, typer.Option("--out-format", metavar="npy|npz", help="With --batch: OUT/NAME/<output>.npy, or OUT/NAME.npz.")] = "npy",
@@ -501,6 +517,7 @@ def run_command(
     from ..io.outputs import OutputPlan
     from ..running import RunRequest, run_bundle
 
+    _use_provider(provider)
     if batch is not None:
         parse.exclusive(batch=True, inputs=inputs, random_inputs=random_inputs, self_test=self_test, out=out, expected=expected,
                         save_inputs=save_inputs)
@@ -571,10 +588,12 @@ def bench_command(
     cuda_graph: CudaGraphOption = False,
     trusted_key: TrustedKeyOption = [],  # noqa: B006
     require_signature: RequireSignatureOption = False,
+    provider: ProviderOption = None,
 ) -> None:
     """Measure load time, first run and steady-state latency, split into copies and compute (random inputs unless --inputs)."""
     from ..bench import BenchRequest, Gates, benchmark
 
+    _use_provider(provider)
     parse.positive(duration, "--duration")
     for value, option in ((max_p50_ms, "--max-p50-ms"), (max_p99_ms, "--max-p99-ms"), (min_throughput, "--min-throughput"), (max_load_s, "--max-load-s")):
         parse.positive(value, option)

@@ -221,6 +221,8 @@ def _method_lines(name: str, report: Any) -> list[str]:
             lines.append(f"  {role}: {human_bytes(entry.size)}  {entry.digest}")
     if device.type == "cpu" and device.cpu_flags:
         lines.append(clean(f"  needs CPU flags: {' '.join(device.cpu_flags)}"))
+    if report.needs_libtorch is not None:
+        lines.append(clean(f"  runs on: {report.provider_note}"))
     lines += _wiring_lines(spec)
     lines.append(f"  samples: {'yes' if spec.has_samples else 'no'}")
     if report.library_check is not None:
@@ -302,7 +304,7 @@ def bench_lines(result: Any) -> list[str]:
             for label, stats in rows]
     lines += table(headers, body, "  ")
     lines.append(f"throughput: {result.throughput:.1f} runs/s ({result.steady.count} runs in {result.timed_wall:.3f} s)")
-    lines.append(clean(f"calls: {result.call_path}"))
+    lines.append(clean(f"calls: {result.call_path}; shim: {result.provider}"))
     lines.append("split: CUDA-event device time per phase on a GPU, host timers on CPU; see --json 'definitions'")
     lines += [gate.describe() for gate in result.gates]
     return lines
@@ -322,4 +324,5 @@ def devices_lines(result: Any) -> list[str]:
     else:
         lines.append("no CUDA driver found")
     lines.append(f"libtorch: {result.libtorch or 'not installed'}")
+    lines.append(f"cuda-runner shim: {result.own_shim or 'not built in this install'}")
     return lines

@@ -66,6 +66,7 @@ def compile_module(
     options: Mapping[str, Any] | None = None,
     call_helper: bool = True,
     cpu_target: str = DEFAULT_CPU_TARGET,
+    standalone: bool = False,
 ) -> Manifest:
     """Export `module` with example `args` and compile it into a one-method bundle.
 
@@ -73,7 +74,9 @@ def compile_module(
     AUTOTUNE_OPTIONS); they are recorded in the manifest. `call_helper` builds
     the native helper that makes each call one foreign call (needs a C compiler;
     without one the bundle is written without it). `cpu_target` (CPU bundles):
-    "native" (the build CPU), or a portable level "avx512", "avx2", "scalar"."""
+    "native" (the build CPU), or a portable level "avx512", "avx2", "scalar".
+    `standalone`: compile so that the library needs only cuda-runner's own shim
+    (no libtorch at run time); refused where a kernel still needs libtorch."""
     torch = import_torch()
     target = check_device(torch, device)
     if target != "cpu":
@@ -84,7 +87,7 @@ def compile_module(
     source = export_module(module, args, kwargs, dynamic_shapes)
     source = MethodSource(source.program, source.dim_names, sample_inputs)
     return compile_sources({method: source}, path, device=target, metadata=metadata, progress=progress, options=options, call_helper=call_helper,
-                           cpu_target=cpu_target)
+                           cpu_target=cpu_target, standalone=standalone)
 
 
 def compile_programs(
@@ -98,6 +101,7 @@ def compile_programs(
     options: Mapping[str, Any] | None = None,
     call_helper: bool = True,
     cpu_target: str = DEFAULT_CPU_TARGET,
+    standalone: bool = False,
 ) -> Manifest:
     """Compile saved ExportedPrograms (torch.export.save) into one bundle; keys are method names."""
     check_destination(Path(path))
@@ -110,7 +114,7 @@ def compile_programs(
         samples = (sample_inputs or {}).get(method)
         sources[method] = MethodSource(program, None, samples)
     return compile_sources(sources, path, device=target, metadata=metadata, progress=progress, options=options, call_helper=call_helper,
-                           cpu_target=cpu_target)
+                           cpu_target=cpu_target, standalone=standalone)
 
 
 def _load_program(torch: Any, path: Path) -> Any:
@@ -133,6 +137,7 @@ def compile_sources(
     options: Mapping[str, Any] | None = None,
     call_helper: bool = True,
     cpu_target: str = DEFAULT_CPU_TARGET,
+    standalone: bool = False,
 ) -> Manifest:
     """Compile each method and write the bundle atomically."""
     check_destination(Path(path))  # before minutes of compiling, not after
@@ -148,7 +153,7 @@ def compile_sources(
         problem = method_name_problem(method)
         if problem:
             raise InputError(f"method name {method!r} {problem}")
-        spec, method_segments = _compile_method(torch, method, source, device, progress, user_options, cpu_target)
+        spec, method_segments = _compile_method(torch, method, source, device, progress, user_options, cpu_target, standalone)
         methods[method] = spec
         segments.update(method_segments)
     features = ["samples"] if any(spec.has_samples for spec in methods.values()) else []
@@ -182,7 +187,7 @@ def with_call_helper(methods: Mapping[str, MethodSpec], segments: dict[str, Any]
 
 def _compile_method(
     torch: Any, method: str, source: MethodSource, device: str, progress: Progress, options: Mapping[str, Any],
-    cpu_target: str = DEFAULT_CPU_TARGET,
+    cpu_target: str = DEFAULT_CPU_TARGET, standalone: bool = False,
 ) -> tuple[MethodSpec, dict[str, bytes]]:
     program = source.program
     if device != "cpu":
@@ -193,7 +198,7 @@ def _compile_method(
     mutated_inputs = set(program.graph_signature.user_inputs_to_mutate.values())
     args, kwargs = _example_inputs(program, device)
     progress(f"compiling method {method!r} for {device}")
-    compiled = compile_program(program, args, kwargs, device, progress, options, cpu_target)
+    compiled = compile_program(program, args, kwargs, device, progress, options, cpu_target, standalone)
     segments = {f"{method}_so_blob": compiled.library, f"{method}_weights_blob": compiled.weights}
     spec = MethodSpec(
         name=method,

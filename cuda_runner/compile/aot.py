@@ -41,6 +41,16 @@ SELF_CONTAINED_OPTIONS: dict[str, Any] = {
 # of its generated kernels, picking the fastest on this GPU.
 AUTOTUNE_OPTIONS: dict[str, Any] = {"max_autotune": True, "coordinate_descent_tuning": True}
 
+# `compile --standalone` (CUDA): GEMMs and convolutions from Inductor's Triton
+# templates instead of cuBLAS/cuDNN extern kernels, as ExecuTorch's CUDA
+# backend compiles, so the library imports only tensor basics, which
+# cuda-runner's own shim provides (attention is lowered with SDPA's math
+# backend while compiling, for the same reason). CPU libraries need nothing
+# extra: the shim has plain GEMMs and lane-wise vector math for them.
+STANDALONE_CUDA_OPTIONS: dict[str, Any] = {
+    "max_autotune": True, "max_autotune_gemm_backends": "TRITON", "max_autotune_conv_backends": "TRITON",
+}
+
 # What the runtime relies on: a user option may not change these.
 _PROTECTED_OPTIONS = frozenset(SELF_CONTAINED_OPTIONS) | {"aot_inductor.output_path", "cpp.cxx", "aot_inductor.check_lowerbound"}
 
@@ -144,12 +154,13 @@ def check_cpu_target(target: str) -> str:
 
 def compile_program(
     program: Any, example_args: tuple, example_kwargs: Mapping[str, Any], device: str, progress: Progress,
-    user_options: Mapping[str, Any] | None = None, cpu_target: str = DEFAULT_CPU_TARGET,
+    user_options: Mapping[str, Any] | None = None, cpu_target: str = DEFAULT_CPU_TARGET, standalone: bool = False,
 ) -> CompiledLibrary:
     """Compile an ExportedProgram that already lives on `device`."""
     torch = import_torch()
     work_dir = Path(tempfile.mkdtemp(prefix="cuda-runner-compile-"))
-    options = {**(user_options or {}), **SELF_CONTAINED_OPTIONS, "aot_inductor.output_path": str(work_dir)}
+    profile = STANDALONE_CUDA_OPTIONS if standalone and device != "cpu" else {}
+    options = {**profile, **(user_options or {}), **SELF_CONTAINED_OPTIONS, "aot_inductor.output_path": str(work_dir)}
     cpu_build: _CpuBuild | None = None
     try:
         cpu_target = check_cpu_target(cpu_target) if device == "cpu" else cpu_target
@@ -167,13 +178,18 @@ def compile_program(
             options["aot_inductor.check_lowerbound"] = False
         progress("compiling with AOTInductor (this takes tens of seconds)")
         try:
-            library_path = Path(torch._inductor.aot_compile(program.module(), example_args, dict(example_kwargs), options=options))
+            with _math_attention(torch) if standalone else contextlib.nullcontext():
+                library_path = Path(torch._inductor.aot_compile(program.module(), example_args, dict(example_kwargs), options=options))
         except Exception as error:  # inductor raises many types; report one line
             raise CompileError(f"AOTInductor compile failed: {type(error).__name__}: {_first_line(error)}") from error
+        if standalone:
+            _check_standalone(library_path.read_bytes())
         weights_path = library_path.with_name(library_path.name[: -len(".so")] + "_weights.blob")
         metadata = _sidecar_metadata(library_path)
         recorded = {key: value for key, value in options.items() if key not in ("aot_inductor.output_path", "cpp.cxx")}
         recorded["cxx_flags"] = list(EXTRA_CXX_FLAGS)
+        if standalone:
+            recorded["standalone"] = True
         if cpu_build is not None:
             recorded["cpu_target"] = cpu_target
             recorded["cpu_build_flags"] = list(cpu_build.flags)
@@ -188,6 +204,25 @@ def compile_program(
         )
     finally:
         shutil.rmtree(work_dir, ignore_errors=True)
+
+
+def _math_attention(torch: Any) -> Any:
+    """SDPA lowered from its math form (no flash/efficient-attention extern kernel)."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    return sdpa_kernel([SDPBackend.MATH])
+
+
+def _check_standalone(library: bytes) -> None:
+    """Refuse a --standalone library that still imports what only libtorch provides."""
+    from ..format.elf import read_library_facts
+    from ..runtime.providers import missing_from_own_shim
+
+    missing = missing_from_own_shim([read_library_facts(library)])
+    if missing:
+        shown = ", ".join(missing[:8]) + (f" and {len(missing) - 8} more" if len(missing) > 8 else "")
+        raise CompileError(f"--standalone: the compiled library still needs {shown} from libtorch, which cuda-runner's shim does not provide; "
+                           "compile without --standalone to run it on libtorch")
 
 
 @dataclass(frozen=True)

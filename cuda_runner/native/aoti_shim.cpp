@@ -20,6 +20,7 @@
  * thread (cudarunner_shim_last_error).
  */
 #include <dlfcn.h>
+#include <pthread.h>
 
 #include <atomic>
 #include <cmath>
@@ -110,6 +111,7 @@ struct Driver {
   CUresult (*cuMemcpyAsync)(CUdeviceptr, CUdeviceptr, size_t, CUstream);
   CUresult (*cuMemsetD8Async)(CUdeviceptr, unsigned char, size_t, CUstream);
   CUresult (*cuStreamSynchronize)(CUstream);
+  CUresult (*cuCtxSynchronize)();
   CUresult (*cuDeviceGetDefaultMemPool)(CUmemoryPool *, CUdevice);
   CUresult (*cuMemPoolSetAttribute)(CUmemoryPool, int, void *);
   CUresult (*cuGetErrorString)(CUresult, const char **);
@@ -117,7 +119,7 @@ struct Driver {
 };
 
 Driver driver;
-std::once_flag driver_once;
+pthread_once_t driver_once = PTHREAD_ONCE_INIT;
 
 template <typename Function>
 bool bind(void *library, const char *name, Function *slot) {
@@ -143,6 +145,7 @@ void load_driver() {
             bind(library, "cuMemcpyAsync", &driver.cuMemcpyAsync) &&
             bind(library, "cuMemsetD8Async", &driver.cuMemsetD8Async) &&
             bind(library, "cuStreamSynchronize", &driver.cuStreamSynchronize) &&
+            bind(library, "cuCtxSynchronize", &driver.cuCtxSynchronize) &&
             bind(library, "cuDeviceGetDefaultMemPool", &driver.cuDeviceGetDefaultMemPool) &&
             bind(library, "cuMemPoolSetAttribute", &driver.cuMemPoolSetAttribute) &&
             bind(library, "cuGetErrorString", &driver.cuGetErrorString);
@@ -170,7 +173,7 @@ std::mutex primary_lock;
 // Make the device's primary context current on this thread (the context the
 // CUDA runtime, and so the model library and CuPy, use), once per thread.
 Status use_device(int32_t index) {
-  std::call_once(driver_once, load_driver);
+  pthread_once(&driver_once, load_driver);
   if (!driver.loaded) return fail("%s", driver.error.c_str());
   if (index < 0 || index >= kMaxDevices) return fail("CUDA device index %d is out of range", index);
   CUcontext current = nullptr;
@@ -245,8 +248,11 @@ void release_storage(Storage *storage) {
       // the stream it was allocated on: after the work that used it.
       CUstream stream = stream_for(storage->device_index);
       if (stream == nullptr) stream = storage->stream;
-      if (use_device(storage->device_index) == kOk)
-        driver.cuMemFreeAsync(reinterpret_cast<CUdeviceptr>(storage->data), stream);
+      CUdeviceptr pointer = reinterpret_cast<CUdeviceptr>(storage->data);
+      // The allocating stream may be gone (a lane closed before an output it
+      // made was dropped): then wait for all work and free on the legacy stream.
+      if (use_device(storage->device_index) == kOk && driver.cuMemFreeAsync(pointer, stream) != 0 && driver.cuCtxSynchronize() == 0)
+        driver.cuMemFreeAsync(pointer, nullptr);
     } else {
       free(storage->data);
     }

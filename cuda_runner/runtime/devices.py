@@ -200,6 +200,7 @@ class DevicesResult:
     cuda_driver: str | None = None  # the CUDA version the driver supports
     cuda_runtime: str | None = None  # CuPy's CUDA runtime, if CuPy is installed
     libtorch: str | None = None  # the torch whose libraries the runtime loads
+    own_shim: str | None = None  # cuda-runner's shim library, where it is built
 
     def to_json(self) -> dict[str, Any]:
         from ..report.schema import SCHEMAS
@@ -211,6 +212,7 @@ class DevicesResult:
             "cuda_driver": self.cuda_driver,
             "cuda_runtime": self.cuda_runtime,
             "libtorch": self.libtorch,
+            "own_shim": self.own_shim,
         }
 
 
@@ -237,6 +239,13 @@ def _cuda_runtime_version() -> str | None:
     return f"{value // 1000}.{value % 1000 // 10}"
 
 
+def _own_shim() -> str | None:
+    from .providers import own_shim_path
+
+    path = own_shim_path()
+    return None if path is None else path.name
+
+
 def libtorch_version() -> str | None:
     """torch's version, read from its version.py without importing torch."""
     import importlib.util
@@ -259,7 +268,7 @@ def libtorch_version() -> str | None:
 def describe_devices() -> DevicesResult:
     import os
 
-    result = DevicesResult(_cpu_model(), os.cpu_count() or 1, sorted(cpu_isa_flags()), libtorch=libtorch_version())
+    result = DevicesResult(_cpu_model(), os.cpu_count() or 1, sorted(cpu_isa_flags()), libtorch=libtorch_version(), own_shim=_own_shim())
     driver = _driver()
     if driver is not None:
         result.cuda_driver = driver.version()

@@ -2,14 +2,22 @@
 
 One Run is captured into a CUDA graph with static input buffers; each call then
 copies the inputs into those buffers, replays the graph and copies the outputs
-out of the addresses the capture left them at. The outputs are allocated by
-libtorch's caching allocator, which must switch to a private graph pool while
-capturing; that switch is reachable only through torch's Python module, so this
-path imports torch (about 3.6 s, once) where the plain path does not.
+out of the addresses the capture left them at.
+
+Who allocates the Run's tensors decides how to capture:
+- libtorch: its caching allocator must switch to a private graph pool while
+  capturing; that switch is reachable only through torch's Python module, so
+  this path imports torch (about 3.6 s, once).
+- cuda-runner's shim: it allocates stream-ordered (cuMemAllocAsync) on the
+  capturing stream, so allocations become the graph's own memory nodes, and
+  the graph is captured and replayed through the CUDA driver API with no
+  torch at all. Instantiated with auto-free-on-launch, each replay frees the
+  last replay's outputs and allocates them again at the same addresses.
 """
 
 from __future__ import annotations
 
+import ctypes
 from typing import Any
 
 import numpy as np
@@ -31,9 +39,6 @@ class CudaGraphExecutor(Executor):
     def __init__(self, executor: CudaExecutor, container: Container, spec: MethodSpec):
         if spec.dims or any(not isinstance(entry, int) for tensor in (*spec.inputs, *spec.outputs) for entry in tensor.shape):
             raise InputError(f"a CUDA graph needs static shapes; method {spec.name!r} has dynamic dimensions", subject="cuda_graph")
-        import torch
-
-        self._torch = torch
         self._executor = executor
         self._container = container
         self._dtypes = [tensor.dtype for tensor in spec.inputs]
@@ -41,8 +46,8 @@ class CudaGraphExecutor(Executor):
         self._nbytes = [int(np.prod(shape, dtype=np.int64)) * numpy_dtype(dtype).itemsize for dtype, shape in zip(self._dtypes, self._shapes)]
         # Static input buffers: the captured kernels read these addresses on every replay.
         self._inputs = [executor.device_buffers.get(("graph", index), nbytes) for index, nbytes in enumerate(self._nbytes)]
-        self._stream = torch.cuda.ExternalStream(executor.stream.ptr, device=torch.device("cuda", executor.device_index))
-        self._graph = torch.cuda.CUDAGraph()
+        self._graph: _TorchGraph | _DriverGraph = (
+            _TorchGraph(executor.stream.ptr, executor.device_index) if executor.shim.label == "libtorch" else _DriverGraph(executor.stream.ptr))
         self._outputs = self._capture()
         describe = Describer(executor.shim)
         self._views = [describe(handle) for handle in self._outputs.handles]
@@ -55,17 +60,11 @@ class CudaGraphExecutor(Executor):
         ]
 
     def _capture(self) -> OwnedHandles:
-        torch, stream = self._torch, self._stream
-        shim = self._executor.shim
-        with torch.cuda.device(self._executor.device_index), torch.cuda.stream(stream):
-            for _ in range(_WARMUP_RUNS):  # kernels are loaded by the first runs, outside the capture
-                OwnedHandles(shim, self._container.run(self._handles(), stream.cuda_stream, single_threaded=True)).release()
-            stream.synchronize()
-            try:
-                with torch.cuda.graph(self._graph, stream=stream):
-                    handles = self._container.run(self._handles(), stream.cuda_stream, single_threaded=True)
-            except RuntimeError as error:
-                raise ModelRuntimeError(f"CUDA graph capture failed: {str(error).splitlines()[0]}") from error
+        shim, stream = self._executor.shim, self._executor.stream
+        for _ in range(_WARMUP_RUNS):  # kernels are loaded by the first runs, outside the capture
+            OwnedHandles(shim, self._container.run(self._handles(), stream.ptr, single_threaded=True)).release()
+        stream.synchronize()
+        handles = self._graph.capture(lambda: self._container.run(self._handles(), stream.ptr, single_threaded=True))
         return OwnedHandles(shim, handles)
 
     def run(self, container: Container, dtypes: list[str], arrays: list[np.ndarray], phases: dict[str, float] | None = None) -> list[np.ndarray]:
@@ -73,8 +72,7 @@ class CudaGraphExecutor(Executor):
         executor.use_device()
         for index, (address, array) in enumerate(zip(self._inputs, arrays)):
             executor.upload(index, array, destination=address)
-        with self._torch.cuda.stream(self._stream):
-            self._graph.replay()
+        self._graph.replay()
         staged = [executor.download(index, view) for index, view in enumerate(self._views)]
         executor.stream.synchronize()
         return [gather(buffer, view) for buffer, view in zip(staged, self._views)]
@@ -88,3 +86,77 @@ class CudaGraphExecutor(Executor):
         self._outputs.release()
         self._graph.reset()
         self._executor.close()
+
+
+class _TorchGraph:
+    """Capture through torch, for libraries bound to libtorch (its allocator's graph pool)."""
+
+    def __init__(self, stream: int, device_index: int):
+        import torch
+
+        self._torch = torch
+        self._device_index = device_index
+        self._stream = torch.cuda.ExternalStream(stream, device=torch.device("cuda", device_index))
+        self._graph = torch.cuda.CUDAGraph()
+
+    def capture(self, run: Any) -> list[int]:
+        torch = self._torch
+        with torch.cuda.device(self._device_index), torch.cuda.stream(self._stream):
+            try:
+                with torch.cuda.graph(self._graph, stream=self._stream):
+                    return list(run())
+            except RuntimeError as error:
+                raise ModelRuntimeError(f"CUDA graph capture failed: {str(error).splitlines()[0]}") from error
+
+    def replay(self) -> None:
+        with self._torch.cuda.stream(self._stream):
+            self._graph.replay()
+
+    def reset(self) -> None:
+        self._graph.reset()
+
+
+_CAPTURE_MODE_RELAXED = 2  # CU_STREAM_CAPTURE_MODE_RELAXED: other threads may go on using CUDA
+_AUTO_FREE_ON_LAUNCH = 1  # CUDA_GRAPH_INSTANTIATE_FLAG_AUTO_FREE_ON_LAUNCH
+
+
+class _DriverGraph:
+    """Capture and replay through the CUDA driver API, for libraries on cuda-runner's shim."""
+
+    def __init__(self, stream: int):
+        self._driver = ctypes.CDLL("libcuda.so.1")
+        self._stream = ctypes.c_void_p(stream)
+        self._graph = ctypes.c_void_p()
+        self._exec = ctypes.c_void_p()
+
+    def _call(self, name: str, *arguments: Any) -> None:
+        status = getattr(self._driver, name)(*arguments)
+        if status != 0:
+            message = ctypes.c_char_p()
+            self._driver.cuGetErrorString(status, ctypes.byref(message))
+            raise ModelRuntimeError(f"CUDA graph: {name} failed: CUDA error {status} ({(message.value or b'unknown').decode()})")
+
+    def capture(self, run: Any) -> list[int]:
+        self._call("cuStreamBeginCapture_v2", self._stream, ctypes.c_int(_CAPTURE_MODE_RELAXED))
+        try:
+            handles = list(run())
+        except BaseException:
+            graph = ctypes.c_void_p()
+            self._driver.cuStreamEndCapture(self._stream, ctypes.byref(graph))  # leave the stream usable
+            if graph.value:
+                self._driver.cuGraphDestroy(graph)
+            raise
+        self._call("cuStreamEndCapture", self._stream, ctypes.byref(self._graph))
+        self._call("cuGraphInstantiateWithFlags", ctypes.byref(self._exec), self._graph, ctypes.c_ulonglong(_AUTO_FREE_ON_LAUNCH))
+        return handles
+
+    def replay(self) -> None:
+        self._call("cuGraphLaunch", self._exec, self._stream)
+
+    def reset(self) -> None:
+        if self._exec.value:
+            self._driver.cuGraphExecDestroy(self._exec)
+            self._exec = ctypes.c_void_p()
+        if self._graph.value:
+            self._driver.cuGraphDestroy(self._graph)
+            self._graph = ctypes.c_void_p()

@@ -13,12 +13,13 @@ Each library is bound to one provider, chosen before it is loaded, and both
 providers can serve libraries in one process.
 
 The choice (`choose_provider`), for `provider="auto"`:
-- our shim when it provides every function the library imports, and either the
-  library calls no compute kernel from its provider (it only creates, views and
-  copies tensors: every library compiled with `compile --standalone`) or
-  libtorch is not installed;
-- libtorch otherwise (its GEMM and convolution kernels are faster than the
-  plain ones our shim has for the CPU);
+- CPU libraries: our shim when it provides every function the library imports,
+  and either the library calls no compute kernel from its provider or libtorch
+  is not installed; libtorch otherwise (its GEMM and convolution kernels are
+  faster than the plain ones our shim has);
+- CUDA libraries: libtorch. Our shim serves them only when asked for
+  (`provider="shim"`): on the H200 machine, creating a container of a CUDA
+  library bound to it still crashes the process (docs/standalone.md, "Status");
 - refused, with the functions our shim lacks, when neither can serve.
 """
 
@@ -66,9 +67,19 @@ class Provider:
         return self.name == LIBTORCH_NAME
 
 
+_default: list[str] = []  # set by the CLI's --provider
+
+
+def set_default_provider(name: str) -> None:
+    """The provider for loads that name none (the CLI's --provider)."""
+    _default[:] = [check_provider(name)]
+
+
 def default_provider(name: str | None) -> str:
-    """`name`, or CUDA_RUNNER_PROVIDER, or "auto"."""
-    return check_provider(name if name is not None else os.environ.get("CUDA_RUNNER_PROVIDER") or "auto")
+    """`name`, else the default set by set_default_provider, else CUDA_RUNNER_PROVIDER, else "auto"."""
+    if name is None:
+        name = _default[0] if _default else os.environ.get("CUDA_RUNNER_PROVIDER") or "auto"
+    return check_provider(name)
 
 
 def check_provider(name: str) -> str:
@@ -125,12 +136,17 @@ def libtorch_installed() -> bool:
     return importlib.util.find_spec("torch") is not None
 
 
-def needs_libtorch(facts: LibraryFacts, preference: str = "auto") -> bool:
-    """Whether the provider `choose_provider` picks for this library is libtorch,
-    assuming libtorch is installed (as `inspect` reports it)."""
-    if preference != "auto":
-        return preference == LIBTORCH_NAME
-    return bool(missing_from_own_shim([facts])) or any(is_compute_kernel(name) for name in provider_imports(facts))
+def runs_on(facts: LibraryFacts) -> tuple[bool, str]:
+    """(needs libtorch, where it runs and why), as `inspect` reports a library under provider auto."""
+    missing = missing_from_own_shim([facts])
+    if missing:
+        return True, f"libtorch (cuda-runner's shim lacks {_listed(missing)})"
+    if facts.uses_cuda:
+        return True, "libtorch (cuda-runner's shim has every function it imports, but runs CUDA libraries only with --provider shim, experimental)"
+    kernels = sorted(name for name in provider_imports(facts) if is_compute_kernel(name))
+    if kernels:
+        return False, f"libtorch where it is installed, for its {_listed(kernels)}; else cuda-runner's shim (no torch needed)"
+    return False, "cuda-runner's shim (no torch needed)"
 
 
 def choose_provider(libraries: Iterable[bytes | memoryview | LibraryFacts], device_type: str, preference: str = "auto") -> Provider:
@@ -145,7 +161,7 @@ def choose_provider(libraries: Iterable[bytes | memoryview | LibraryFacts], devi
             raise DeviceError(f"cuda-runner's shim lacks {_listed(missing)}, which this model library imports; run it with --provider auto or libtorch")
         return load_own_provider(device_type)
     computes = any(is_compute_kernel(name) for item in facts for name in provider_imports(item))
-    if not missing and (not computes or not libtorch_installed()):
+    if device_type == "cpu" and not missing and (not computes or not libtorch_installed()):
         return load_own_provider(device_type)
     if libtorch_installed():
         return load_libtorch_provider(device_type)

@@ -1,0 +1,345 @@
+"""cuda-runner's own shim against libtorch and eager PyTorch, on a GPU machine.
+
+For five small models (MLP, conv+BN, fp32 attention, embedding+argmax, bf16 MLP):
+1. compile each twice with the CLI, `--standalone` and the default (libtorch
+   kernels), in parallel;
+2. run every standalone bundle in processes where `import torch` fails (a
+   sitecustomize blocks it), through the CLI and the Python API, and compare
+   with eager PyTorch; check that no libtorch library is mapped;
+3. cold `run` of a standalone bundle beside the default bundle, eager torch and
+   `python -c "import numpy"`;
+4. per call, in one process: standalone (shim), default (libtorch) and eager,
+   on host arrays and on device arrays + synchronize;
+5. CUDA graphs: standalone without torch beside the default bundle's torch graph;
+6. a real ExecuTorch program (the G3 fixture) without torch.
+
+    python3 scripts/bench_standalone.py --output standalone.json --markdown standalone.md
+"""
+
+from __future__ import annotations
+
+import argparse
+import concurrent.futures
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parent.parent
+BLOCK_TORCH = "import sys\nsys.modules['torch'] = None  # `import torch` fails in this process\n"
+
+
+def models():
+    import torch
+
+    torch.manual_seed(0)
+
+    class Mlp(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a, self.norm, self.b = torch.nn.Linear(16, 256), torch.nn.LayerNorm(256), torch.nn.Linear(256, 8)
+
+        def forward(self, x):
+            return self.b(torch.nn.functional.gelu(self.norm(self.a(x))))
+
+    class Conv(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.c1, self.bn, self.c2 = torch.nn.Conv2d(3, 16, 3, padding=1), torch.nn.BatchNorm2d(16), torch.nn.Conv2d(16, 16, 3, padding=1)
+
+        def forward(self, x):
+            return self.c2(torch.relu(self.bn(self.c1(x)))).mean(dim=(2, 3))
+
+    class Attention(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.qkv, self.out = torch.nn.Linear(64, 192), torch.nn.Linear(64, 64)
+
+        def forward(self, x):
+            q, k, v = self.qkv(x).view(x.shape[0], x.shape[1], 3, 4, 16).permute(2, 0, 3, 1, 4)
+            y = torch.nn.functional.scaled_dot_product_attention(q, k, v)
+            return self.out(y.transpose(1, 2).reshape(x.shape))
+
+    class Embed(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.table, self.head = torch.nn.Embedding(100, 32), torch.nn.Linear(32, 10)
+
+        def forward(self, ids):
+            logits = self.head(self.table(ids).mean(dim=1))
+            return logits, logits.argmax(dim=-1)
+
+    bf16 = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.GELU(), torch.nn.Linear(64, 16)).to(torch.bfloat16)
+    return {
+        "mlp": (Mlp(), (torch.randn(32, 16),)),
+        "conv": (Conv(), (torch.randn(2, 3, 32, 32),)),
+        "attention": (Attention(), (torch.randn(2, 64, 64),)),
+        "embedding": (Embed(), (torch.randint(0, 100, (4, 12)),)),
+        "bf16_mlp": (bf16, (torch.randn(8, 32).to(torch.bfloat16),)),
+    }
+
+
+def to_numpy(tensor):
+    import torch
+
+    if tensor.dtype == torch.bfloat16:
+        import ml_dtypes
+
+        return tensor.float().cpu().numpy().astype(ml_dtypes.bfloat16)
+    return tensor.detach().cpu().numpy()
+
+
+def prepare(work: Path) -> dict[str, dict]:
+    import torch
+
+    cases = {}
+    for name, (module, args) in models().items():
+        module = module.eval().cuda()
+        args = tuple(arg.cuda() for arg in args)
+        with torch.no_grad():
+            eager = module(*args)
+        eager = eager if isinstance(eager, tuple) else (eager,)
+        program = torch.export.export(module, args)
+        torch.export.save(program, work / f"{name}.pt2")
+        inputs = {name: to_numpy(arg) for name, arg in zip(program.graph_signature.user_inputs, args)}
+        np.savez(work / f"{name}-in.npz", **inputs)
+        np.savez(work / f"{name}-ref.npz", **{f"output_{i}": to_numpy(value) for i, value in enumerate(eager)})
+        cases[name] = {"module": module, "args": args, "inputs": inputs}
+    return cases
+
+
+def cli(*arguments: str, env: dict | None = None, timeout: float = 900) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "cuda_runner", *arguments], capture_output=True, text=True, env=env, timeout=timeout)
+
+
+def compile_all(work: Path, names: list[str]) -> dict[str, dict]:
+    jobs = {}
+    with concurrent.futures.ThreadPoolExecutor(max_workers=2 * len(names)) as pool:
+        for name in names:
+            for kind, extra in (("standalone", ["--standalone"]), ("default", [])):
+                started = time.perf_counter()
+                future = pool.submit(cli, "compile", str(work / f"{name}.pt2"), "--device", "cuda", "-o", str(work / f"{name}-{kind}.bundle"), *extra)
+                jobs[(name, kind)] = (future, started)
+        results: dict[str, dict] = {name: {} for name in names}
+        for (name, kind), (future, started) in jobs.items():
+            done = future.result()
+            results[name][kind] = {"ok": done.returncode == 0, "seconds": round(time.perf_counter() - started, 1),
+                                   "error": done.stderr.strip().splitlines()[-1] if done.returncode else None}
+    return results
+
+
+def no_torch_env(work: Path) -> dict:
+    blocker = work / "no-torch"
+    blocker.mkdir(exist_ok=True)
+    (blocker / "sitecustomize.py").write_text(BLOCK_TORCH)
+    env = dict(os.environ)
+    env["PYTHONPATH"] = f"{blocker}:{ROOT}:{env.get('PYTHONPATH', '')}"
+    return env
+
+
+PROBE = r'''
+import json, sys, numpy as np
+import cuda_runner
+path, inputs, graph = sys.argv[1], sys.argv[2], sys.argv[3] == "1"
+model = cuda_runner.load(path, provider="shim", cuda_graph=graph)
+arrays = dict(np.load(inputs))
+outputs = model.run(arrays)
+import time
+times = []
+for _ in range(300):
+    started = time.perf_counter(); model.run(arrays); times.append(time.perf_counter() - started)
+maps = open("/proc/self/maps").read()
+np.savez(sys.argv[4], **outputs)
+print(json.dumps({"provider": model.method().provider, "libtorch_mapped": "libtorch" in maps, "torch_imported": sys.modules.get("torch") is not None,
+                  "median_us": sorted(times)[150] * 1e6, "p10_us": sorted(times)[30] * 1e6, "p90_us": sorted(times)[270] * 1e6}))
+'''
+
+
+def check_without_torch(work: Path, names: list[str], env: dict) -> dict[str, dict]:
+    (work / "probe.py").write_text(PROBE)
+    results = {}
+    for name in names:
+        bundle = work / f"{name}-standalone.bundle"
+        if not bundle.exists():
+            continue
+        entry: dict = {}
+        done = cli("run", str(bundle), "--inputs", str(work / f"{name}-in.npz"), "--expected", str(work / f"{name}-ref.npz"), "--provider", "shim", env=env)
+        entry["cli_exit"] = done.returncode
+        entry["cli_verdict"] = next((line for line in done.stdout.splitlines() if line.startswith("VERDICT")), done.stderr.strip()[-300:])
+        for graph in ("0", "1"):
+            probe = subprocess.run([sys.executable, str(work / "probe.py"), str(bundle), str(work / f"{name}-in.npz"), graph, str(work / f"{name}-out{graph}.npz")],
+                                   capture_output=True, text=True, env=env, timeout=600)
+            if probe.returncode != 0:
+                entry[f"graph{graph}"] = {"error": probe.stderr.strip()[-600:]}
+                continue
+            report = json.loads(probe.stdout.strip().splitlines()[-1])
+            reference = np.load(work / f"{name}-ref.npz")
+            outputs = np.load(work / f"{name}-out{graph}.npz")
+            report["max_abs_diff"] = max(float(np.max(np.abs(outputs[key].astype(np.float64) - reference[key].astype(np.float64)))) for key in reference)
+            entry[f"graph{graph}"] = report
+        results[name] = entry
+    return results
+
+
+def summary(times: list[float]) -> dict:
+    ordered = sorted(times)
+    pick = lambda q: ordered[min(len(ordered) - 1, int(q * len(ordered)))] * 1e6  # noqa: E731
+    return {"median_us": round(statistics.median(ordered) * 1e6, 1), "p10_us": round(pick(0.1), 1), "p90_us": round(pick(0.9), 1)}
+
+
+def cold_starts(work: Path, env: dict, rounds: int) -> dict:
+    commands = {
+        "python -c 'import numpy'": ([sys.executable, "-c", "import numpy"], None),
+        "run standalone bundle (no torch)": ([sys.executable, "-m", "cuda_runner", "run", str(work / "mlp-standalone.bundle"), "-i", str(work / "mlp-in.npz"), "-q"], env),
+        "run default bundle (libtorch)": ([sys.executable, "-m", "cuda_runner", "run", str(work / "mlp-default.bundle"), "-i", str(work / "mlp-in.npz"), "-q"], None),
+        "eager torch (load .pt2, one call)": ([sys.executable, "-c", (
+            f"import torch, numpy as np; m = torch.export.load({str(work / 'mlp.pt2')!r}).module(); "
+            f"x = torch.from_numpy(np.load({str(work / 'mlp-in.npz')!r})['x']).cuda(); m(x).cpu()")], None),
+    }
+    results: dict[str, list[float]] = {name: [] for name in commands}
+    for _ in range(rounds):  # interleaved, so that drift touches every command alike
+        for name, (command, command_env) in commands.items():
+            started = time.perf_counter()
+            done = subprocess.run(command, capture_output=True, env=command_env, timeout=300)
+            elapsed = time.perf_counter() - started
+            if done.returncode == 0:
+                results[name].append(elapsed)
+    return {name: {"median_s": round(statistics.median(values), 3), "min_s": round(min(values), 3), "max_s": round(max(values), 3), "runs": len(values)}
+            for name, values in results.items() if values}
+
+
+def per_call(work: Path, cases: dict, iterations: int) -> dict:
+    import cuda_runner
+
+    results = {}
+    for name in ("mlp", "attention"):
+        standalone = cuda_runner.load(work / f"{name}-standalone.bundle", provider="shim")
+        default = cuda_runner.load(work / f"{name}-default.bundle", provider="libtorch")
+        try:
+            results[name] = _per_call_case(standalone, default, cases[name], iterations)
+        finally:
+            standalone.close()
+            default.close()
+    return results
+
+
+def _per_call_case(standalone, default, case: dict, iterations: int) -> dict:
+    import cupy
+    import torch
+
+    module, args, host = case["module"], case["args"], case["inputs"]
+    device_inputs = {key: cupy.asarray(value) for key, value in host.items()}
+    variants = {
+        "standalone (shim), host arrays": lambda: standalone.run(host),
+        "default (libtorch), host arrays": lambda: default.run(host),
+        "eager torch, host arrays": lambda: [value.cpu() for value in _tuple(module(*[torch.from_numpy(v).cuda() for v in host.values()]))],
+        "standalone (shim), device arrays + sync": lambda: (standalone.run_device(device_inputs), cupy.cuda.runtime.deviceSynchronize()),
+        "default (libtorch), device arrays + sync": lambda: (default.run_device(device_inputs), cupy.cuda.runtime.deviceSynchronize()),
+        "eager torch, device tensors + sync": lambda: (module(*args), torch.cuda.synchronize()),
+    }
+    times: dict[str, list[float]] = {key: [] for key in variants}
+    with torch.no_grad():
+        for call in variants.values():
+            for _ in range(20):
+                call()
+        for _ in range(iterations):  # interleaved rounds
+            for key, call in variants.items():
+                started = time.perf_counter()
+                call()
+                times[key].append(time.perf_counter() - started)
+    return {key: summary(values) for key, values in times.items()}
+
+
+def _tuple(value):
+    return value if isinstance(value, tuple) else (value,)
+
+
+def graph_with_torch(work: Path, cases: dict, iterations: int) -> dict:
+    import cuda_runner
+
+    model = cuda_runner.load(work / "mlp-default.bundle", provider="libtorch", cuda_graph=True)
+    host = cases["mlp"]["inputs"]
+    for _ in range(20):
+        model.run(host)
+    times = []
+    for _ in range(iterations):
+        started = time.perf_counter()
+        model.run(host)
+        times.append(time.perf_counter() - started)
+    model.close()
+    return summary(times)
+
+
+def executorch_without_torch(env: dict) -> dict:
+    fixture = ROOT / "tests" / "data" / "executorch" / "g3_et151_torch211"
+    code = (
+        "import sys, json, numpy as np, cuda_runner\n"
+        f"m = cuda_runner.load({str(fixture / 'model.pte')!r}, provider='shim')\n"
+        f"io = np.load({str(fixture / 'io.npz')!r})\n"
+        "y = m.run([io['x0']])['output_0']\n"
+        "print(json.dumps({'max_abs_diff': float(np.abs(y - io['y0']).max()), 'provider': m.method().provider,"
+        " 'libtorch_mapped': 'libtorch' in open('/proc/self/maps').read()}))\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300)
+    if done.returncode != 0:
+        return {"error": done.stderr.strip()[-600:]}
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def markdown(report: dict) -> str:
+    lines = [f"machine: {report['machine']}", "", "| model | compile --standalone | no-torch CLI run | max abs diff vs eager | graph replay (no torch) |", "|---|---|---|---|---|"]
+    for name, compiled in report["compile"].items():
+        check = report["no_torch"].get(name, {})
+        plain, graph = check.get("graph0", {}), check.get("graph1", {})
+        lines.append(f"| {name} | {'ok' if compiled['standalone']['ok'] else compiled['standalone']['error']} ({compiled['standalone']['seconds']} s) | "
+                     f"{check.get('cli_verdict', '-')} | {plain.get('max_abs_diff', plain.get('error', '-'))} | "
+                     f"{graph.get('median_us', graph.get('error', '-'))} µs |")
+    lines += ["", "| cold start | median s | min-max s |", "|---|---|---|"]
+    for name, row in report["cold_start"].items():
+        lines.append(f"| {name} | {row['median_s']} | {row['min_s']}-{row['max_s']} |")
+    for name, rows in report["per_call"].items():
+        lines += ["", f"per call, {name} | median µs | p10-p90 µs", "|---|---|---|"]
+        for key, row in rows.items():
+            lines.append(f"| {key} | {row['median_us']} | {row['p10_us']}-{row['p90_us']} |")
+    lines += ["", f"mlp, default bundle, torch CUDA graph replay, host arrays: {report['graph_with_torch']}",
+              f"ExecuTorch G3 program without torch: {report['executorch_g3']}"]
+    return "\n".join(lines)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--output", type=Path, required=True)
+    parser.add_argument("--markdown", type=Path)
+    parser.add_argument("--iterations", type=int, default=300)
+    parser.add_argument("--cold-rounds", type=int, default=5)
+    options = parser.parse_args()
+    import torch
+
+    work = Path(tempfile.mkdtemp(prefix="cuda-runner-standalone-"))
+    cases = prepare(work)
+    names = list(cases)
+    report: dict = {"machine": f"{torch.cuda.get_device_name(0)}, torch {torch.__version__}"}
+    report["compile"] = compile_all(work, names)
+    print(json.dumps(report["compile"]), flush=True)
+    env = no_torch_env(work)
+    report["no_torch"] = check_without_torch(work, names, env)
+    print(json.dumps(report["no_torch"]), flush=True)
+    report["executorch_g3"] = executorch_without_torch(env)
+    report["cold_start"] = cold_starts(work, env, options.cold_rounds) if (work / "mlp-standalone.bundle").exists() else {}
+    report["per_call"] = per_call(work, cases, options.iterations) if (work / "mlp-standalone.bundle").exists() else {}
+    report["graph_with_torch"] = graph_with_torch(work, cases, options.iterations)
+    options.output.write_text(json.dumps(report, indent=2))
+    text = markdown(report)
+    if options.markdown:
+        options.markdown.write_text(text)
+    print(text)
+
+
+if __name__ == "__main__":
+    main()

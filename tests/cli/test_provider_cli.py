@@ -1,0 +1,80 @@
+"""--provider and the torch-free path, through the real command line."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+from helpers import cli, run_cli
+
+from cuda_runner.runtime.providers import own_shim_path
+
+pytestmark = pytest.mark.skipif(own_shim_path() is None, reason="the shim is built by pip install (scripts/test.sh)")
+
+# In this process `import torch` fails, and find_spec("torch") says it is not installed.
+NO_TORCH = "import sys\nsys.modules['torch'] = None\n"
+
+
+@pytest.fixture
+def no_torch_env(tmp_path):
+    folder = tmp_path / "no-torch"
+    folder.mkdir()
+    (folder / "sitecustomize.py").write_text(NO_TORCH)
+    return {"PYTHONPATH": os.pathsep.join([str(folder), *sys.path])}
+
+
+@pytest.mark.parametrize("provider", ["shim", None])  # None: auto, which has only the shim when torch is missing
+def test_a_cpu_bundle_runs_and_verifies_in_a_process_without_torch(dict_mlp_bundle, tmp_path, no_torch_env, provider):
+    reference = tmp_path / "ref"
+    first = run_cli("run", str(dict_mlp_bundle.path), "--random-inputs", "--out-dir", str(reference))
+    assert first.returncode == 0, first.stderr
+    extra = ["--provider", provider] if provider else []
+    result = run_cli("run", str(dict_mlp_bundle.path), "--random-inputs", "--expected", str(reference), *extra, env=no_torch_env)
+    assert result.returncode == 0, result.stderr
+    assert "VERDICT: PASSED" in result.stdout
+
+
+def test_no_libtorch_is_mapped_when_a_bundle_runs_on_the_shim(dict_mlp_bundle, no_torch_env):
+    code = (
+        "import numpy as np, cuda_runner\n"
+        f"m = cuda_runner.load({str(dict_mlp_bundle.path)!r})\n"
+        "m.run({'x': np.ones((4, 16), np.float32), 'bias': np.zeros(8, np.float32)})\n"
+        "print(m.method().provider, 'libtorch' in open('/proc/self/maps').read())\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=dict(os.environ, **no_torch_env), timeout=300)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split() == ["cuda-runner", "shim", "False"]
+
+
+def test_an_unknown_provider_is_a_usage_error(dict_mlp_bundle):
+    result = cli("run", str(dict_mlp_bundle.path), "--random-inputs", "--provider", "tensorrt")
+    assert result.returncode == 2
+    assert result.error_lines == ["error: unknown provider 'tensorrt'; choose one of: auto, shim, libtorch"]
+
+
+def test_bench_and_inspect_say_which_provider_runs_the_library(dict_mlp_bundle):
+    bench = cli("bench", str(dict_mlp_bundle.path), "--iterations", "3", "--warmup", "1", "--provider", "shim", "--json")
+    assert bench.returncode == 0, bench.stderr
+    assert json.loads(bench.stdout)["provider"] == "cuda-runner shim"
+    inspected = cli("inspect", str(dict_mlp_bundle.path), "--json")
+    method = json.loads(inspected.stdout)["methods"]["forward"]
+    assert method["needs_libtorch"] is False and "aoti_torch_cpu_addmm_out" in method["provider_note"]
+    text = cli("inspect", str(dict_mlp_bundle.path))
+    assert "runs on: libtorch where it is installed" in text.stdout
+
+
+def test_compile_standalone_for_cpu_writes_a_bundle_that_runs_without_torch(tmp_path, no_torch_env):
+    import torch
+
+    module = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 4)).eval()
+    program = tmp_path / "m.pt2"
+    torch.export.save(torch.export.export(module, (torch.randn(2, 8),)), program)
+    bundle = tmp_path / "m.bundle"
+    compiled = run_cli("compile", str(program), "--standalone", "-o", str(bundle))
+    assert compiled.returncode == 0, compiled.stderr
+    result = run_cli("run", str(bundle), "--random-inputs", "--provider", "shim", "--json", env=no_torch_env)
+    assert result.returncode == 0, result.stderr
+    assert json.loads(result.stdout)["outputs"]

@@ -1,0 +1,215 @@
+"""cuda-runner's own shim (native/aoti_shim.cpp) through ctypes, the renaming of a
+library's imports, and CPU bundles run on it beside libtorch."""
+
+from __future__ import annotations
+
+import ctypes
+
+import numpy as np
+import pytest
+
+from cuda_runner.errors import BundleError, ModelRuntimeError
+from cuda_runner.format.bundle import open_bundle
+from cuda_runner.format.elf import read_library_facts, rename_imports
+from cuda_runner.runtime.providers import RENAMES, SHIM_NAME, load_own_provider, missing_from_own_shim, own_exports, own_shim_path
+
+pytestmark = pytest.mark.skipif(own_shim_path() is None, reason="the shim is built by pip install (scripts/test.sh)")
+
+I64P = ctypes.POINTER(ctypes.c_int64)
+H = ctypes.c_void_p
+
+
+@pytest.fixture(scope="module")
+def lib():
+    library = load_own_provider("cpu").shim._libraries[0]
+    for name in ("cudarunner_shim_live_tensors", "cudarunner_shim_live_storages"):
+        getattr(library, name).restype = ctypes.c_int64
+    library.cudarunner_shim_last_error.restype = ctypes.c_char_p
+    return library
+
+
+def dims(*values: int):
+    return (ctypes.c_int64 * max(1, len(values)))(*values)
+
+
+def wrap(lib, array: np.ndarray, offset: int = 0) -> int:
+    handle = H()
+    strides = [stride // array.itemsize for stride in array.strides]
+    code = {np.dtype(np.float32): 6, np.dtype(np.float64): 7, np.dtype(np.int64): 4}[array.dtype]
+    status = lib.cudarunner_create_tensor_from_blob(ctypes.c_void_p(array.ctypes.data), ctypes.c_int64(array.ndim), dims(*array.shape),
+                                                    dims(*strides), ctypes.c_int64(offset), code, 0, 0, ctypes.byref(handle))
+    assert status == 0
+    return handle.value
+
+
+def read(lib, handle: int, dtype=np.float32) -> np.ndarray:
+    """A NumPy view of a tensor handle's elements (its own sizes and strides)."""
+    dim, sizes, strides, data = ctypes.c_int64(), I64P(), I64P(), ctypes.c_void_p()
+    assert lib.cudarunner_get_dim(H(handle), ctypes.byref(dim)) == 0
+    assert lib.cudarunner_get_sizes(H(handle), ctypes.byref(sizes)) == 0
+    assert lib.cudarunner_get_strides(H(handle), ctypes.byref(strides)) == 0
+    assert lib.cudarunner_get_data_ptr(H(handle), ctypes.byref(data)) == 0
+    shape = tuple(sizes[i] for i in range(dim.value))
+    item = np.dtype(dtype).itemsize
+    span = 1 + sum((size - 1) * strides[i] for i, size in enumerate(shape)) if all(shape) else 0
+    base = np.ctypeslib.as_array((ctypes.c_byte * (span * item)).from_address(data.value)).view(dtype) if span else np.empty(0, dtype)
+    return np.lib.stride_tricks.as_strided(base, shape, tuple(strides[i] * item for i in range(dim.value)))
+
+
+def live(lib) -> tuple[int, int]:
+    return lib.cudarunner_shim_live_tensors(), lib.cudarunner_shim_live_storages()
+
+
+def test_views_share_storage_and_every_handle_is_freed(lib):
+    before = live(lib)
+    array = np.arange(24, dtype=np.float32).reshape(4, 6)
+    base = wrap(lib, array)
+    view = H()
+    # rows 1..2, every other column: sizes [2, 3], strides [6, 2], 6 elements further on
+    assert lib.cudarunner__reinterpret_tensor(H(base), ctypes.c_int64(2), dims(2, 3), dims(6, 2), ctypes.c_int64(6), ctypes.byref(view)) == 0
+    np.testing.assert_array_equal(read(lib, view.value), array[1:3, ::2])
+    offset = ctypes.c_int64()
+    assert lib.cudarunner_get_storage_offset(view, ctypes.byref(offset)) == 0 and offset.value == 6
+    alias = H()
+    assert lib.cudarunner_new_tensor_handle(view, ctypes.byref(alias)) == 0
+    assert live(lib) == (before[0] + 3, before[1] + 1)  # one storage for three handles
+    for handle in (base, view.value, alias.value):
+        assert lib.cudarunner_delete_tensor_object(H(handle)) == 0
+    assert live(lib) == before
+
+
+def test_copies_and_clones_respect_strides(lib):
+    source = np.arange(12, dtype=np.float64).reshape(3, 4)
+    transposed = source.T  # strides (1, 4) in elements
+    handle = wrap(lib, np.ascontiguousarray(source))
+    t_view = H()
+    assert lib.cudarunner__reinterpret_tensor(H(handle), ctypes.c_int64(2), dims(4, 3), dims(1, 4), ctypes.c_int64(0), ctypes.byref(t_view)) == 0
+    clone, kept = H(), H()
+    assert lib.cudarunner_clone(t_view, ctypes.byref(clone)) == 0
+    np.testing.assert_array_equal(read(lib, clone.value, np.float64), transposed)
+    assert read(lib, clone.value, np.float64).strides == (24, 8)  # clone is contiguous
+    assert lib.cudarunner_clone_preserve_strides(t_view, ctypes.byref(kept)) == 0
+    assert read(lib, kept.value, np.float64).strides == (8, 32)
+    target = np.zeros((4, 3), np.float64)
+    destination = wrap(lib, target)
+    assert lib.cudarunner_copy_(H(destination), t_view, 0) == 0
+    np.testing.assert_array_equal(target, transposed)
+    assert lib.cudarunner_zero_(H(destination)) == 0 and not target.any()
+    for item in (handle, t_view.value, clone.value, kept.value, destination):
+        lib.cudarunner_delete_tensor_object(H(item))
+
+
+def test_empty_strided_allocates_aligned_memory_and_sizes_every_dtype(lib):
+    handle, data = H(), ctypes.c_void_p()
+    for code, size in ((0, 1), (4, 8), (5, 2), (6, 4), (7, 8), (11, 1), (15, 2), (27, 2), (29, 8)):
+        lib.cudarunner_dtype_element_size.restype = ctypes.c_size_t
+        assert lib.cudarunner_dtype_element_size(code) == size
+        assert lib.cudarunner_empty_strided(ctypes.c_int64(2), dims(3, 5), dims(5, 1), code, 0, 0, ctypes.byref(handle)) == 0
+        storage = ctypes.c_int64()
+        assert lib.cudarunner_get_storage_size(handle, ctypes.byref(storage)) == 0 and storage.value == 15 * size
+        assert lib.cudarunner_get_data_ptr(handle, ctypes.byref(data)) == 0 and data.value % 64 == 0
+        lib.cudarunner_delete_tensor_object(handle)
+
+
+@pytest.mark.parametrize("case", ["null result", "negative size", "unknown dtype", "copy between dtypes", "overflowing span"])
+def test_bad_arguments_fail_with_a_reason_and_never_crash(lib, case):
+    before = live(lib)
+    handle = H()
+    if case == "null result":
+        status = lib.cudarunner_empty_strided(ctypes.c_int64(1), dims(4), dims(1), 6, 0, 0, None)
+    elif case == "negative size":
+        status = lib.cudarunner_empty_strided(ctypes.c_int64(1), dims(-4), dims(1), 6, 0, 0, ctypes.byref(handle))
+    elif case == "unknown dtype":
+        status = lib.cudarunner_empty_strided(ctypes.c_int64(1), dims(4), dims(1), 99, 0, 0, ctypes.byref(handle))
+    elif case == "overflowing span":
+        status = lib.cudarunner_empty_strided(ctypes.c_int64(2), dims(1 << 40, 1 << 40), dims(1 << 40, 1), 6, 0, 0, ctypes.byref(handle))
+    else:
+        a, b = wrap(lib, np.zeros(3, np.float32)), wrap(lib, np.zeros(3, np.float64))
+        status = lib.cudarunner_copy_(H(a), H(b), 0)
+        lib.cudarunner_delete_tensor_object(H(a))
+        lib.cudarunner_delete_tensor_object(H(b))
+    assert status == 1
+    assert lib.cudarunner_shim_last_error()
+    assert live(lib) == before
+
+
+def test_cpu_addmm_matches_numpy_for_a_transposed_weight_and_a_broadcast_bias(lib):
+    rng = np.random.default_rng(0)
+    x, weight, bias = rng.standard_normal((5, 19)).astype(np.float32), rng.standard_normal((7, 19)).astype(np.float32), rng.standard_normal(7).astype(np.float32)
+    out = np.empty((5, 7), np.float32)
+    handles = [wrap(lib, out), wrap(lib, bias), wrap(lib, x), wrap(lib, weight)]
+    weight_t = H()
+    assert lib.cudarunner__reinterpret_tensor(H(handles[3]), ctypes.c_int64(2), dims(19, 7), dims(1, 19), ctypes.c_int64(0), ctypes.byref(weight_t)) == 0
+    status = lib.cudarunner_cpu_addmm_out(H(handles[0]), H(handles[1]), H(handles[2]), weight_t, ctypes.c_double(0.5), ctypes.c_double(2.0))
+    assert status == 0
+    np.testing.assert_allclose(out, 0.5 * bias + 2.0 * x @ weight.T, rtol=1e-5, atol=1e-5)
+    for handle in [*handles, weight_t.value]:
+        lib.cudarunner_delete_tensor_object(H(handle))
+
+
+def test_a_failed_check_in_generated_code_is_an_exception_not_an_abort(lib):
+    lib.cudarunner_check.argtypes = (ctypes.c_bool, ctypes.c_char_p, ctypes.c_char_p, ctypes.c_uint32, ctypes.c_char_p)
+    lib.cudarunner_check(True, b"f", b"file.cpp", 1, b"fine")  # passes silently
+    # A failing check throws a C++ exception, which only the model's container catches; not callable from ctypes.
+
+
+def library_of(bundle_path) -> bytes:
+    with open_bundle(bundle_path) as reader:
+        spec = reader.manifest.methods["forward"]
+        return bytes(reader.read_verified(spec.library_segment))
+
+
+def test_renaming_changes_only_the_renamed_import_names(dict_mlp_bundle):
+    original = library_of(dict_mlp_bundle.path)
+    renamed = rename_imports(original, RENAMES)
+    before, after = read_library_facts(original), read_library_facts(renamed)
+    assert len(original) == len(renamed)
+    assert [name for name in after.undefined if name.startswith("aoti_torch_")] == []
+    expected = sorted("cudarunner_" + name[len("aoti_torch_"):] if name.startswith("aoti_torch_") else name for name in before.undefined)
+    assert sorted(after.undefined) == expected
+    assert after.defined == before.defined and after.needed == before.needed
+    changed = [index for index, (a, b) in enumerate(zip(original, renamed)) if a != b]
+    assert changed and max(changed) - min(changed) < 1 << 20  # all inside one string table
+    with pytest.raises(ValueError):
+        rename_imports(original, {"aoti_torch_": "short_"})
+
+
+def test_our_shim_provides_every_import_of_the_cpu_fixtures(dict_mlp_bundle, embedder_bundle):
+    assert "aoti_torch_cpu_addmm_out" in own_exports() and "Sleef_expf8_u10" in own_exports()
+    for compiled in (dict_mlp_bundle, embedder_bundle):
+        assert missing_from_own_shim([read_library_facts(library_of(compiled.path))]) == []
+
+
+def test_cpu_bundles_give_the_same_outputs_on_both_providers(dict_mlp_bundle, embedder_bundle):
+    import cuda_runner
+
+    for compiled in (dict_mlp_bundle, embedder_bundle):
+        inputs = [arg.numpy() for arg in compiled.args]
+        with cuda_runner.load(compiled.path, provider="shim") as ours, cuda_runner.load(compiled.path, provider="libtorch") as theirs:
+            assert ours.method().provider == SHIM_NAME and theirs.method().provider == "libtorch"
+            mine, reference = ours.run(inputs), theirs.run(inputs)
+        for name in reference:
+            np.testing.assert_allclose(np.asarray(mine[name], np.float64), np.asarray(reference[name], np.float64), rtol=1e-5, atol=1e-6)
+
+
+def test_a_gemm_dtype_our_shim_lacks_is_one_clear_error(bf16_bundle):
+    import cuda_runner
+
+    with cuda_runner.load(bf16_bundle.path, provider="shim") as model:
+        with pytest.raises(ModelRuntimeError):
+            model.run([arg.float().numpy().astype(__import__("ml_dtypes").bfloat16) for arg in bf16_bundle.args])
+
+
+def test_a_rename_that_would_change_another_name_is_refused():
+    from cuda_runner.format.elf import _check_no_overlap
+
+    table = memoryview(b"\0aoti_torch_get_sizes\0other\0")
+    _check_no_overlap([(1, b"cudarunner_get_sizes")], [0, 22], table)  # names before and after it
+    for inside in (1, 12):  # a defined symbol spelled alike, or "get_sizes" sharing its tail
+        with pytest.raises(BundleError):
+            _check_no_overlap([(1, b"cudarunner_get_sizes")], [inside], table)
+
+
+def test_a_truncated_library_is_refused(dict_mlp_bundle):
+    with pytest.raises(BundleError):
+        rename_imports(library_of(dict_mlp_bundle.path)[:100], RENAMES)
