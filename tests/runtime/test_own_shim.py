@@ -195,9 +195,8 @@ def test_cpu_bundles_give_the_same_outputs_on_both_providers(dict_mlp_bundle, em
 def test_a_gemm_dtype_our_shim_lacks_is_one_clear_error(bf16_bundle):
     import cuda_runner
 
-    with cuda_runner.load(bf16_bundle.path, provider="shim") as model:
-        with pytest.raises(ModelRuntimeError):
-            model.run([arg.float().numpy().astype(__import__("ml_dtypes").bfloat16) for arg in bf16_bundle.args])
+    with cuda_runner.load(bf16_bundle.path, provider="shim") as model, pytest.raises(ModelRuntimeError):
+        model.run([arg.float().numpy().astype(__import__("ml_dtypes").bfloat16) for arg in bf16_bundle.args])
 
 
 def test_a_rename_that_would_change_another_name_is_refused():
