@@ -23,9 +23,10 @@ from typing import Union
 
 import numpy as np
 
-from ..dtypes import DTYPE_NAMES, FLOAT_DTYPES, dtype_name, numpy_dtype
-from ..errors import BundleError, InputError
+from ..dtypes import DTYPE_NAMES, FLOAT_DTYPES, dtype_name, itemsize, numpy_dtype
+from ..errors import BundleError, CudaRunnerError, InputError
 from ..format.manifest import MethodSpec, TensorSpec
+from ..shapes import allocation_problem, shape_text, span_problem
 from ..validation import check_inputs, evaluate_shape_entry
 from .convert import convert, limits, position_text, range_text, value_text
 from .npy import ArrayHeader, NpzArchive, load_array, read_array_header
@@ -105,6 +106,9 @@ class _Pending:
     dtype: str
     shape: tuple[int, ...]
     load: Callable[[], np.ndarray]
+    # Made in memory from sizes alone (generated): the error for sizes no array can have
+    # here, given why. None for data read from a file, whose size the file bounds.
+    too_large: Callable[[str], CudaRunnerError] | None = None
 
 
 IREE_ELEMENT_TYPES = {
@@ -133,6 +137,11 @@ def resolve_inputs(method: MethodSpec, plan: InputPlan, samples: NpzArchive | No
 def _resolved(method: MethodSpec, pending: list[_Pending]) -> ResolvedInputs:
     given = {item.source.name: (item.dtype, item.shape) for item in pending}
     dims = check_inputs(method, given)
+    for item in pending:
+        if item.too_large is not None:
+            problem = allocation_problem(item.shape, itemsize(item.dtype))
+            if problem is not None:
+                raise item.too_large(problem)  # before anything is allocated: not NumPy's "array is too big" later
     arrays = {item.source.name: item.load() for item in pending}
     return ResolvedInputs(arrays, [item.source for item in pending], dims)
 
@@ -255,6 +264,9 @@ def _inline_pending(method: MethodSpec, name: str, text: str) -> _Pending:
             raise InputError(f"input {name!r}: unknown element type {element_type!r} in the inline value")
         if dtype != declared.dtype:
             raise InputError(f"input {name!r}: expected dtype {declared.dtype}, got {dtype} in the inline value")
+        problem = span_problem(shape, itemsize(dtype))
+        if problem is not None:
+            raise InputError(f"input {name!r}: the inline shape {shape_text(shape)}: {problem}")
         values = match.group(3)
         return _Pending(source, dtype, shape, lambda: _iree_values(name, shape, dtype, values))
     array = parse_inline_value(name, text, declared.dtype)
@@ -364,8 +376,8 @@ def _sample_pending(method: MethodSpec, archive: NpzArchive) -> list[_Pending]:
 def _sample(archive: NpzArchive, key: str) -> np.ndarray:
     try:
         return archive.load(key)
-    except InputError as error:
-        raise BundleError(f"stored samples are damaged: {error}") from None
+    except InputError as error:  # damaged, or too large to read here
+        raise BundleError(f"stored samples cannot be read: {error}") from None
 
 
 # ---------------------------------------------------------------------------
@@ -416,8 +428,33 @@ def _random_pending(method: MethodSpec, plan: RandomInputs) -> list[_Pending]:
         source = InputSource(spec.name, "random", f"seed {plan.seed}, range [{low:g}, {high:g})")
         shape = concrete[spec.name]
         # Drawn in input order after every check, so a seed gives the same values.
-        pending.append(_Pending(source, spec.dtype, shape, functools.partial(_draw, generator, spec.dtype, shape, bounds)))
+        draw = functools.partial(_draw, generator, spec.dtype, shape, bounds)
+        pending.append(_Pending(source, spec.dtype, shape, draw, functools.partial(_too_large, method, plan, spec, shape)))
     return pending
+
+
+def _too_large(method: MethodSpec, plan: RandomInputs, spec: TensorSpec, shape: tuple[int, ...], problem: str) -> CudaRunnerError:
+    """Whose sizes cannot be generated: the user's (--shape), or the manifest's static or example sizes."""
+    static = [entry for entry in spec.shape if isinstance(entry, int)]
+    if allocation_problem(static, itemsize(spec.dtype)) is not None:
+        return BundleError(f"input {spec.name!r}: the manifest declares the {spec.dtype} shape {spec.shape_text()}, which cannot be generated: {problem}")
+    given = _dims_given(method, plan.shapes)
+    if spec.name in plan.shapes or any(name in given for entry in spec.shape if isinstance(entry, str) for name in _DIM_NAME.findall(entry)):
+        return InputError(f"input {spec.name!r}: cannot generate {spec.dtype} values of shape {shape_text(shape)}: {problem}", subject="shape")
+    return BundleError(f"input {spec.name!r}: the manifest's example sizes give the {spec.dtype} shape {shape_text(shape)}, which cannot be generated: {problem}",
+                       subject="shape")
+
+
+_DIM_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_.]*")
+
+
+def _dims_given(method: MethodSpec, shapes: Mapping[str, tuple[int, ...]]) -> set[str]:
+    """The dims whose sizes come from the requested shapes."""
+    given: set[str] = set()
+    for name in shapes:
+        declared = method.input(name)
+        given.update(entry for entry in (declared.shape if declared is not None else ()) if isinstance(entry, str) and entry in method.dims)
+    return given
 
 
 def _drawn_bounds(spec: TensorSpec, low: float, high: float) -> tuple[float, float] | tuple[int, int]:
