@@ -65,6 +65,13 @@ class RunResult:
     timings: dict[str, float] = field(default_factory=dict)
     load_timings: dict[str, float] = field(default_factory=dict)
     comparison: Comparison | None = None
+    # Outputs written in another dtype than the model gave them (--bf16-as): {name: dtype in the files}.
+    written_dtypes: dict[str, str] = field(default_factory=dict)
+
+    def output_dtype(self, name: str) -> str:
+        """The dtype of an output as reported: as written, where it was written converted."""
+        spec = next(spec for spec in self.method.outputs if spec.name == name)
+        return self.written_dtypes.get(name, spec.dtype)
 
     @property
     def verdict(self) -> str:
@@ -76,8 +83,10 @@ class RunResult:
     def to_json(self) -> dict[str, Any]:
         stats = self.stats()
         outputs = [
-            {"name": spec.name, "dtype": spec.dtype, "shape": list(self.outputs[spec.name].shape),
-             "files": [str(path) for path in self.files.get(spec.name, [])], "stats": stats[spec.name].to_json()}
+            {"name": spec.name, "dtype": self.output_dtype(spec.name), "model_dtype": spec.dtype, "shape": list(self.outputs[spec.name].shape),
+             "files": [str(path) for path in self.files.get(spec.name, [])],
+             # bfloat16 widens to float32 exactly: the statistics are those of the values written
+             "stats": {**stats[spec.name].to_json(), "dtype": self.output_dtype(spec.name)}}
             for spec in self.method.outputs
         ]
         inputs = [
@@ -153,5 +162,7 @@ def run_bundle(request: RunRequest, progress: Progress = lambda _: None) -> RunR
     started = time.perf_counter()
     if request.outputs.writes:
         result.files = write_outputs(request.outputs, outputs)
+        result.written_dtypes = {spec.name: written for spec in method.outputs
+                                 if (written := request.outputs.written_dtype(spec.dtype)) != spec.dtype}
     result.timings = {"prepare": prepared, "load": sum(load_timings.values()), "run": ran, "write": time.perf_counter() - started}
     return result

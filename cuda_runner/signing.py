@@ -217,6 +217,15 @@ def _pae(payload: bytes) -> bytes:
 # Verifying
 
 
+class SignatureMismatch(BundleError):
+    """Bytes [start, end) of the file, signed as one range, do not hash to their signed digest.
+    The reader holding the file can tell which part of them changed (BundleReader)."""
+
+    def __init__(self, what: str, start: int, end: int):
+        super().__init__(f"{what} does not match its signature: the bundle changed after it was signed")
+        self.what, self.start, self.end = what, start, end
+
+
 @dataclass
 class SignedFile:
     """A signature whose envelope verified: the signed digests of the file's byte ranges."""
@@ -275,7 +284,7 @@ class SignedFile:
             actual = _digests(view, spans) if spans else []
         for index, digest in zip(indexes, actual):
             if digest != self.digests[index]:
-                raise BundleError(f"{what} does not match its signature: the bundle changed after it was signed")
+                raise SignatureMismatch(what, *self.ranges[index])
             if mapped:
                 self._checked.add(index)
 
@@ -299,7 +308,7 @@ class SignedFile:
                 hasher.update(chunk)
                 kept += chunk[keep_from - chunk_start:keep_to - chunk_start]
             if hasher.digest() != self.digests[index]:
-                raise BundleError(f"{what} does not match its signature: the bundle changed after it was signed")
+                raise SignatureMismatch(what, low, high)
             self._checked.add(index)  # the mapping held these bytes just now
         return bytes(kept)
 

@@ -144,8 +144,31 @@ def test_changed_weights_are_refused_before_any_run(signed, tmp_path):
         weights = reader.manifest.segment("forward_weights_blob")
     data[weights.offset + 7] ^= 0x01
     bundle.write_bytes(_resealed(bytes(data), "weights"))
-    with pytest.raises(BundleError, match="does not match its signature"):
+    with pytest.raises(BundleError, match="header and manifest do not match their signature"):  # resealed: the manifest's digest changed
         cuda_runner.load(bundle, trusted_keys=[public])
+
+
+@pytest.mark.parametrize("shard_size", [16 << 20, None, 4096])  # one shard holding everything, the whole file, small shards
+@pytest.mark.parametrize("segment", ["forward_so_blob", "forward_weights_blob", "call_helper_so", "forward_sample_outputs"])
+def test_a_changed_segment_is_named_whatever_signed_range_holds_it(signed, tmp_path, shard_size, segment):
+    """A segment changed after signing is reported as that segment, its bytes against its digest in the
+    manifest, even where one signed range also holds the header and manifest (checked first)."""
+    bundle, public, _ = signed
+    sign_file(bundle, tmp_path / "builder.pem", shard_size=shard_size)
+    data = bytearray(bundle.read_bytes())
+    with cuda_runner.format.open_bundle(bundle) as reader:
+        entry = reader.manifest.segment(segment)
+    data[entry.offset + entry.size // 2] ^= 0x01  # not resealed: the manifest still has the signed digest
+    bundle.write_bytes(bytes(data))
+    shared = shard_size is None or entry.offset < shard_size  # the range that failed also holds the header and manifest
+    commands = [["run", str(bundle), "--self-test"], ["bench", str(bundle), "--iterations", "1"]] + ([["inspect", str(bundle)]] if shared else [])
+    for args in commands:
+        result = cli(*args, "--trusted-key", str(public))
+        assert result.returncode == 3 and len(result.error_lines) == 1 and len(result.stderr.strip().splitlines()) == 1, result.stderr
+        message = result.error_lines[0]
+        assert f"segment {segment!r} does not match its signature: its bytes differ from its digest in the" in message, message
+        assert "header and manifest" not in message
+        assert message.endswith("(covered by the same signed bytes); the bundle changed after it was signed") == shared, message
 
 
 def test_keys_from_the_environment_and_required_signatures(signed, monkeypatch):

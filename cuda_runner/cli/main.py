@@ -480,7 +480,8 @@ def run_command(
     shape: ShapeOption = [],  # noqa: B006
     value_range: RangeOption = [],  # noqa: B006
     save_inputs: Annotated[Optional[str], typer.Option("--save-inputs", metavar="DIR", help="Save the inputs used as DIR/inputs.npz, to replay a run.")] = None,
-    cast: Annotated[bool, typer.Option("--cast", help="Allow same-kind dtype conversion of inputs (e.g. float64 to float32).")] = False,
+    cast: Annotated[bool, typer.Option("--cast", help=(
+        "Convert inputs to the declared dtype where every value is kept (float64 to float32 rounds; a value the dtype cannot hold is refused)."))] = False,
     print_stats: Annotated[bool, typer.Option("--print", help="Show each output's values (summarised) and min/max/mean and NaN/Inf counts.")] = False,
     print_full: Annotated[bool, typer.Option("--print-full", help="Like --print, with every value.")] = False,
     json_output: Annotated[bool, typer.Option("--json", help="Print one JSON document (docs/json.md).")] = False,

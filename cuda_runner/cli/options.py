@@ -190,7 +190,7 @@ SUBJECT_HINTS = {
     "range": "see --range",
     "method": "choose with --method",
     "device": "choose with --device",
-    "cast": "--cast allows a same-kind conversion",
+    "cast": "--cast allows a conversion that keeps every value",
     "samples": "compile with --sample-inputs to store samples",
     "tolerance": "see --atol/--rtol",
     "cuda_graph": "run without --cuda-graph",

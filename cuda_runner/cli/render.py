@@ -243,7 +243,8 @@ def run_lines(result: Any, *, show_stats: bool, show_values: bool, full_values: 
     rows = []
     for spec in result.method.outputs:
         array = result.outputs[spec.name]
-        row = [clean(spec.name), spec.dtype, shape_text(array.shape)]
+        written = result.output_dtype(spec.name)
+        row = [clean(spec.name), written if written == spec.dtype else f"{written} (model: {spec.dtype})", shape_text(array.shape)]
         if show_stats:
             summary = stats[spec.name]
             row += [number(summary.min), number(summary.max), number(summary.mean), str(summary.nan_count), str(summary.inf_count)]

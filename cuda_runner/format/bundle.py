@@ -32,7 +32,7 @@ import xxhash
 from ..errors import BundleError, InputError, WriteError
 from ..files import write_file
 from ..opening import open_regular
-from ..signing import SignedFile, TrustedKey, read_signature, signature_path
+from ..signing import SignatureMismatch, SignedFile, TrustedKey, read_signature, signature_path
 from .digest import DIGEST_ALGORITHM, TreeHasher, in_background, segment_digest
 from .manifest import MAX_SEGMENTS, Manifest, SegmentEntry, manifest_from_json
 
@@ -261,7 +261,8 @@ class BundleReader:
         signed = read_signature(signature_path(self.path), self.file_size, keys)
         manifest_end = self.header.manifest_offset + self.header.manifest_size
         # The bytes parsed at open must be the signed ones: checked on a private copy.
-        signed_prefix = signed.extract_checked(memoryview(self._map), 0, manifest_end, "the bundle's header and manifest")
+        with self._named_mismatch():
+            signed_prefix = signed.extract_checked(memoryview(self._map), 0, manifest_end, "the bundle's header and manifest")
         if signed_prefix != self._parsed_prefix:
             raise BundleError("the bundle's header and manifest changed while it was opened")
         signed.prefetch(memoryview(self._map))  # hash the rest while the caller loads
@@ -303,7 +304,8 @@ class BundleReader:
             raise BundleError("bundle is closed")
         else:
             # The bytes checked against the signature are the bytes returned (and loaded).
-            data = self.signature.extract_checked(memoryview(self._map), entry.offset, end, f"segment {entry.name!r}")
+            with self._named_mismatch():
+                data = self.signature.extract_checked(memoryview(self._map), entry.offset, end, f"segment {entry.name!r}")
         # A signature's SHA-256 already vouches for these bytes; the digest is for unsigned bundles.
         if self.signature is None and segment_digest(data) != entry.digest:
             raise BundleError(f"segment {entry.name!r} is damaged: its digest does not match")
@@ -319,10 +321,45 @@ class BundleReader:
     def _check_digest(self, entry: SegmentEntry, data: bytes | memoryview) -> None:
         if self.signature is not None and self._map is not None:
             # SHA-256 of the signed shards: stronger than the digest, which is skipped.
-            self.signature.check_range(memoryview(self._map), entry.offset, entry.offset + entry.size, f"segment {entry.name!r}", mapped=True)
+            with self._named_mismatch():
+                self.signature.check_range(memoryview(self._map), entry.offset, entry.offset + entry.size, f"segment {entry.name!r}", mapped=True)
         elif segment_digest(data) != entry.digest:
             raise BundleError(f"segment {entry.name!r} is damaged: its digest does not match")
         self._verified.add(entry.name)
+
+    @contextlib.contextmanager
+    def _named_mismatch(self) -> Iterator[None]:
+        """A signed range that does not match names what in it changed (see _changed_part)."""
+        try:
+            yield
+        except SignatureMismatch as mismatch:
+            raise self._changed_part(mismatch) from None
+
+    def _changed_part(self, mismatch: SignatureMismatch) -> BundleError:
+        """One signed range (16 MiB by default, or the whole file) holds the header, the manifest
+        and segments alike: say which of them changed, not the first thing that was checked. A
+        segment whose bytes no longer have the digest the manifest records is what changed;
+        where every segment in the range still has its digest, the header or manifest did."""
+        manifest_end = self.header.manifest_offset + self.header.manifest_size
+        changed = [entry.name for entry in self.manifest.segments
+                   if entry.offset < mismatch.end and mismatch.start < entry.offset + entry.size and not self._has_its_digest(entry)]
+        covers_manifest = mismatch.start < manifest_end
+        if changed:
+            names = ", ".join(repr(name) for name in changed)
+            manifest = "the manifest (covered by the same signed bytes)" if covers_manifest else "the signed manifest"
+            if len(changed) == 1:
+                return BundleError(f"segment {names} does not match its signature: its bytes differ from its digest in {manifest}; "
+                                   "the bundle changed after it was signed")
+            return BundleError(f"segments {names} do not match their signature: their bytes differ from their digests in {manifest}; "
+                               "the bundle changed after it was signed")
+        if covers_manifest:
+            return BundleError("the bundle's header and manifest do not match their signature: the bundle changed after it was signed")
+        return mismatch
+
+    def _has_its_digest(self, entry: SegmentEntry) -> bool:
+        if self._map is None:
+            return True  # closed meanwhile: nothing to tell
+        return segment_digest(memoryview(self._map)[entry.offset:entry.offset + entry.size]) == entry.digest
 
     def verify_all(self) -> dict[str, bool]:
         """Re-check every segment digest; {name: ok}."""

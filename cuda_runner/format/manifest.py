@@ -15,10 +15,10 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..dtypes import DTYPE_NAMES
+from ..dtypes import DTYPE_NAMES, itemsize
 from ..errors import BundleError, InputError
 from ..names import MAX_NAME_LENGTH, name_problem
-from ..shapes import shape_text
+from ..shapes import shape_text, span_problem
 from .digest import DIGEST_ALGORITHM
 
 MAX_METHODS = 64
@@ -315,8 +315,6 @@ def _check_references(manifest: Manifest) -> None:
 
 def constant_span_bytes(constant: ConstantSpec) -> int:
     """Bytes of its storage a constant view reaches, from the storage's start."""
-    from ..dtypes import itemsize
-
     if not all(constant.sizes):
         return 0
     last = constant.storage_offset + sum((size - 1) * stride for size, stride in zip(constant.sizes, constant.strides))
@@ -469,6 +467,9 @@ def _tensor(data: Any, where: str) -> TensorSpec:
             shape.append(entry)
         else:
             shape.append(_int(entry, f"{where}.shape[{axis}]", 0))
+    problem = span_problem([entry for entry in shape if isinstance(entry, int)], itemsize(dtype))
+    if problem is not None:
+        raise BundleError(f"manifest field {where + '.shape'!r} {shape_text(shape)}: {problem}")
     return TensorSpec(name=_checked_name(obj.get("name"), f"{where}.name"), dtype=dtype, shape=tuple(shape))
 
 

@@ -23,10 +23,12 @@ from typing import Union
 
 import numpy as np
 
-from ..dtypes import FLOAT_DTYPES, dtype_name, numpy_dtype
-from ..errors import BundleError, InputError
+from ..dtypes import DTYPE_NAMES, FLOAT_DTYPES, dtype_name, itemsize, numpy_dtype
+from ..errors import BundleError, CudaRunnerError, InputError
 from ..format.manifest import MethodSpec, TensorSpec
+from ..shapes import allocation_problem, shape_text, span_problem
 from ..validation import check_inputs, evaluate_shape_entry
+from .convert import convert, limits, position_text, range_text, value_text
 from .npy import ArrayHeader, NpzArchive, load_array, read_array_header
 
 # ---------------------------------------------------------------------------
@@ -62,7 +64,7 @@ InputEntry = Union[ArrayFile, ArchiveFile, InlineValue]
 @dataclass(frozen=True)
 class GivenInputs:
     entries: tuple[InputEntry, ...] = ()
-    cast: bool = False  # allow same-kind dtype conversions (float64 -> float32)
+    cast: bool = False  # allow dtype conversions that keep every value (float64 -> float32; io/convert.py)
 
 
 @dataclass(frozen=True)
@@ -104,6 +106,9 @@ class _Pending:
     dtype: str
     shape: tuple[int, ...]
     load: Callable[[], np.ndarray]
+    # Made in memory from sizes alone (generated): the error for sizes no array can have
+    # here, given why. None for data read from a file, whose size the file bounds.
+    too_large: Callable[[str], CudaRunnerError] | None = None
 
 
 IREE_ELEMENT_TYPES = {
@@ -132,6 +137,11 @@ def resolve_inputs(method: MethodSpec, plan: InputPlan, samples: NpzArchive | No
 def _resolved(method: MethodSpec, pending: list[_Pending]) -> ResolvedInputs:
     given = {item.source.name: (item.dtype, item.shape) for item in pending}
     dims = check_inputs(method, given)
+    for item in pending:
+        if item.too_large is not None:
+            problem = allocation_problem(item.shape, itemsize(item.dtype))
+            if problem is not None:
+                raise item.too_large(problem)  # before anything is allocated: not NumPy's "array is too big" later
     arrays = {item.source.name: item.load() for item in pending}
     return ResolvedInputs(arrays, [item.source for item in pending], dims)
 
@@ -233,18 +243,10 @@ def _conformed(method: MethodSpec, source: InputSource, header: ArrayHeader, loa
         return _Pending(source, "bfloat16", header.shape, lambda: load().view(numpy_dtype("bfloat16")))  # np.save writes '<V2'
     if not cast:
         raise InputError(f"input {source.name!r}: expected dtype {declared.dtype}, got {given}", subject="cast")
-    if _kind(given) != _kind(declared.dtype):
-        raise InputError(f"input {source.name!r}: cannot convert {given} to {declared.dtype}; only conversions within a kind are allowed (e.g. float64 to float32)")
-    target = numpy_dtype(declared.dtype)
-    return _Pending(source, declared.dtype, header.shape, lambda: load().astype(target))
-
-
-def _kind(dtype: str) -> str:
-    if dtype in FLOAT_DTYPES:
-        return "float"
-    if dtype.startswith("int"):
-        return "signed"
-    return dtype  # uint8 and bool convert to nothing else
+    if given not in DTYPE_NAMES:
+        raise InputError(f"input {source.name!r}: cannot convert {given} to {declared.dtype}: {given} is not a supported dtype")
+    # Checked value by value once read: a value the declared dtype cannot hold is refused, never wrapped or made inf.
+    return _Pending(source, declared.dtype, header.shape, lambda: convert(source.name, load(), declared.dtype))
 
 
 # ---------------------------------------------------------------------------
@@ -262,6 +264,9 @@ def _inline_pending(method: MethodSpec, name: str, text: str) -> _Pending:
             raise InputError(f"input {name!r}: unknown element type {element_type!r} in the inline value")
         if dtype != declared.dtype:
             raise InputError(f"input {name!r}: expected dtype {declared.dtype}, got {dtype} in the inline value")
+        problem = span_problem(shape, itemsize(dtype))
+        if problem is not None:
+            raise InputError(f"input {name!r}: the inline shape {shape_text(shape)}: {problem}")
         values = match.group(3)
         return _Pending(source, dtype, shape, lambda: _iree_values(name, shape, dtype, values))
     array = parse_inline_value(name, text, declared.dtype)
@@ -283,21 +288,35 @@ def _iree_values(name: str, shape: tuple[int, ...], dtype: str, text: str) -> np
         return np.full(shape, _typed(name, values[0], dtype), dtype=numpy_dtype(dtype))  # IREE splat: one value fills the tensor
     if len(values) != count:
         raise InputError(f"input {name!r}: shape {'x'.join(map(str, shape)) or 'scalar'} needs {count} values, got {len(values)}")
-    return _typed(name, values, dtype).reshape(shape)
+    return _typed(name, np.array(values, dtype=object).reshape(shape), dtype)
 
 
 def _scalar(name: str, token: str, dtype: str) -> int | float | bool:
     lowered = token.lower()
     try:
-        if dtype == "bool":
-            if lowered in ("true", "false"):
-                return lowered == "true"
-            return bool(int(token))
+        if dtype == "bool" and lowered in ("true", "false"):
+            return lowered == "true"
         if dtype in FLOAT_DTYPES:
-            return float(token)
-        return int(token)  # integers stay exact: never through float
+            return _decimal(name, dtype, token)
+        return int(token)  # integers stay exact: never through float; bool takes 0 and 1 (checked in _typed)
     except ValueError:
         raise InputError(f"input {name!r}: {token[:30]!r} is not a {dtype} value") from None
+
+
+def _decimal(name: str, dtype: str, text: str) -> float:
+    """A float written out. Python reads 1e400 as inf: a finite number too large for any float is refused,
+    while inf and nan, written as such, stay."""
+    value = float(text)
+    if math.isinf(value) and "inf" not in text.lower():
+        raise InputError(f"input {name!r}: the value {text[:30]} is too large for {dtype} ({range_text(dtype)})")
+    return value
+
+
+def _float(name: str, item: float, dtype: str) -> float:
+    try:
+        return float(item)
+    except OverflowError:  # an integer beyond every float
+        raise InputError(f"input {name!r}: the value {value_text(item)} is too large for {dtype} ({range_text(dtype)})") from None
 
 
 def parse_inline_value(name: str, text: str, dtype: str) -> np.ndarray:
@@ -305,7 +324,7 @@ def parse_inline_value(name: str, text: str, dtype: str) -> np.ndarray:
     stripped = text.strip()
     lowered = stripped.lower()
     try:
-        value = json.loads(lowered if lowered in ("true", "false") else stripped)
+        value = json.loads(lowered if lowered in ("true", "false") else stripped, parse_float=functools.partial(_decimal, name, dtype))
     except RecursionError:
         raise InputError(f"input {name!r}: the inline value is nested too deeply") from None
     except ValueError:
@@ -314,24 +333,28 @@ def parse_inline_value(name: str, text: str, dtype: str) -> np.ndarray:
 
 
 def _typed(name: str, value: object, dtype: str) -> np.ndarray:
+    """Numbers as `dtype`, every value kept: floats may round to the nearest float of the dtype but
+    never overflow to inf; integers and bools must be whole and in range (io/convert.py)."""
     target = numpy_dtype(dtype)
     try:
         array = np.array(value, dtype=object)
     except (ValueError, RecursionError):
         raise InputError(f"input {name!r}: inline lists must be rectangular") from None
-    if array.dtype == object and array.size and not all(isinstance(item, (int, float, bool)) for item in array.flat):
+    items = list(array.flat)
+    if not all(isinstance(item, (int, float, bool)) for item in items):
         raise InputError(f"input {name!r}: inline values must be numbers (and lists must be rectangular)")
-    if dtype not in FLOAT_DTYPES and any(isinstance(item, float) and not float(item).is_integer() for item in array.flat):
-        raise InputError(f"input {name!r}: expected dtype {dtype}, got non-integer values")
-    if dtype not in FLOAT_DTYPES and dtype != "bool":
-        info = np.iinfo(target)
-        if any(not info.min <= int(item) <= info.max for item in array.flat):
-            raise InputError(f"input {name!r}: a value is out of range for {dtype}")
-        return np.array([int(item) for item in array.flat], dtype=target).reshape(array.shape)
-    try:
-        return array.astype(target)
-    except OverflowError:
-        raise InputError(f"input {name!r}: a value is out of range for {dtype}") from None
+    if dtype in FLOAT_DTYPES:
+        return convert(name, np.array([_float(name, item, dtype) for item in items], dtype=np.float64).reshape(array.shape), dtype)
+    bounds = limits(dtype)
+    for flat, item in enumerate(items):
+        if isinstance(item, float) and not item.is_integer():
+            problem = f"is not a whole number, as needed by {dtype}"
+        elif not bounds.low <= int(item) <= bounds.high:
+            problem = f"is out of range for {dtype} ({range_text(dtype)})"
+        else:
+            continue
+        raise InputError(f"input {name!r}: the value {value_text(item)}{position_text(array.shape, flat)} {problem}")
+    return np.array([int(item) for item in items], dtype=target).reshape(array.shape)
 
 
 # ---------------------------------------------------------------------------
@@ -353,8 +376,8 @@ def _sample_pending(method: MethodSpec, archive: NpzArchive) -> list[_Pending]:
 def _sample(archive: NpzArchive, key: str) -> np.ndarray:
     try:
         return archive.load(key)
-    except InputError as error:
-        raise BundleError(f"stored samples are damaged: {error}") from None
+    except InputError as error:  # damaged, or too large to read here
+        raise BundleError(f"stored samples cannot be read: {error}") from None
 
 
 # ---------------------------------------------------------------------------
@@ -401,22 +424,64 @@ def _random_pending(method: MethodSpec, plan: RandomInputs) -> list[_Pending]:
     pending = []
     for spec in method.inputs:
         low, high = plan.ranges.get(spec.name, DEFAULT_FLOAT_RANGE if spec.dtype in FLOAT_DTYPES else DEFAULT_INT_RANGE)
+        bounds = _drawn_bounds(spec, low, high)
         source = InputSource(spec.name, "random", f"seed {plan.seed}, range [{low:g}, {high:g})")
         shape = concrete[spec.name]
         # Drawn in input order after every check, so a seed gives the same values.
-        pending.append(_Pending(source, spec.dtype, shape, functools.partial(_draw, generator, spec, shape, low, high)))
+        draw = functools.partial(_draw, generator, spec.dtype, shape, bounds)
+        pending.append(_Pending(source, spec.dtype, shape, draw, functools.partial(_too_large, method, plan, spec, shape)))
     return pending
 
 
-def _draw(generator: np.random.Generator, spec: TensorSpec, shape: tuple[int, ...], low: float, high: float) -> np.ndarray:
-    dtype = spec.dtype
-    target = numpy_dtype(dtype)
-    if dtype == "bool":
-        return generator.integers(0, 2, size=shape).astype(bool)
-    if dtype in FLOAT_DTYPES:
-        return generator.uniform(low, high, size=shape).astype(target)
-    info = np.iinfo(target)
-    low_int, high_int = max(math.ceil(low), int(info.min)), min(math.ceil(high), int(info.max) + 1)
+def _too_large(method: MethodSpec, plan: RandomInputs, spec: TensorSpec, shape: tuple[int, ...], problem: str) -> CudaRunnerError:
+    """Whose sizes cannot be generated: the user's (--shape), or the manifest's static or example sizes."""
+    static = [entry for entry in spec.shape if isinstance(entry, int)]
+    if allocation_problem(static, itemsize(spec.dtype)) is not None:
+        return BundleError(f"input {spec.name!r}: the manifest declares the {spec.dtype} shape {spec.shape_text()}, which cannot be generated: {problem}")
+    given = _dims_given(method, plan.shapes)
+    if spec.name in plan.shapes or any(name in given for entry in spec.shape if isinstance(entry, str) for name in _DIM_NAME.findall(entry)):
+        return InputError(f"input {spec.name!r}: cannot generate {spec.dtype} values of shape {shape_text(shape)}: {problem}", subject="shape")
+    return BundleError(f"input {spec.name!r}: the manifest's example sizes give the {spec.dtype} shape {shape_text(shape)}, which cannot be generated: {problem}",
+                       subject="shape")
+
+
+_DIM_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_.]*")
+
+
+def _dims_given(method: MethodSpec, shapes: Mapping[str, tuple[int, ...]]) -> set[str]:
+    """The dims whose sizes come from the requested shapes."""
+    given: set[str] = set()
+    for name in shapes:
+        declared = method.input(name)
+        given.update(entry for entry in (declared.shape if declared is not None else ()) if isinstance(entry, str) and entry in method.dims)
+    return given
+
+
+def _drawn_bounds(spec: TensorSpec, low: float, high: float) -> tuple[float, float] | tuple[int, int]:
+    """What to draw from for [low, high): floats as given, integers (and bools, 0 and 1) from
+    [ceil(low), ceil(high)). A range reaching past what the dtype holds is refused, not clamped
+    or turned into infinities."""
+    where = f"input {spec.name!r}: the range [{_bound_text(low)}, {_bound_text(high)})"
+    bounds = limits(spec.dtype)
+    if spec.dtype in FLOAT_DTYPES:
+        if not -bounds.largest <= low < high <= bounds.largest:
+            raise InputError(f"{where} reaches past {spec.dtype}, whose largest finite value is {bounds.largest:g}", subject="range")
+        return low, high
+    low_int, high_int = math.ceil(low), math.ceil(high)
     if low_int >= high_int:
-        raise InputError(f"input {spec.name!r}: the range [{low:g}, {high:g}) holds no {dtype} value", subject="range")
-    return generator.integers(low_int, high_int, size=shape, dtype=np.int64).astype(target)
+        raise InputError(f"{where} holds no {spec.dtype} value", subject="range")
+    if low_int < bounds.low or high_int > bounds.high + 1:
+        raise InputError(f"{where} reaches past {spec.dtype}, which holds {bounds.low} to {bounds.high} (HI is exclusive)", subject="range")
+    return low_int, high_int
+
+
+def _bound_text(value: float) -> str:
+    value = float(value)
+    return str(int(value)) if value.is_integer() and abs(value) < 1e16 else repr(value)
+
+
+def _draw(generator: np.random.Generator, dtype: str, shape: tuple[int, ...], bounds: tuple[float, float] | tuple[int, int]) -> np.ndarray:
+    target = numpy_dtype(dtype)
+    if dtype in FLOAT_DTYPES:
+        return generator.uniform(bounds[0], bounds[1], size=shape).astype(target)
+    return generator.integers(int(bounds[0]), int(bounds[1]), size=shape, dtype=np.int64).astype(target)

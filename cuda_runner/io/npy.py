@@ -25,6 +25,7 @@ import numpy as np
 from ..errors import InputError
 from ..files import write_file
 from ..opening import open_regular
+from ..shapes import allocation_problem, shape_text
 
 # An archive member's header is tiny; more than this is not an .npy header.
 _MAX_HEADER_BYTES = 1 << 20
@@ -130,8 +131,11 @@ class NpzArchive:
         return header
 
     def load(self, key: str) -> np.ndarray:
-        self.header(key)  # checked again: the size cap holds before any data is read
+        header = self.header(key)  # checked again: the size cap holds before any data is read
         where = f"{self.label} member {key!r}"
+        problem = allocation_problem(header.shape, header.dtype.itemsize)  # a member is read into memory, not mapped
+        if problem is not None:
+            raise InputError(f"cannot read {where} of shape {shape_text(header.shape)}: {problem}")
         try:
             with self._zip.open(self._members[key]) as member:
                 return np.lib.format.read_array(member, allow_pickle=False, max_header_size=_MAX_HEADER_BYTES)

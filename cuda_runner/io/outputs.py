@@ -8,6 +8,7 @@ from pathlib import Path
 
 import numpy as np
 
+from ..dtypes import dtype_name
 from ..errors import InputError
 from ..files import Writer, check_destination, write_files
 from ..names import safe_filename
@@ -26,6 +27,10 @@ class OutputPlan:
     @property
     def writes(self) -> bool:
         return self.directory is not None or self.archive is not None
+
+    def written_dtype(self, dtype: str) -> str:
+        """The dtype an output of `dtype` has in the files this plan writes."""
+        return self.bf16_as if self.bf16_as is not None and dtype == "bfloat16" else dtype
 
     def check(self) -> None:
         """Refuse, before anything runs, destinations that cannot be written."""
@@ -54,15 +59,19 @@ def output_filenames(names: list[str]) -> dict[str, str]:
     return result
 
 
-def _converted(outputs: Mapping[str, np.ndarray], bf16_as: str | None) -> dict[str, np.ndarray]:
-    if bf16_as is None:
-        return dict(outputs)
-    return {name: array.astype(bf16_as) if array.dtype.name == "bfloat16" else array for name, array in outputs.items()}
+def _converted(outputs: Mapping[str, np.ndarray], plan: OutputPlan) -> dict[str, np.ndarray]:
+    arrays = {}
+    for name, array in outputs.items():
+        dtype = dtype_name(array.dtype)
+        written = plan.written_dtype(dtype)
+        arrays[name] = array if written == dtype else array.astype(written)
+    return arrays
 
 
 def write_outputs(plan: OutputPlan, outputs: Mapping[str, np.ndarray]) -> dict[str, list[Path]]:
-    """Write every destination of `plan` in one transaction; {output name: [files]}."""
-    arrays = _converted(outputs, plan.bf16_as)
+    """Write every destination of `plan` in one transaction; {output name: [files]}.
+    Each output is written as `plan.written_dtype` of its dtype says."""
+    arrays = _converted(outputs, plan)
     writers: dict[Path, Writer] = {}
     files: dict[str, list[Path]] = {name: [] for name in arrays}
     if plan.directory is not None:

@@ -156,7 +156,7 @@ def test_damaged_stored_samples_are_a_bundle_error(files):
         resolve_inputs(METHOD, StoredSamples(), samples)
 
 
-def test_cast_converts_within_a_kind_only(files):
+def test_cast_converts_only_where_every_value_is_kept(files):
     np.save(files / "x64.npy", np.ones((3, 4)))
     base = [f"ids={files / 'ids.npy'}", "scale=1", f"h={files / 'h.npy'}"]
     with pytest.raises(InputError) as refused:
@@ -164,8 +164,10 @@ def test_cast_converts_within_a_kind_only(files):
     assert refused.value.subject == "cast"  # the command line adds: use --cast
     resolved = resolve_inputs(METHOD, given([f"x={files / 'x64.npy'}", *base], cast=True))
     assert resolved.arrays["x"].dtype == np.float32
-    np.save(files / "xi.npy", np.ones((3, 4), np.int32))
-    with pytest.raises(InputError, match="cannot convert int32 to float32"):
+    np.save(files / "xi.npy", np.full((3, 4), 1 << 24, np.int32))  # every int32 up to 2^24 is a float32
+    assert resolve_inputs(METHOD, given([f"x={files / 'xi.npy'}", *base], cast=True)).arrays["x"][0, 0] == 1 << 24
+    np.save(files / "xi.npy", np.full((3, 4), (1 << 24) + 1, np.int32))
+    with pytest.raises(InputError, match=r"the value 16777217 at \[0, 0\] \(and 11 more\) cannot be held exactly by float32"):
         resolve_inputs(METHOD, given([f"x={files / 'xi.npy'}", *base], cast=True))
 
 
