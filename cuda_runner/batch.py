@@ -73,7 +73,7 @@ class BatchRequest:
     expected_dir: Path | None = None  # REF/<set>.npz or REF/<set>/<output>.npy
     tolerances: Tolerances = field(default_factory=Tolerances)
     allow_missing: bool = False
-    resume: bool = False  # skip sets whose outputs are complete
+    resume: bool = False  # skip sets whose outputs are complete (their set record matches them)
     fail_fast: bool = False
     lanes: int = 2
     devices: str | None = None  # "all" or "0,1": one loaded model per GPU, sets shared out
@@ -152,12 +152,15 @@ def _destinations(request: BatchRequest, spec: MethodSpec, name: str) -> tuple[O
         return OutputPlan(archive=archive), [archive]
     folder = request.out_dir / stem
     files = output_filenames([output.name for output in spec.outputs])
-    return OutputPlan(directory=folder), [folder / files[output.name] for output in spec.outputs]
+    # The set record lets --resume tell a whole set from one whose renames a kill cut short.
+    return OutputPlan(directory=folder, record=True), [folder / files[output.name] for output in spec.outputs]
 
 
-def _complete(paths: list[Path]) -> bool:
-    # Outputs are renamed into place all-or-none, so existing files are whole.
-    return all(path.is_file() for path in paths)
+def _complete(request: BatchRequest, spec: MethodSpec, name: str) -> bool:
+    """Whether a set's outputs were all written by one run (an .npz is one
+    rename; a folder's files are several, so its set record must match them)."""
+    plan, _ = _destinations(request, spec, name)
+    return plan.complete([output.name for output in spec.outputs])
 
 
 @dataclass(frozen=True)
@@ -296,7 +299,7 @@ def _pipelined(request: BatchRequest, runner: _Runner, sets: list[InputSet], pro
             while not stop and index < len(sets) and len(pending) < 2 * workers:
                 input_set = sets[index]
                 index += 1
-                if request.resume and _complete(_destinations(request, runner.spec, input_set.name)[1]):
+                if request.resume and _complete(request, runner.spec, input_set.name):
                     if request.expected_dir is not None:
                         pending.append((input_set, pool.submit(run_set, _recheck, input_set)))
                     else:

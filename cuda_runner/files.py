@@ -15,6 +15,15 @@ A set of files (a run's outputs, a bundle) is written as one transaction:
 Temp names carry the writer's host and pid: `.NAME.HOST.PID.RANDOM.tmp`; only
 temp files of this host whose process is gone count as leftovers (a folder
 on a network file system may be written from other hosts).
+
+A process killed between two renames (kill -9, a power cut) cannot roll
+back: the folder then holds some new files and some old ones. Where that
+must be detectable (a batch set, which `--resume` may skip), the transaction
+also keeps a *set record*, a small hidden file naming every file of the set
+with its size and digest. The old record is moved aside before the first
+rename and the new one is renamed into place after the last, so a record
+that matches the files (`set_record_matches`) proves they are exactly the
+set one transaction wrote.
 """
 
 from __future__ import annotations
@@ -22,14 +31,19 @@ from __future__ import annotations
 import contextlib
 import errno
 import fcntl
+import functools
 import hashlib
+import json
 import os
 import re
 import secrets
 import socket
-from collections.abc import Callable, Iterator, Mapping
+import stat
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
-from typing import BinaryIO
+from typing import Any, BinaryIO
+
+import xxhash
 
 from .errors import InputError, WriteError
 from .opening import kind_of
@@ -38,6 +52,11 @@ _TEMP_PATTERN = re.compile(r"^\..+\.([0-9a-f]{8})\.(\d{1,10})\.[0-9a-f]{8}\.(?:t
 _HOST = hashlib.sha256(socket.gethostname().encode()).hexdigest()[:8]
 
 Writer = Callable[[BinaryIO], None]
+
+# The set record: its file name (beside the set's files) and its format.
+SET_RECORD = ".cuda-runner-set.json"
+_RECORD_SCHEMA = "cuda-runner/set-record/1"
+_RECORD_LIMIT = 1 << 20  # bytes; a record names a few files
 
 
 def _name_max(directory: Path) -> int:
@@ -165,6 +184,15 @@ class _Commit:
             raise
         self.done.append((path, backup))
 
+    def set_aside(self, path: Path) -> None:
+        """Move `path` out of the way (rolled back like a rename); nothing if it is absent."""
+        backup = _temp_name(path, "old")
+        try:
+            os.rename(path, backup)
+        except FileNotFoundError:
+            return
+        self.done.append((path, backup))  # roll_back puts it back; forget_backups removes it
+
     def roll_back(self) -> None:
         for path, backup in reversed(self.done):
             with contextlib.suppress(OSError):
@@ -181,11 +209,18 @@ class _Commit:
                     os.unlink(backup)
 
 
-def write_files(writers: Mapping[Path, Writer]) -> list[Path]:
-    """Write every file or none (see the module docstring); returns the paths."""
+def write_files(writers: Mapping[Path, Writer], *, record: Path | None = None) -> list[Path]:
+    """Write every file or none (see the module docstring); returns the paths.
+
+    With `record`, the transaction also writes the set record there (in the
+    folder of the files): moved aside before the first rename, written after
+    the last, so that it exists only while the files are one whole set."""
     paths = [Path(path) for path in writers]
-    if len({os.path.abspath(path) for path in paths}) != len(paths):
+    every = [*paths, *([record] if record is not None else [])]
+    if len({os.path.abspath(path) for path in every}) != len(every):
         raise InputError("two outputs would be written to the same file")
+    if record is not None and any(os.path.abspath(path.parent) != os.path.abspath(record.parent) for path in paths):
+        raise ValueError("a set record lives in the folder of the files it names")
     for path in paths:
         check_destination(path)
     created: list[Path] = []
@@ -199,7 +234,11 @@ def write_files(writers: Mapping[Path, Writer]) -> list[Path]:
                 remove_stale_temps(folder)
             for path, write in zip(paths, writers.values()):
                 temps[path] = _write_temp(path, write)
-            _rename_all(temps)
+            record_temp = None
+            if record is not None:
+                document = _record_document({path.name: temps[path] for path in paths})
+                record_temp = temps[record] = _write_temp(record, functools.partial(_write_bytes, document))
+            _rename_all(temps, record, record_temp)
             for folder in folders:
                 with contextlib.suppress(OSError):  # the new set is in place; durability is best effort now
                     _fsync_folder(folder)
@@ -214,17 +253,98 @@ def write_files(writers: Mapping[Path, Writer]) -> list[Path]:
         raise
 
 
-def _rename_all(temps: dict[Path, Path]) -> None:
-    """Rename every temp file into place, or roll back to the old files."""
+def _rename_all(temps: dict[Path, Path], record: Path | None = None, record_temp: Path | None = None) -> None:
+    """Rename every temp file into place, or roll back to the old files. A set
+    record goes aside first (durably: on disk before any file changes) and its
+    successor comes last."""
     commit = _Commit()
     try:
+        if record is not None and os.path.lexists(record):
+            commit.set_aside(record)
+            _fsync_folder(record.parent)
         for path, temp in list(temps.items()):
-            commit.rename(temp, path)
-            del temps[path]
+            if path != record:
+                commit.rename(temp, path)
+                del temps[path]
+        if record is not None and record_temp is not None:
+            commit.rename(record_temp, record)
+            del temps[record]
     except BaseException:
         commit.roll_back()
         raise
     commit.forget_backups()
+
+
+def _write_bytes(data: bytes, handle: BinaryIO) -> None:
+    handle.write(data)
+
+
+def _file_digest(path: Path) -> str:
+    digest = xxhash.xxh3_128()
+    with open(path, "rb") as handle:
+        while chunk := handle.read(1 << 20):
+            digest.update(chunk)
+    return f"xxh3-128:{digest.hexdigest()}"
+
+
+def _record_document(files: Mapping[str, Path]) -> bytes:
+    """The set record for files (by name) as written to `files[name]`: size,
+    digest and identity (inode and mtime survive the rename into place)."""
+    entries = {}
+    for name, temp in files.items():
+        info = os.stat(temp)
+        entries[name] = {"size": info.st_size, "digest": _file_digest(temp), "inode": info.st_ino, "mtime_ns": info.st_mtime_ns}
+    return json.dumps({"schema": _RECORD_SCHEMA, "files": entries}, sort_keys=True).encode()
+
+
+def set_record_matches(record: Path, paths: Sequence[Path]) -> bool:
+    """Whether `record` names exactly the files `paths` and each is as the
+    transaction that wrote the record left it: same size, and the same inode
+    and mtime or else (a copied folder) the same digest."""
+    document = _read_record(record)
+    if document is None:
+        return False
+    entries = document.get("files")
+    if not isinstance(entries, dict) or set(entries) != {path.name for path in paths}:
+        return False
+    for path in paths:
+        entry = entries[path.name]
+        try:
+            info = os.lstat(path)
+        except OSError:
+            return False
+        if not isinstance(entry, dict) or not stat.S_ISREG(info.st_mode) or entry.get("size") != info.st_size:
+            return False
+        if (entry.get("inode"), entry.get("mtime_ns")) == (info.st_ino, info.st_mtime_ns):
+            continue
+        try:
+            if entry.get("digest") != _file_digest(path):
+                return False
+        except OSError:
+            return False
+    return True
+
+
+def _read_record(record: Path) -> dict[str, Any] | None:
+    try:
+        fd = os.open(record, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+    except OSError:
+        return None
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            return None
+        data = os.read(fd, _RECORD_LIMIT + 1)
+    except OSError:
+        return None
+    finally:
+        os.close(fd)
+    if len(data) > _RECORD_LIMIT:
+        return None
+    try:
+        document = json.loads(data)
+    except ValueError:
+        return None
+    return document if isinstance(document, dict) and document.get("schema") == _RECORD_SCHEMA else None
 
 
 def write_file(path: str | os.PathLike[str], write: Writer) -> Path:

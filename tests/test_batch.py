@@ -3,10 +3,14 @@
 from __future__ import annotations
 
 import json
+import os
+import signal
+import subprocess
+import sys
 
 import numpy as np
 import pytest
-from helpers import cli
+from helpers import ROOT, cli, run_cli
 
 import cuda_runner
 
@@ -53,6 +57,74 @@ def test_resume_skips_complete_sets_and_redoes_the_rest(dict_mlp_bundle, sets, t
     statuses = {entry["name"]: entry["status"] for entry in json.loads(again.stdout)["sets"]}
     assert statuses == {"s0": "skipped", "s1": "passed", "s2": "skipped", "s3": "skipped", "s4": "skipped"}
     assert (out / "s1" / "logits.npy").exists()
+
+
+# A batch run whose process is killed (SIGKILL, no unwinding) right after the
+# first output of set DIR is renamed into place: the others are still old.
+_KILLED_MID_COMMIT = """
+import os, signal, sys
+from pathlib import Path
+target, replace = Path(sys.argv[1]).resolve(), os.replace
+def killed_after(source, destination):
+    replace(source, destination)
+    if Path(destination).parent.resolve() == target and str(destination).endswith(".npy"):
+        os.kill(os.getpid(), signal.SIGKILL)
+os.replace = killed_after
+from cuda_runner.cli.main import main
+sys.argv = ["cuda-runner", *sys.argv[2:]]
+main()
+"""
+
+
+def test_resume_redoes_a_set_whose_outputs_a_kill_left_half_replaced(dict_mlp_bundle, sets, tmp_path):
+    (sets / "z_bad.npz").unlink()
+    out = tmp_path / "out"
+    command = ["run", str(dict_mlp_bundle.path), "--batch", str(sets), "--out-dir", str(out)]
+    assert cli(*command).returncode == 0
+    old = {name: np.load(out / "s1" / name) for name in ("logits.npy", "aux.loss.npy", "aux.hidden.npy")}
+    np.savez(sets / "s1.npz", **_set(11, batch=2))  # s1's inputs change; a second run replaces its outputs
+    killed = subprocess.run([sys.executable, "-c", _KILLED_MID_COMMIT, str(out / "s1"), *command, "--lanes", "1"],
+                            cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert killed.returncode == -signal.SIGKILL, killed.stderr
+    changed = [name for name, array in old.items() if not np.array_equal(np.load(out / "s1" / name), array)]
+    assert len(changed) == 1  # the mix a kill between two renames leaves: one output new, the others old
+
+    again = run_cli(*command, "--resume", "--json")
+    assert again.returncode == 0, again.stderr
+    statuses = {entry["name"]: entry["status"] for entry in json.loads(again.stdout)["sets"]}
+    assert statuses["s1"] == "passed"  # run again, not taken as complete
+    with cuda_runner.load(dict_mlp_bundle.path) as model:
+        for name, status in statuses.items():
+            source = sets / f"{name}.npz"
+            inputs = dict(np.load(source)) if source.exists() else {path.stem: np.load(path) for path in (sets / name).glob("*.npy")}
+            expected = model.run(inputs)
+            for output, array in expected.items():
+                np.testing.assert_array_equal(np.load(out / name / f"{output}.npy"), array, err_msg=f"{name} {output} ({status})")
+    leftovers = [path.name for path in (out / "s1").iterdir() if path.name.endswith((".tmp", ".old"))]
+    assert leftovers == []  # the killed writer's temp files and backups went with the rewrite
+
+
+def test_a_set_record_tells_whole_sets_from_changed_ones(tmp_path):
+    """OutputPlan(record=True).complete: the record's files, unchanged or copied
+    elsewhere byte for byte; not a set with a file changed, missing or added."""
+    import shutil
+
+    from cuda_runner.io.outputs import OutputPlan, write_outputs
+
+    outputs = {"logits": np.arange(6.0), "aux.loss": np.array(2.0)}
+    plan = OutputPlan(tmp_path / "a", record=True)
+    write_outputs(plan, outputs)
+    assert plan.complete(list(outputs))
+    assert sorted(os.listdir(tmp_path / "a")) == [".cuda-runner-set.json", "aux.loss.npy", "logits.npy"]
+    copied = tmp_path / "copy"
+    shutil.copytree(tmp_path / "a", copied)  # new inodes and times: the digests decide
+    assert OutputPlan(copied, record=True).complete(list(outputs))
+    assert not plan.complete(["logits"]) and not plan.complete([*outputs, "extra"])
+    np.save(copied / "logits.npy", np.arange(6.0) + 1)  # same size, other values
+    assert not OutputPlan(copied, record=True).complete(list(outputs))
+    write_outputs(plan, {"logits": np.arange(6.0)})  # a rewrite with fewer outputs: the record follows
+    assert plan.complete(["logits"]) and not plan.complete(list(outputs))
+    assert not OutputPlan(tmp_path / "missing", record=True).complete(list(outputs))
 
 
 def test_expected_dir_compares_every_set(dict_mlp_bundle, sets, tmp_path):

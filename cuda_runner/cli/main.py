@@ -506,7 +506,8 @@ def run_command(
     out_format: Annotated[str, typer.Option("--out-format", metavar="npy|npz", help="With --batch: OUT/NAME/<output>.npy, or OUT/NAME.npz.")] = "npy",
     expected_dir: Annotated[Optional[str], typer.Option("--expected-dir", metavar="REF", help=(
         "With --batch: compare each set with REF/NAME.npz or REF/NAME/.")) ] = None,
-    resume: Annotated[bool, typer.Option("--resume", help="With --batch: skip sets whose outputs are already complete.")] = False,
+    resume: Annotated[bool, typer.Option("--resume", help=(
+        "With --batch: skip sets already written whole by a run (their hidden set record matches their files)."))] = False,
     fail_fast: Annotated[bool, typer.Option("--fail-fast", help="With --batch: stop at the first set that fails.")] = False,
     lanes: Annotated[int, typer.Option(min=1, metavar="INT", help="With --batch: how many sets run at once (per device).")] = 2,
     devices: Annotated[Optional[str], typer.Option("--devices", metavar="all|0,1", help="With --batch: spread the sets over these GPUs.")] = None,

@@ -10,7 +10,7 @@ import numpy as np
 
 from ..dtypes import dtype_name
 from ..errors import InputError
-from ..files import Writer, check_destination, write_files
+from ..files import SET_RECORD, Writer, check_destination, set_record_matches, write_files
 from ..names import safe_filename
 from .npy import npy_writer, npz_writer
 
@@ -18,11 +18,14 @@ from .npy import npy_writer, npz_writer
 @dataclass(frozen=True)
 class OutputPlan:
     """Where outputs go. `bf16_as` converts bfloat16 outputs on the way out
-    (e.g. "float32", for readers without ml_dtypes); None keeps them."""
+    (e.g. "float32", for readers without ml_dtypes); None keeps them.
+    `record`: the directory also gets a set record (files.py), so that
+    `complete()` can tell a whole set from one cut short by a kill."""
 
     directory: Path | None = None
     archive: Path | None = None
     bf16_as: str | None = None
+    record: bool = False
 
     @property
     def writes(self) -> bool:
@@ -42,6 +45,19 @@ class OutputPlan:
             check_destination(self.directory / "x.npy")
             if self.directory.exists() and not self.directory.is_dir():
                 raise InputError(f"{self.directory} exists and is not a directory")
+
+    def complete(self, names: list[str]) -> bool:
+        """Whether the outputs `names` are all there, written whole by one write:
+        the archive is one file renamed into place; a directory needs its set
+        record (without `record`, every file existing is all that can be told)."""
+        if self.archive is not None and not self.archive.is_file():
+            return False
+        if self.directory is not None:
+            paths = [self.directory / filename for filename in output_filenames(names).values()]
+            if self.record:
+                return set_record_matches(self.directory / SET_RECORD, paths)
+            return all(path.is_file() for path in paths)
+        return self.archive is not None
 
 
 def output_filenames(names: list[str]) -> dict[str, str]:
@@ -83,5 +99,10 @@ def write_outputs(plan: OutputPlan, outputs: Mapping[str, np.ndarray]) -> dict[s
         writers[plan.archive] = npz_writer(arrays)
         for name in arrays:
             files[name].append(plan.archive)
-    write_files(writers)
+    record = None
+    if plan.record and plan.directory is not None:
+        if plan.archive is not None:
+            raise ValueError("a set record covers the files of one folder, not an archive beside them")
+        record = plan.directory / SET_RECORD
+    write_files(writers, record=record)
     return files

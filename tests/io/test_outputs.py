@@ -168,3 +168,16 @@ def test_rollback_keeps_a_dangling_symlink_that_was_there(tmp_path, monkeypatch)
         write_outputs(OutputPlan(out), {"logits": np.zeros(1), "other": np.ones(1)})
     monkeypatch.undo()
     assert os.path.islink(out / "logits.npy") and not (out / "other.npy").exists()
+
+
+def test_a_failed_rewrite_puts_the_old_set_record_back(tmp_path, monkeypatch):
+    out = tmp_path / "out"
+    plan = OutputPlan(out, record=True)
+    write_outputs(plan, OUTPUTS)
+    before = {name: (out / name).read_bytes() for name in os.listdir(out)}
+    _fail_rename(monkeypatch, 2)
+    with pytest.raises(WriteError):
+        write_outputs(plan, {name: array + 1 for name, array in OUTPUTS.items()})
+    monkeypatch.undo()
+    assert {name: (out / name).read_bytes() for name in os.listdir(out)} == before  # the record too
+    assert plan.complete(list(OUTPUTS))
