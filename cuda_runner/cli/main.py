@@ -321,19 +321,25 @@ def compile_command(
         if not path.endswith(".npz"):
             raise parse.UsageError(f"--sample-inputs {item!r}: samples are an .npz archive keyed by input names")
         samples[name] = Path(path)
-    from ..compile import compile_programs
+    from ..compile import check_programs
+    from ..compile.isolated import compile_in_process_group
     from ..io.npy import load_archive
 
     _quiet_warnings()
     arrays = {name: load_archive(path) for name, path in samples.items()}
     _check_sign_key(sign_key)
-    call_helper = call_helper and _built_call_helper() is not None  # says why once, where it cannot be built
+    check_programs(programs, output)  # before a process is started and torch imported
+
+    def report(kind: str, text: str) -> None:
+        (_warn if kind == "warning" else _progress)(text)
+
+    # In a process group of its own, so that a signal ends the C++ compilers too (compile/isolated.py).
     with _native_stderr():
-        manifest = compile_programs(programs, output, device=device, metadata=metadata, sample_inputs=arrays, progress=_progress,
-                                    options=parse.option_values(option, autotune), call_helper=call_helper, cpu_target=cpu_target)
+        methods = compile_in_process_group(report, programs=programs, output=output, device=device, metadata=metadata, sample_inputs=arrays,
+                                           options=parse.option_values(option, autotune), call_helper=call_helper, cpu_target=cpu_target)
     signed = _sign(output, sign_key)
     if not _State.quiet:
-        _out().line(printable(f"wrote {output}: {', '.join(manifest.methods)} for {device}{signed}"))
+        _out().line(printable(f"wrote {output}: {', '.join(methods)} for {device}{signed}"))
 
 
 @app.command("sign")
