@@ -689,13 +689,18 @@ class _StreamGone(BaseException):
 
 
 class _GuardedStream:
-    """A text stream whose write errors become _StreamGone."""
+    """A text stream whose write errors become _StreamGone. `closed`: the
+    descriptor was closed when the process started (`>&-`); it now holds
+    /dev/null, and a write fails as a write to the closed descriptor would."""
 
-    def __init__(self, stream: Any, name: str):
+    def __init__(self, stream: Any, name: str, closed: bool = False):
         self._stream = stream
         self._name = name
+        self._closed = closed
 
     def write(self, text: str) -> int:
+        if self._closed:
+            raise _StreamGone(OSError(errno.EBADF, os.strerror(errno.EBADF)), self._name)
         try:
             return int(self._stream.write(text))
         except OSError as error:
@@ -714,11 +719,15 @@ class _GuardedStream:
 def _standard_streams() -> None:
     """Give closed standard descriptors /dev/null, so that no file the command
     opens (an output, say) becomes fd 1 or 2 and receives its messages, and
-    guard stdout and stderr (see _StreamGone)."""
+    guard stdout and stderr (see _StreamGone). Output for a closed stdout
+    fails (exit 4, as for /dev/full: what the command printed went nowhere);
+    messages for a closed stderr are dropped, as its closer asked."""
+    closed = set()
     for fd in (0, 1, 2):
         try:
             os.fstat(fd)
         except OSError:
+            closed.add(fd)
             opened = os.open(os.devnull, os.O_RDWR)
             if opened != fd:
                 os.dup2(opened, fd)
@@ -727,7 +736,7 @@ def _standard_streams() -> None:
         sys.stdout = open(1, "w", closefd=False)  # noqa: SIM115  (the process's own stdout)
     if sys.stderr is None:
         sys.stderr = open(2, "w", closefd=False)  # noqa: SIM115
-    sys.stdout = _GuardedStream(sys.stdout, "standard output")
+    sys.stdout = _GuardedStream(sys.stdout, "standard output", closed=1 in closed)
     sys.stderr = _GuardedStream(sys.stderr, "standard error")
 
 
