@@ -324,20 +324,26 @@ def compile_command(
         if not path.endswith(".npz"):
             raise parse.UsageError(f"--sample-inputs {item!r}: samples are an .npz archive keyed by input names")
         samples[name] = Path(path)
-    from ..compile import compile_programs
+    from ..compile import check_programs
+    from ..compile.isolated import compile_in_process_group
     from ..io.npy import load_archive
 
     _quiet_warnings()
     arrays = {name: load_archive(path) for name, path in samples.items()}
     _check_sign_key(sign_key)
-    call_helper = call_helper and _built_call_helper() is not None  # says why once, where it cannot be built
+    check_programs(programs, output)  # before a process is started and torch imported
+
+    def report(kind: str, text: str) -> None:
+        (_warn if kind == "warning" else _progress)(text)
+
+    # In a process group of its own, so that a signal ends the C++ compilers too (compile/isolated.py).
     with _native_stderr():
-        manifest = compile_programs(programs, output, device=device, metadata=metadata, sample_inputs=arrays, progress=_progress,
-                                    options=parse.option_values(option, autotune), call_helper=call_helper, cpu_target=cpu_target,
-                                    standalone=standalone)
+        methods = compile_in_process_group(report, programs=programs, output=output, device=device, metadata=metadata, sample_inputs=arrays,
+                                           options=parse.option_values(option, autotune), call_helper=call_helper, cpu_target=cpu_target,
+                                           standalone=standalone)
     signed = _sign(output, sign_key)
     if not _State.quiet:
-        _out().line(printable(f"wrote {output}: {', '.join(manifest.methods)} for {device}{signed}"))
+        _out().line(printable(f"wrote {output}: {', '.join(methods)} for {device}{signed}"))
 
 
 @app.command("sign")
@@ -703,13 +709,18 @@ class _StreamGone(BaseException):
 
 
 class _GuardedStream:
-    """A text stream whose write errors become _StreamGone."""
+    """A text stream whose write errors become _StreamGone. `closed`: the
+    descriptor was closed when the process started (`>&-`); it now holds
+    /dev/null, and a write fails as a write to the closed descriptor would."""
 
-    def __init__(self, stream: Any, name: str):
+    def __init__(self, stream: Any, name: str, closed: bool = False):
         self._stream = stream
         self._name = name
+        self._closed = closed
 
     def write(self, text: str) -> int:
+        if self._closed:
+            raise _StreamGone(OSError(errno.EBADF, os.strerror(errno.EBADF)), self._name)
         try:
             return int(self._stream.write(text))
         except OSError as error:
@@ -728,11 +739,15 @@ class _GuardedStream:
 def _standard_streams() -> None:
     """Give closed standard descriptors /dev/null, so that no file the command
     opens (an output, say) becomes fd 1 or 2 and receives its messages, and
-    guard stdout and stderr (see _StreamGone)."""
+    guard stdout and stderr (see _StreamGone). Output for a closed stdout
+    fails (exit 4, as for /dev/full: what the command printed went nowhere);
+    messages for a closed stderr are dropped, as its closer asked."""
+    closed = set()
     for fd in (0, 1, 2):
         try:
             os.fstat(fd)
         except OSError:
+            closed.add(fd)
             opened = os.open(os.devnull, os.O_RDWR)
             if opened != fd:
                 os.dup2(opened, fd)
@@ -741,7 +756,7 @@ def _standard_streams() -> None:
         sys.stdout = open(1, "w", closefd=False)  # noqa: SIM115  (the process's own stdout)
     if sys.stderr is None:
         sys.stderr = open(2, "w", closefd=False)  # noqa: SIM115
-    sys.stdout = _GuardedStream(sys.stdout, "standard output")
+    sys.stdout = _GuardedStream(sys.stdout, "standard output", closed=1 in closed)
     sys.stderr = _GuardedStream(sys.stderr, "standard error")
 
 

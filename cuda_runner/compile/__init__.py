@@ -24,7 +24,7 @@ from ..opening import require_regular
 from .aot import DEFAULT_CPU_TARGET, Progress, check_cpu_target, check_device, check_options, compile_program, import_torch
 from .signature import dim_names_from_dynamic_shapes, program_signature
 
-__all__ = ["MethodSource", "compile_module", "compile_programs", "export_module"]
+__all__ = ["MethodSource", "check_programs", "compile_module", "compile_programs", "export_module"]
 
 
 @dataclass(frozen=True)
@@ -117,10 +117,22 @@ def compile_programs(
                            cpu_target=cpu_target, standalone=standalone)
 
 
-def _load_program(torch: Any, path: Path) -> Any:
+def check_programs(programs: Mapping[str, str | os.PathLike], path: str | os.PathLike) -> None:
+    """What can be checked of a compile before torch is imported: the bundle's
+    destination, and that each program is a readable archive."""
+    check_destination(Path(path))
+    for program_path in programs.values():
+        _check_program_file(Path(program_path))
+
+
+def _check_program_file(path: Path) -> None:
     require_regular(path, "an ExportedProgram")
     if not zipfile.is_zipfile(path):
         raise InputError(f"cannot read {path}: not an ExportedProgram archive saved with torch.export.save")
+
+
+def _load_program(torch: Any, path: Path) -> Any:
+    _check_program_file(path)
     try:
         return torch.export.load(str(path))
     except Exception as error:

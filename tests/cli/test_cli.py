@@ -6,6 +6,7 @@ import json
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -191,7 +192,32 @@ def test_sigterm_cleans_up_and_exits_128_plus_15(tmp_path):
     assert list(tmp_path.iterdir()) == []  # the temp file is gone, and no output appeared
 
 
-def test_sigterm_during_compile_removes_its_work_folder(tmp_path):
+def _processes() -> dict[int, tuple[int, int, str, str]]:
+    """pid -> (parent pid, process group, state, name) of every process, from /proc."""
+    table = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                text = Path(f"/proc/{entry}/stat").read_text()
+            except OSError:
+                continue
+            name, fields = text[text.index("(") + 1 : text.rindex(")")], text[text.rindex(")") + 2 :].split()
+            table[int(entry)] = (int(fields[1]), int(fields[2]), fields[0], name)
+    return table
+
+
+def _descendants(root: int, table: dict[int, tuple[int, int, str, str]]) -> set[int]:
+    found, frontier = set(), {root}
+    while frontier:
+        frontier = {pid for pid, (parent, *_) in table.items() if parent in frontier} - found
+        found |= frontier
+    return found
+
+
+def test_sigterm_during_compile_ends_its_compilers_and_leaves_tmpdir_empty(tmp_path):
+    """SIGTERM while Inductor's C++ compiler runs: exit 143 with one line, no
+    process of the compile left (cc1plus used to run on, orphaned), nothing
+    left in TMPDIR (its ccXXXXXX.s files), no bundle and no temp file beside it."""
     import signal
     import time
 
@@ -200,19 +226,37 @@ def test_sigterm_during_compile_removes_its_work_folder(tmp_path):
     torch.export.save(torch.export.export(torch.nn.Linear(4, 2).eval(), (torch.randn(3, 4),)), tmp_path / "p.pt2")
     scratch = tmp_path / "tmp"
     scratch.mkdir()
-    env = dict(os.environ, TMPDIR=str(scratch))
-    command = [sys.executable, "-m", "cuda_runner", "compile", str(tmp_path / "p.pt2"), "-o", str(tmp_path / "m.bundle")]
-    process = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    deadline = time.monotonic() + 120
-    while not any(path.name.startswith("cuda-runner-compile-") for path in scratch.iterdir()):
-        assert time.monotonic() < deadline and process.poll() is None, "compile never started its work folder"
-        time.sleep(0.05)
-    process.send_signal(signal.SIGTERM)
-    _, stderr = process.communicate(timeout=120)
+    # Inductor keeps a cache and precompiled headers in TMPDIR by default: here a fresh
+    # cache elsewhere (so that the compilers do run) and no precompiled headers, so
+    # that whatever is left in TMPDIR is a leftover.
+    env = dict(os.environ, TMPDIR=str(scratch), TORCHINDUCTOR_CACHE_DIR=str(tmp_path / "inductor-cache"))
+    command = [sys.executable, "-m", "cuda_runner", "compile", str(tmp_path / "p.pt2"), "-o", str(tmp_path / "out" / "m.bundle"),
+               "--option", "aot_inductor.precompile_headers=false"]
+    process = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    groups, compilers = {process.pid}, {}
+    deadline = time.monotonic() + 240
+    try:
+        while True:  # until a C++ compiler has been running for a while (not a quick -E probe)
+            table = _processes()
+            below = _descendants(process.pid, table)
+            groups |= {table[pid][1] for pid in below}
+            now = time.monotonic()
+            compilers = {pid: compilers.get(pid, now) for pid in below if table[pid][3] == "cc1plus"}
+            if any(now - since > 0.5 for since in compilers.values()):
+                break
+            assert process.poll() is None and now < deadline, "compile never ran a C++ compiler"
+            time.sleep(0.05)
+        process.send_signal(signal.SIGTERM)
+        _, stderr = process.communicate(timeout=120)
+    finally:
+        if process.poll() is None:
+            process.kill()
     assert process.returncode == 128 + signal.SIGTERM, stderr
     assert stderr.strip().splitlines() == ["error: interrupted by SIGTERM"]
-    assert not any(path.name.startswith("cuda-runner-compile-") for path in scratch.iterdir())
-    assert not (tmp_path / "m.bundle").exists()
+    survivors = {pid: name for pid, (_, group, state, name) in _processes().items() if group in groups and state != "Z"}
+    assert survivors == {}
+    assert list(scratch.iterdir()) == []
+    assert not (tmp_path / "out").exists() or list((tmp_path / "out").iterdir()) == []
 
 
 def test_native_errors_reach_the_user_as_one_line(embedder_bundle, tmp_path):

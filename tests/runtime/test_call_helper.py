@@ -180,7 +180,10 @@ def test_a_failed_run_through_the_helper_is_reported(dict_mlp_bundle):
 
 @pytest.mark.parametrize(("flag", "expected"), [((), True), (("--no-call-helper",), False), (("--call-helper",), True)])
 def test_compile_passes_the_call_helper_choice_on(monkeypatch, tmp_path, flag, expected):
+    import zipfile
+
     import cuda_runner.compile as compile_package
+    import cuda_runner.compile.isolated as isolated
     from cuda_runner.format import Manifest
 
     seen = {}
@@ -190,6 +193,10 @@ def test_compile_passes_the_call_helper_choice_on(monkeypatch, tmp_path, flag, e
         return Manifest(methods={})
 
     monkeypatch.setattr(compile_package, "compile_programs", record)
+    # The compile's own process, here in this one, so that it sees the stand-in above.
+    monkeypatch.setattr(isolated, "run_in_process_group", lambda function, kwargs, report: function(report, **kwargs))
+    with zipfile.ZipFile(tmp_path / "p.pt2", "w") as archive:  # passes the checks made before the compile starts
+        archive.writestr("p/version", "1")
     result = cli("compile", str(tmp_path / "p.pt2"), "-o", str(tmp_path / "m.bundle"), *flag)
     assert result.returncode == 0, result.stderr
     assert seen["call_helper"] is expected
