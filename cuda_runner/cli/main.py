@@ -446,10 +446,10 @@ ProviderOption = Annotated[Optional[str], typer.Option("--provider", metavar="au
 
 
 def _use_provider(provider: str | None) -> None:
-    if provider is not None:
-        from ..runtime.providers import set_default_provider
+    """For this command only: the CLI runs in-process in tests, one command after another."""
+    from ..runtime.providers import set_default_provider
 
-        set_default_provider(provider)
+    set_default_provider(provider)
 
 
 def _trusted_keys(paths: list[str], require: bool) -> tuple[Any, ...]:

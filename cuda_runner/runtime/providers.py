@@ -17,9 +17,9 @@ The choice (`choose_provider`), for `provider="auto"`:
   and either the library calls no compute kernel from its provider or libtorch
   is not installed; libtorch otherwise (its GEMM and convolution kernels are
   faster than the plain ones our shim has);
-- CUDA libraries: libtorch. Our shim serves them only when asked for
-  (`provider="shim"`): on the H200 machine, creating a container of a CUDA
-  library bound to it still crashes the process (docs/standalone.md, "Status");
+- CUDA libraries: our shim when it provides every function and the library
+  calls no compute kernel (ExecuTorch programs, `compile --standalone`
+  bundles); libtorch otherwise, for its cuBLAS/cuDNN/attention kernels;
 - refused, with the functions our shim lacks, when neither can serve.
 """
 
@@ -70,9 +70,9 @@ class Provider:
 _default: list[str] = []  # set by the CLI's --provider
 
 
-def set_default_provider(name: str) -> None:
-    """The provider for loads that name none (the CLI's --provider)."""
-    _default[:] = [check_provider(name)]
+def set_default_provider(name: str | None) -> None:
+    """The provider for loads that name none (the CLI's --provider); None goes back to CUDA_RUNNER_PROVIDER or auto."""
+    _default[:] = [] if name is None else [check_provider(name)]
 
 
 def default_provider(name: str | None) -> str:
@@ -141,8 +141,6 @@ def runs_on(facts: LibraryFacts) -> tuple[bool, str]:
     missing = missing_from_own_shim([facts])
     if missing:
         return True, f"libtorch (cuda-runner's shim lacks {_listed(missing)})"
-    if facts.uses_cuda:
-        return True, "libtorch (cuda-runner's shim has every function it imports, but runs CUDA libraries only with --provider shim, experimental)"
     kernels = sorted(name for name in provider_imports(facts) if is_compute_kernel(name))
     if kernels:
         return False, f"libtorch where it is installed, for its {_listed(kernels)}; else cuda-runner's shim (no torch needed)"
@@ -161,7 +159,7 @@ def choose_provider(libraries: Iterable[bytes | memoryview | LibraryFacts], devi
             raise DeviceError(f"cuda-runner's shim lacks {_listed(missing)}, which this model library imports; run it with --provider auto or libtorch")
         return load_own_provider(device_type)
     computes = any(is_compute_kernel(name) for item in facts for name in provider_imports(item))
-    if device_type == "cpu" and not missing and (not computes or not libtorch_installed()):
+    if not missing and (not computes or not libtorch_installed()):
         return load_own_provider(device_type)
     if libtorch_installed():
         return load_libtorch_provider(device_type)
@@ -205,6 +203,7 @@ def load_own_provider(device_type: str) -> Provider:
             raise DeviceError("cuda-runner's shim is not built in this install; reinstall cuda-runner (pip builds it), or use --provider libtorch")
         if device_type == "cuda":
             load_cuda_runtime()
+        _share_libstdcxx()
         try:
             library = ctypes.CDLL(str(path), mode=os.RTLD_NOW | os.RTLD_GLOBAL)
         except OSError as error:
@@ -214,6 +213,21 @@ def load_own_provider(device_type: str) -> Provider:
         last_error.argtypes = ()
         shim = Shim([library], library, OWN_PREFIX, "cuda-runner", lambda: (last_error() or b"").decode("utf-8", "replace"))
         return Provider(SHIM_NAME, shim, renames=True)
+
+
+def _share_libstdcxx() -> None:
+    """Make the C++ runtime global before any library is bound to our shim, as
+    libtorch's libraries make it when they load. AOTInductor CUDA libraries link
+    libstdc++ statically and export it; loaded while the process has
+    libstdc++.so.6 only privately (NumPy's extensions load it), a library bound
+    some of its C++ runtime to one copy and some to the other, and std::regex
+    then read a facet from the wrong locale table: the container's constructor
+    crashed on the H200 machine. With libstdc++.so.6 global the library binds
+    all of it there, as it does beside libtorch."""
+    try:
+        ctypes.CDLL("libstdc++.so.6", mode=os.RTLD_NOW | os.RTLD_GLOBAL)
+    except OSError:
+        pass  # none on this machine: the libraries bring their own
 
 
 _CUDART_NAMES = ("libcudart.so.13", "libcudart.so.12")

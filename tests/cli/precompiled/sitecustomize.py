@@ -18,7 +18,7 @@ _SOURCE = os.environ.get("CUDA_RUNNER_TEST_PRECOMPILED")
 if _SOURCE:
     import cuda_runner.compile as _compile_package
 
-    def _precompiled(program, args, kwargs, device, progress, user_options=None, cpu_target=None):
+    def _precompiled(program, args, kwargs, device, progress, user_options=None, cpu_target=None, standalone=False):
         from cuda_runner.compile.aot import CompiledLibrary
         from cuda_runner.format import open_bundle
 
