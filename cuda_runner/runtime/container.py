@@ -159,8 +159,11 @@ class Container:
         self._check(self._bind_user_managed(self._handle, entries, len(pairs), False, True), "bind the constants")
         self._weights_loaded = True
 
-    def run(self, inputs: list[int], stream: int | None, *, single_threaded: bool = False) -> list[int]:
+    def run(self, inputs: list[int], stream: int | None, *, single_threaded: bool = False, outputs: Any = None, inputs_array: Any = None) -> list[int]:
         """Run; input handles are stolen by the library, output handles are new and ours.
+        `outputs`: where the library writes them (an OwnedHandles' slots), so that
+        they are owned from the moment they exist; `inputs_array`: the slots the
+        inputs are in (Run nulls each one it steals).
 
         With `capture_errors` set, a library that cannot report why a call
         failed has the error it prints to fd 2 during the call read instead
@@ -171,8 +174,8 @@ class Container:
             raise ModelRuntimeError("weights must be loaded before Run")
         if len(inputs) != self.num_inputs:
             raise ModelRuntimeError(f"internal error: {len(inputs)} input handles for {self.num_inputs} inputs")
-        input_array = self._input_array_type(*inputs)
-        output_array = self._output_array_type()
+        input_array = self._input_array_type(*inputs) if inputs_array is None else inputs_array
+        output_array = self._output_array_type() if outputs is None else outputs
         run = self._run if not single_threaded or self._run_single_threaded is None else self._run_single_threaded
         status, printed = self.guarded(lambda: run(self._handle, input_array, self.num_inputs, output_array, self.num_outputs, stream, None))
         if status != 0:

@@ -137,15 +137,13 @@ class CtypesInvoker(Invoker):
         self._describe = Describer(shim)
 
     def __call__(self, inputs: Sequence[InputLayout]) -> tuple[OwnedHandles, list[TensorView]]:
-        handles: list[int] = []
-        try:
-            for dtype, (address, shape, strides) in zip(self._dtypes, inputs):
-                handles.append(wrap_memory(self._shim, address, dtype, shape, strides, *self._device))
-        except BaseException:
-            for handle in handles:  # not yet given to Run: still ours
-                self._shim.delete_tensor_object(handle)
-            raise
-        owned = OwnedHandles(self._shim, self.container.run(handles, self._stream))
+        # Input handles go straight into slots that free them if anything stops
+        # the call before Run, which steals them (and nulls the slots).
+        given = OwnedHandles(self._shim, count=self.container.num_inputs)
+        for index, (dtype, (address, shape, strides)) in enumerate(zip(self._dtypes, inputs)):
+            wrap_memory(self._shim, address, dtype, shape, strides, *self._device, into=(given.slots, index))
+        owned = OwnedHandles(self._shim, count=self.container.num_outputs)
+        self.container.run(given.handles, self._stream, outputs=owned.slots, inputs_array=given.slots)
         try:
             return owned, [self._describe(handle) for handle in owned.handles]
         except BaseException:
@@ -193,13 +191,15 @@ class HelperInvoker(Invoker):
             self._input_items[index].data = address
             if layouts[index] != (shape, strides):
                 self._set_layout(index, shape, strides)
+        # Run writes the output handles straight into `owned`: ours from the moment they exist.
+        owned = OwnedHandles(self._shim, count=len(self._output_items))
+        self._frame.output_handles = ctypes.addressof(owned.slots)
         if self._capture:
             status, printed = self.container.guarded(lambda: self._call(self._address))
         else:
             status, printed = self._call(self._address), ""
         if status != 0:
-            self._raise(status, printed)
-        owned = OwnedHandles(self._shim, [item.handle or 0 for item in self._output_items])  # ours from here on, whatever happens
+            self._raise(status, printed, owned)
         try:
             names = self._dtype_names
             views = []
@@ -222,13 +222,13 @@ class HelperInvoker(Invoker):
         self._dims[index] = (sizes, steps)
         self._layouts[index] = (shape, strides)
 
-    def _raise(self, status: int, printed: str) -> None:
+    def _raise(self, status: int, printed: str, owned: OwnedHandles) -> None:
         frame = self._frame
         if status == _WRAP_FAILED:
             self._shim.check(status, f"create an input tensor handle (input {frame.failed_index})")
         if status == _RUN_FAILED:
             self.container.check_run(frame.run_status, printed)
         if status == _DESCRIBE_FAILED:
-            OwnedHandles(self._shim, [item.handle or 0 for item in self._output_items]).release()
+            owned.release()
             raise ModelRuntimeError(self._shim.failure(f"read an output tensor's metadata (output {frame.failed_index})"))
         raise ModelRuntimeError(f"the call helper returned an unknown status {status}")

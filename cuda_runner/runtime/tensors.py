@@ -60,17 +60,22 @@ def _dims_array(values: tuple[int, ...]) -> ctypes.Array:
 
 def wrap_memory(
     shim: Shim, address: int, dtype: str, shape: tuple[int, ...], strides: tuple[int, ...], device_type: int, device_index: int,
-    storage_offset: int = 0,
+    storage_offset: int = 0, into: tuple[ctypes.Array, int] | None = None,
 ) -> int:
-    """A handle viewing memory we own; the library steals the handle, not the memory."""
+    """A handle viewing memory we own; the library steals the handle, not the memory.
+    `into` (slots, index): written straight into an owner's slot, so that no
+    moment exists where the handle is nobody's."""
     handle = Handle()
+    target: object = ctypes.byref(handle)
+    if into is not None:
+        target = ctypes.cast(ctypes.addressof(into[0]) + into[1] * ctypes.sizeof(Handle), ctypes.POINTER(Handle))
     status = shim.create_tensor_from_blob_v2(
         address, len(shape), _dims_array(shape), _dims_array(strides), storage_offset, shim.dtype_codes[dtype],
-        device_type, device_index, ctypes.byref(handle), shim.layout_strided, None, 0,
+        device_type, device_index, target, shim.layout_strided, None, 0,
     )
     if status != 0:
         shim.check(status, "create an input tensor handle")
-    return int(handle.value or 0)
+    return int((into[0][into[1]] if into is not None else handle.value) or 0)
 
 
 @functools.lru_cache(maxsize=1024)  # the same shapes recur on every call
@@ -127,24 +132,37 @@ class Describer:
 class OwnedHandles:
     """Output handles of one Run: each distinct handle deleted exactly once.
 
-    Two outputs can be the same handle (aliased outputs), so deletion goes by
-    handle value, not by output position.
+    The slots exist before the native call that fills them (`slots`), so an
+    interrupt (Ctrl-C lands between any two Python bytecodes) can never leave a
+    handle that nothing owns: whatever is in the slots when this object goes is
+    freed. Two outputs can be the same handle (aliased outputs), so deletion
+    goes by handle value, not by output position.
     """
 
-    def __init__(self, shim: Shim, handles: list[int]):
+    def __init__(self, shim: Shim, handles: list[int] | None = None, *, count: int = 0):
         self._shim = shim
-        self.handles = handles
-        self._pending: set[int] = {handle for handle in handles if handle}
+        values = handles if handles is not None else []
+        self._count = len(values) if handles is not None else count
+        self.slots = (Handle * max(1, self._count))(*values)
+
+    @property
+    def handles(self) -> list[int]:
+        return [self.slots[index] or 0 for index in range(self._count)]
 
     def transfer(self) -> set[int]:
         """Hand the distinct handles to a new owner; this object frees nothing after."""
-        pending, self._pending = self._pending, set()
+        pending = {handle for handle in self.handles if handle}
+        ctypes.memset(self.slots, 0, ctypes.sizeof(self.slots))
         return pending
 
     def release(self) -> None:
-        pending, self._pending = self._pending, set()
-        for handle in pending:
-            self._shim.delete_tensor_object(handle)
+        for index in range(self._count):
+            handle = self.slots[index]
+            if handle:
+                for other in range(index, self._count):  # an aliased output: once
+                    if self.slots[other] == handle:
+                        self.slots[other] = None
+                self._shim.delete_tensor_object(handle)
 
     def __del__(self) -> None:
         self.release()
