@@ -168,6 +168,8 @@ def rename_imports(data: bytes | memoryview, renames: dict[str, str]) -> bytes:
     del facts
     out = bytearray(view)
     section_offset = int(struct.unpack_from("<Q", view, 0x28)[0])
+    if section_offset == 0:
+        raise _fail("it has no section table, so its imports cannot be read before loading it")
     _entry_size, count = struct.unpack_from("<HH", view, 0x3A)
     sections = [_SECTION.unpack_from(view, section_offset + index * _SECTION.size) for index in range(count)]
     for index, section in enumerate(sections):
@@ -178,22 +180,81 @@ def rename_imports(data: bytes | memoryview, renames: dict[str, str]) -> bytes:
         versions = _symbol_versions(view, sections, index)
         changes: list[tuple[int, bytes]] = []
         references: list[int] = []
+        raw_renames = {old.encode(): new.encode() for old, new in renames.items()}
         for number, (name, _info, _other, section_index, _value, _size) in enumerate(_SYMBOL.iter_unpack(view[section[4]:section[4] + section[5] - section[5] % _SYMBOL.size])):
             if not name:
                 continue
-            text = _string(table, name)
-            new = next((renames[old] + text[len(old):] for old in renames if text.startswith(old)), None)
-            if new is None or section_index != 0:
+            if name >= len(table):
+                raise _fail("a symbol name lies outside its string table")
+            raw = bytes(table[name:name + 64])  # bytes, never decoded: the new name must have the old one's length exactly
+            prefix = next((old for old in raw_renames if raw.startswith(old)), None)
+            if prefix is None or section_index != 0:
                 references.append(name)
                 continue
             if versions is not None and number < len(versions) and versions[number] > 1:
-                raise _fail(f"its import {text!r} asks for a symbol version, so it cannot be bound to another provider")
-            changes.append((name, new.encode()))
+                raise _fail(f"its import {_string(table, name)!r} asks for a symbol version, so it cannot be bound to another provider")
+            changes.append((name, raw_renames[prefix]))
         references += _other_string_references(view, sections, section[6])
         _check_no_overlap(changes, references, table)
-        for name, new_bytes in changes:
-            out[base + name:base + name + len(new_bytes)] = new_bytes
+        for name, new_prefix in changes:
+            out[base + name:base + name + len(new_prefix)] = new_prefix
+    _check_dynamic_agrees(view, sections)
     return bytes(out)
+
+
+_PT_LOAD, _PT_DYNAMIC = 1, 2
+_PROGRAM = struct.Struct("<IIQQQQQQ")
+_DT_STRTAB, _DT_SYMTAB, _DT_STRSZ, _DT_RELA, _DT_RELASZ, _DT_JMPREL, _DT_PLTRELSZ = 5, 6, 10, 7, 8, 23, 2
+_RELA = struct.Struct("<QQq")
+
+
+def _check_dynamic_agrees(view: memoryview, sections: list[tuple[int, ...]]) -> None:
+    """The loader reads the dynamic segment, not the section headers this module
+    renames by: refuse a library where they could disagree, so that no import
+    the loader binds can escape the renaming. The dynamic symbol and string
+    tables the section headers name must be the ones DT_SYMTAB and DT_STRTAB
+    point at (same address and string-table size), and every relocation must
+    name a symbol inside the symbol table the headers give."""
+    program_offset = int(struct.unpack_from("<Q", view, 0x20)[0])
+    program_size, program_count = struct.unpack_from("<HH", view, 0x36)
+    if program_size != _PROGRAM.size or program_offset + program_count * _PROGRAM.size > len(view):
+        raise _fail("its program headers lie outside the file")
+    headers = [_PROGRAM.unpack_from(view, program_offset + index * _PROGRAM.size) for index in range(program_count)]
+    dynamic = [header for header in headers if header[0] == _PT_DYNAMIC]
+    symbols = [section for section in sections if section[1] == _SHT_DYNSYM]
+    if len(dynamic) != 1 or len(symbols) != 1:
+        raise _fail("it does not have exactly one dynamic segment and one dynamic symbol table")
+    loads = [header for header in headers if header[0] == _PT_LOAD]
+
+    def file_offset(address: int) -> int:
+        for _kind, _flags, offset, vaddr, _paddr, filesz, _memsz, _align in loads:
+            if vaddr <= address < vaddr + filesz:
+                return address - vaddr + offset
+        raise _fail("a dynamic table lies outside its loaded segments")
+
+    _kind, _flags, offset, _vaddr, _paddr, filesz, _memsz, _align = dynamic[0]
+    if offset + filesz > len(view):
+        raise _fail("its dynamic segment lies outside the file")
+    entries: dict[int, int] = {}
+    for tag, value in _DYNAMIC.iter_unpack(view[offset:offset + filesz - filesz % _DYNAMIC.size]):
+        if tag == 0:
+            break
+        entries.setdefault(tag, value)
+    symbol_table = symbols[0]
+    strings = sections[symbol_table[6]]
+    if (_DT_SYMTAB not in entries or _DT_STRTAB not in entries or file_offset(entries[_DT_SYMTAB]) != symbol_table[4]
+            or file_offset(entries[_DT_STRTAB]) != strings[4] or entries.get(_DT_STRSZ) != strings[5]):
+        raise _fail("its section headers and its dynamic segment name different symbol tables")
+    count = symbol_table[5] // _SYMBOL.size
+    for table_tag, size_tag in ((_DT_RELA, _DT_RELASZ), (_DT_JMPREL, _DT_PLTRELSZ)):
+        if table_tag not in entries:
+            continue
+        start, size = file_offset(entries[table_tag]), entries.get(size_tag, 0)
+        if start + size > len(view):
+            raise _fail("its relocations lie outside the file")
+        for _offset, info, _addend in _RELA.iter_unpack(view[start:start + size - size % _RELA.size]):
+            if info >> 32 >= count:
+                raise _fail("a relocation names a symbol outside its dynamic symbol table")
 
 
 def _symbol_versions(view: memoryview, sections: list[tuple[int, ...]], dynsym_index: int) -> list[int] | None:

@@ -201,6 +201,27 @@ Status use_device(int32_t index) {
   return kOk;
 }
 
+// Switches this thread to a device's context for one operation and back, so
+// that freeing or allocating on another device never leaves the caller (CuPy,
+// the CUDA runtime) on a context it did not choose.
+class DeviceScope {
+ public:
+  explicit DeviceScope(int32_t index) {
+    pthread_once(&driver_once, load_driver);
+    if (driver.loaded && driver.cuCtxGetCurrent(&saved_) != 0) saved_ = nullptr;
+    status_ = use_device(index);
+  }
+  ~DeviceScope() {
+    CUcontext now = nullptr;
+    if (driver.loaded && saved_ != nullptr && driver.cuCtxGetCurrent(&now) == 0 && now != saved_) driver.cuCtxSetCurrent(saved_);
+  }
+  Status status() const { return status_; }
+
+ private:
+  CUcontext saved_ = nullptr;
+  Status status_ = kFailure;
+};
+
 // The current stream, per thread and device, as the generated code sets it
 // through the stream guards. nullptr is the legacy default stream.
 thread_local CUstream current_stream[kMaxDevices] = {};
@@ -251,7 +272,8 @@ void release_storage(Storage *storage) {
       CUdeviceptr pointer = reinterpret_cast<CUdeviceptr>(storage->data);
       // The allocating stream may be gone (a lane closed before an output it
       // made was dropped): then wait for all work and free on the legacy stream.
-      if (use_device(storage->device_index) == kOk && driver.cuMemFreeAsync(pointer, stream) != 0 && driver.cuCtxSynchronize() == 0)
+      DeviceScope scope(storage->device_index);
+      if (scope.status() == kOk && driver.cuMemFreeAsync(pointer, stream) != 0 && driver.cuCtxSynchronize() == 0)
         driver.cuMemFreeAsync(pointer, nullptr);
     } else {
       free(storage->data);
@@ -348,10 +370,10 @@ Status allocate(int32_t device_type, int32_t device_index, size_t bytes, Storage
   storage->owning = true;
   if (bytes > 0) {
     if (device_type == kDeviceCuda) {
-      Status status = use_device(device_index);
-      if (status != kOk) {
+      DeviceScope scope(device_index);
+      if (scope.status() != kOk) {
         release_storage(storage);
-        return status;
+        return kFailure;
       }
       CUdeviceptr pointer = 0;
       storage->stream = stream_for(device_index);
@@ -444,7 +466,8 @@ Status copy_bytes(void *destination, int32_t destination_device, const void *sou
     memmove(destination, source, bytes);
     return kOk;
   }
-  if (use_device(device_index) != kOk) return kFailure;
+  DeviceScope scope(device_index);
+  if (scope.status() != kOk) return kFailure;
   CUstream stream = stream_for(device_index);
   CU(driver.cuMemcpyAsync(reinterpret_cast<CUdeviceptr>(destination), reinterpret_cast<CUdeviceptr>(source), bytes, stream), "cuMemcpyAsync");
   // A copy that touches host memory is finished before returning: the caller
@@ -453,7 +476,14 @@ Status copy_bytes(void *destination, int32_t destination_device, const void *sou
   return kOk;
 }
 
+// A tensor made by new_uninitialized_tensor has no storage: using its data is an error, not a crash.
+Status require_data(const Tensor *tensor) {
+  if (numel_of(tensor->dim, tensor->sizes) > 0 && data_of(tensor) == nullptr) return fail("a tensor without data (undefined) was used");
+  return kOk;
+}
+
 Status copy_into(Tensor *destination, const Tensor *source) {
+  if (require_data(destination) != kOk || require_data(source) != kOk) return kFailure;
   if (destination->dtype != source->dtype)
     return fail("copy between dtypes %d and %d is not supported by this shim", source->dtype, destination->dtype);
   if (destination->dim != source->dim) return fail("copy between tensors of %lld and %lld dims", (long long)source->dim, (long long)destination->dim);
@@ -473,6 +503,9 @@ Status copy_into(Tensor *destination, const Tensor *source) {
   }
   // A strided copy that involves the GPU goes through host memory: rare in
   // generated code (buffer mutations are contiguous), and correct.
+  int64_t from_span = 0, to_span = 0;
+  if (!span_of(source->dim, source->sizes, source->strides, &from_span) || !span_of(destination->dim, destination->sizes, destination->strides, &to_span))
+    return fail("copy: negative strides are not supported");
   size_t from_bytes = span_bytes(source), to_bytes = span_bytes(destination);
   std::vector<char> from(from_bytes), to(to_bytes);
   if (copy_bytes(from.data(), kDeviceCpu, data_of(source), from_device, from_bytes, index, true) != kOk) return kFailure;
@@ -567,11 +600,26 @@ struct StreamGuard {
   int32_t device;
   CUstream previous_stream;
   int32_t previous_device;
+  CUcontext previous_context;
 };
 
 struct DeviceGuard {
   int32_t previous_device;
+  CUcontext previous_context;
 };
+
+// The context current on this thread before a guard switched it, restored
+// when the guard goes (libtorch's guards restore the device they found).
+CUcontext current_context() {
+  CUcontext context = nullptr;
+  if (driver.loaded && driver.cuCtxGetCurrent(&context) != 0) context = nullptr;
+  return context;
+}
+
+void restore_context(CUcontext context) {
+  CUcontext now = current_context();
+  if (context != nullptr && now != context) driver.cuCtxSetCurrent(context);
+}
 
 thread_local bool grad_enabled = false;
 
@@ -581,6 +629,7 @@ Status read_item(void *handle, T *result, int32_t dtype) {
   if (tensor == nullptr || result == nullptr) return fail("item: null argument");
   if (tensor->dtype != dtype) return fail("item: the tensor's dtype is code %d, not %d", tensor->dtype, dtype);
   if (numel_of(tensor->dim, tensor->sizes) != 1) return fail("item: the tensor has more than one element");
+  if (require_data(tensor) != kOk) return kFailure;
   int32_t device = device_of(tensor);
   return copy_bytes(result, kDeviceCpu, data_of(tensor), device, sizeof(T), device == kDeviceCuda ? tensor->storage->device_index : 0, true);
 }
@@ -597,7 +646,7 @@ Status read_item(void *handle, T *result, int32_t dtype) {
   EXPORT int32_t cudarunner_##name() { return value; }
 CODE(device_type_cpu, kDeviceCpu)
 CODE(device_type_cuda, kDeviceCuda)
-CODE(device_type_meta, 9)
+CODE(device_type_meta, 14)
 CODE(device_type_xpu, 12)
 CODE(device_type_mps, 13)
 CODE(device_type_privateuse1, 20)
@@ -763,8 +812,7 @@ EXPORT Status cudarunner_is_defined(void *handle, bool *result) {
 
 // ---------------------------------------------------------------- creation and lifetime
 EXPORT Status cudarunner_delete_tensor_object(void *handle) {
-  GUARD_NULL(handle);
-  delete_tensor(as_tensor(handle));
+  if (handle != nullptr) delete_tensor(as_tensor(handle));  // never fails: see cudarunner_delete_cuda_guard
   return kOk;
 }
 
@@ -792,12 +840,16 @@ EXPORT Status cudarunner_create_tensor_from_blob_v2(void *data, int64_t dim, con
   if (size == 0) return fail("dtype code %d is not supported", dtype);
   if (!valid_device(device_type)) return fail("device type %d is not supported (CPU and CUDA only)", device_type);
   if (storage_offset < 0) return fail("a negative storage offset");
-  int64_t span = 0;
-  if (!span_of(dim, sizes, strides, &span)) return fail("a tensor's sizes and strides overflow or are negative");
+  int64_t span = 0, total = 0;
+  size_t bytes = 0;
+  if (!span_of(dim, sizes, strides, &span) || __builtin_add_overflow(span, storage_offset, &total) ||
+      __builtin_mul_overflow(static_cast<size_t>(total), size, &bytes))
+    return fail("a tensor's sizes and strides overflow or are negative");
+  if (data == nullptr && span > 0) return fail("a tensor with elements but no data");
   Storage *storage = new_storage();
   if (storage == nullptr) return fail("out of host memory");
   storage->data = data;  // not owned: the caller keeps it alive
-  storage->bytes = static_cast<size_t>(span + storage_offset) * size;
+  storage->bytes = bytes;
   storage->device_type = device_type;
   storage->device_index = device_type == kDeviceCuda ? device_index : 0;
   Tensor *tensor = new_tensor(storage, storage_offset, dim, sizes, strides, dtype);
@@ -815,9 +867,17 @@ EXPORT Status cudarunner_create_tensor_from_blob(void *data, int64_t dim, const 
 }
 
 // A view: same storage, new sizes, strides and offset.
-Status make_view(Tensor *source, int64_t dim, const int64_t *sizes, const int64_t *strides, int64_t offset, void **result) {
+Status make_view(Tensor *source, int64_t dim, const int64_t *sizes, const int64_t *strides, int64_t offset, void **result,
+                 bool within_storage = false) {
   if (check_shape(dim, sizes, strides) != kOk) return kFailure;
   if (offset < 0) return fail("a view with a negative storage offset");
+  int64_t span = 0, end = 0;
+  if (!span_of(dim, sizes, strides, &span) || __builtin_add_overflow(offset, span, &end))
+    return fail("a view's sizes and strides overflow or are negative");
+  // as_strided, like libtorch's, may not reach past the storage.
+  if (within_storage && span > 0 &&
+      (source->storage == nullptr || static_cast<uint64_t>(end) * element_size(source->dtype) > source->storage->bytes))
+    return fail("a view reaches past the end of its storage");
   if (source->storage) source->storage->references.fetch_add(1, std::memory_order_relaxed);
   Tensor *view = new_tensor(source->storage, offset, dim, sizes, strides, source->dtype);
   if (view == nullptr) {
@@ -840,7 +900,7 @@ EXPORT Status cudarunner_as_strided(void *handle, const int64_t *sizes, const in
   GUARD_NULL(handle);
   GUARD_NULL(result);
   Tensor *source = as_tensor(handle);
-  return make_view(source, source->dim, sizes, strides, source->offset, result);
+  return make_view(source, source->dim, sizes, strides, source->offset, result, true);
 }
 
 EXPORT Status cudarunner_new_tensor_handle(void *handle, void **result) {
@@ -893,6 +953,7 @@ EXPORT Status cudarunner_clone(void *handle, void **result) {
   GUARD_NULL(handle);
   GUARD_NULL(result);
   Tensor *source = as_tensor(handle);
+  if (require_data(source) != kOk) return kFailure;
   std::vector<int64_t> strides(source->dim);
   int64_t step = 1;
   for (int64_t d = source->dim - 1; d >= 0; --d) {
@@ -916,6 +977,7 @@ EXPORT Status cudarunner_clone_preserve_strides(void *handle, void **result) {
   GUARD_NULL(handle);
   GUARD_NULL(result);
   Tensor *source = as_tensor(handle);
+  if (require_data(source) != kOk) return kFailure;
   Tensor *copy = nullptr;
   int32_t device = device_of(source);
   int32_t index = device == kDeviceCuda ? source->storage->device_index : 0;
@@ -945,6 +1007,7 @@ EXPORT Status cudarunner_zero_(void *handle) {
   GUARD_NULL(handle);
   Tensor *tensor = as_tensor(handle);
   if (numel_of(tensor->dim, tensor->sizes) == 0) return kOk;
+  if (require_data(tensor) != kOk) return kFailure;
   size_t size = element_size(tensor->dtype);
   if (is_contiguous(tensor)) {
     size_t bytes = numel_of(tensor->dim, tensor->sizes) * size;
@@ -953,7 +1016,8 @@ EXPORT Status cudarunner_zero_(void *handle) {
       return kOk;
     }
     int32_t index = tensor->storage->device_index;
-    if (use_device(index) != kOk) return kFailure;
+    DeviceScope scope(index);
+    if (scope.status() != kOk) return kFailure;
     CU(driver.cuMemsetD8Async(reinterpret_cast<CUdeviceptr>(data_of(tensor)), 0, bytes, stream_for(index)), "cuMemsetD8Async");
     return kOk;
   }
@@ -1024,8 +1088,10 @@ SCALAR(bool, bool, kBool)
 // ---------------------------------------------------------------- guards and streams
 EXPORT Status cudarunner_create_cuda_guard(int32_t device_index, void **result) {
   GUARD_NULL(result);
+  pthread_once(&driver_once, load_driver);
+  CUcontext previous = current_context();
   if (use_device(device_index) != kOk) return kFailure;
-  DeviceGuard *guard = new (std::nothrow) DeviceGuard{current_device};
+  DeviceGuard *guard = new (std::nothrow) DeviceGuard{current_device, previous};
   if (guard == nullptr) return fail("out of host memory");
   current_device = device_index;
   *result = guard;
@@ -1039,20 +1105,25 @@ EXPORT Status cudarunner_cuda_guard_set_index(void *handle, int32_t device_index
   return kOk;
 }
 
+// Deleters never fail: generated code calls them from destructors, where a
+// failure status terminates the process.
 EXPORT Status cudarunner_delete_cuda_guard(void *handle) {
-  GUARD_NULL(handle);
+  if (handle == nullptr) return kOk;
   DeviceGuard *guard = static_cast<DeviceGuard *>(handle);
   current_device = guard->previous_device;
+  restore_context(guard->previous_context);
   delete guard;
-  return use_device(current_device);
+  return kOk;
 }
 
 // A null stream is accepted: it is the legacy default stream.
 EXPORT Status cudarunner_create_cuda_stream_guard(void *stream, int32_t device_index, void **result) {
   GUARD_NULL(result);
   if (device_index < 0 || device_index >= kMaxDevices) return fail("CUDA device index %d is out of range", device_index);
+  pthread_once(&driver_once, load_driver);
+  CUcontext previous = current_context();
   if (use_device(device_index) != kOk) return kFailure;
-  StreamGuard *guard = new (std::nothrow) StreamGuard{device_index, current_stream[device_index], current_device};
+  StreamGuard *guard = new (std::nothrow) StreamGuard{device_index, current_stream[device_index], current_device, previous};
   if (guard == nullptr) return fail("out of host memory");
   current_stream[device_index] = static_cast<CUstream>(stream);
   current_device = device_index;
@@ -1061,10 +1132,11 @@ EXPORT Status cudarunner_create_cuda_stream_guard(void *stream, int32_t device_i
 }
 
 EXPORT Status cudarunner_delete_cuda_stream_guard(void *handle) {
-  GUARD_NULL(handle);
+  if (handle == nullptr) return kOk;
   StreamGuard *guard = static_cast<StreamGuard *>(handle);
   current_stream[guard->device] = guard->previous_stream;
   current_device = guard->previous_device;
+  restore_context(guard->previous_context);
   delete guard;
   return kOk;
 }

@@ -170,14 +170,16 @@ class LibraryLease:
                 entry.library.handle = _ctypes.dlopen(entry.library._cdll._name, os.RTLD_NOW | os.RTLD_LOCAL | os.RTLD_NOLOAD)
 
 
-def lease_library(data: bytes, label: str, *, native_checks: bool = False) -> LibraryLease:
+def lease_library(data: bytes, label: str, *, native_checks: bool = False, bound_to: str = "") -> LibraryLease:
     """The library with these bytes, loaded once per process while it is in use.
 
     Keyed by a cryptographic hash of the bytes themselves (not the bundle's
     digest), so that no other code can ever be mistaken for a loaded library.
     A library decides at its first Run whether its own input checks are on,
-    for good (docs/aoti-abi.md), so copies with and without them are kept apart."""
-    digest = hashlib.blake2b(data, digest_size=32).hexdigest() + (":checked" if native_checks else "")
+    for good (docs/aoti-abi.md), so copies with and without them are kept apart;
+    so are copies bound to different shim providers (`bound_to`), even where
+    renaming its imports left the bytes as they were."""
+    digest = hashlib.blake2b(data, digest_size=32).hexdigest() + (":checked" if native_checks else "") + f":{bound_to}"
     with _libraries_lock:
         entry = _libraries.get(digest)
         if entry is None:

@@ -232,7 +232,7 @@ class Method:
         check_inputs = check_inputs or signature_needs_library_checks(spec)
         try:
             started = clock()
-            library = lease_library(library_bytes, f"{spec.name}@{reader.path.name}", native_checks=check_inputs)
+            library = lease_library(library_bytes, f"{spec.name}@{reader.path.name}", native_checks=check_inputs, bound_to=chosen.name)
             timings["load_library"] = clock() - started
             if call_path is None:
                 started = clock()

@@ -111,7 +111,9 @@ def test_empty_strided_allocates_aligned_memory_and_sizes_every_dtype(lib):
         lib.cudarunner_delete_tensor_object(handle)
 
 
-@pytest.mark.parametrize("case", ["null result", "negative size", "unknown dtype", "copy between dtypes", "overflowing span"])
+@pytest.mark.parametrize("case", ["null result", "negative size", "unknown dtype", "copy between dtypes", "overflowing span",
+                                  "item of an undefined tensor", "zero_ of an undefined tensor", "clone of an undefined tensor",
+                                  "as_strided past the storage", "negative view stride", "data missing"])
 def test_bad_arguments_fail_with_a_reason_and_never_crash(lib, case):
     before = live(lib)
     handle = H()
@@ -123,6 +125,24 @@ def test_bad_arguments_fail_with_a_reason_and_never_crash(lib, case):
         status = lib.cudarunner_empty_strided(ctypes.c_int64(1), dims(4), dims(1), 99, 0, 0, ctypes.byref(handle))
     elif case == "overflowing span":
         status = lib.cudarunner_empty_strided(ctypes.c_int64(2), dims(1 << 40, 1 << 40), dims(1 << 40, 1), 6, 0, 0, ctypes.byref(handle))
+    elif case.endswith("undefined tensor"):
+        undefined = H()
+        assert lib.cudarunner_new_uninitialized_tensor(ctypes.byref(undefined)) == 0
+        value = ctypes.c_float()
+        status = {"item": lambda: lib.cudarunner_item_float32(undefined, ctypes.byref(value)), "zero_": lambda: lib.cudarunner_zero_(undefined),
+                  "clone": lambda: lib.cudarunner_clone(undefined, ctypes.byref(handle))}[case.split()[0]]()
+        # an undefined tensor is 0-dim (one element) with no data: refused, not dereferenced
+        lib.cudarunner_delete_tensor_object(undefined)
+    elif case in ("as_strided past the storage", "negative view stride"):
+        array = np.zeros(4, np.float32)
+        base = wrap(lib, array)
+        if case == "as_strided past the storage":
+            status = lib.cudarunner_as_strided(H(base), dims(2), dims(1000), ctypes.byref(handle))
+        else:
+            status = lib.cudarunner__reinterpret_tensor(H(base), ctypes.c_int64(1), dims(4), dims(-1), ctypes.c_int64(3), ctypes.byref(handle))
+        lib.cudarunner_delete_tensor_object(H(base))
+    elif case == "data missing":
+        status = lib.cudarunner_create_tensor_from_blob(None, ctypes.c_int64(1), dims(4), dims(1), ctypes.c_int64(0), 6, 0, 0, ctypes.byref(handle))
     else:
         a, b = wrap(lib, np.zeros(3, np.float32)), wrap(lib, np.zeros(3, np.float64))
         status = lib.cudarunner_copy_(H(a), H(b), 0)
@@ -131,6 +151,15 @@ def test_bad_arguments_fail_with_a_reason_and_never_crash(lib, case):
     assert status == 1
     assert lib.cudarunner_shim_last_error()
     assert live(lib) == before
+
+
+def test_deleters_never_fail_and_codes_are_libtorchs(lib):
+    # Generated code deletes from destructors, where a failure status ends the process.
+    assert lib.cudarunner_delete_tensor_object(None) == 0
+    assert lib.cudarunner_delete_cuda_guard(None) == 0 and lib.cudarunner_delete_cuda_stream_guard(None) == 0
+    codes = {"device_type_cpu": 0, "device_type_cuda": 1, "device_type_meta": 14, "device_type_xpu": 12, "device_type_mps": 13,
+             "device_type_privateuse1": 20, "dtype_bfloat16": 15, "dtype_uint16": 27, "dtype_float8_e4m3fn": 24, "layout_strided": 0}
+    assert {name: getattr(lib, f"cudarunner_{name}")() for name in codes} == codes
 
 
 def test_cpu_addmm_matches_numpy_for_a_transposed_weight_and_a_broadcast_bias(lib):
@@ -207,6 +236,18 @@ def test_a_rename_that_would_change_another_name_is_refused():
     for inside in (1, 12):  # a defined symbol spelled alike, or "get_sizes" sharing its tail
         with pytest.raises(BundleError):
             _check_no_overlap([(1, b"cudarunner_get_sizes")], [inside], table)
+
+
+def test_a_library_without_a_section_table_is_refused(dict_mlp_bundle):
+    """The loader reads the dynamic segment; a library whose section headers are
+    gone (or lie) must not pass as one with nothing to rename."""
+    import struct
+
+    stripped = bytearray(library_of(dict_mlp_bundle.path))
+    struct.pack_into("<Q", stripped, 0x28, 0)  # e_shoff
+    struct.pack_into("<H", stripped, 0x3C, 0)  # e_shnum
+    with pytest.raises(BundleError):
+        rename_imports(bytes(stripped), RENAMES)
 
 
 def test_a_truncated_library_is_refused(dict_mlp_bundle):
