@@ -88,12 +88,30 @@ def _capacity(nbytes: int) -> int:
 
 
 class Stream:
-    """A non-blocking CUDA stream owned by one method."""
+    """A non-blocking CUDA stream owned by one method.
+
+    Outputs handed out as CuPy arrays may outlive the method, and cuda-runner's
+    shim frees an output on the stream that allocated it: so the stream is
+    destroyed only once no such output is left (`hold`/`let_go`)."""
 
     def __init__(self, runtime: Any, device_index: int):
         self._runtime = runtime
         self.device_index = device_index
         self.ptr = runtime.streamCreateWithFlags(_STREAM_NON_BLOCKING)
+        self._holders = 0
+        self._closed = False
+        self._lock = threading.Lock()
+
+    def hold(self) -> None:
+        with self._lock:
+            self._holders += 1
+
+    def let_go(self) -> None:
+        with self._lock:
+            self._holders -= 1
+            last = self._closed and self._holders == 0
+        if last:
+            self._destroy_now()
 
     def synchronize(self) -> None:
         self._runtime.streamSynchronize(self.ptr)
@@ -103,6 +121,13 @@ class Stream:
         return _cupy().cuda.ExternalStream(self.ptr, self.device_index)
 
     def destroy(self) -> None:
+        with self._lock:
+            self._closed = True
+            if self._holders:
+                return  # the last output freed destroys it
+        self._destroy_now()
+
+    def _destroy_now(self) -> None:
         if self.ptr:
             self._runtime.streamDestroy(self.ptr)
             self.ptr = 0
@@ -322,8 +347,9 @@ class CudaExecutor(Executor):
         self.use_device()
         inputs = [array if array.flags.c_contiguous else self._contiguous(array) for array in arrays]
         owned, views = self._run(container, dtypes, [(array.data.ptr, array.shape) for array in inputs])
-        keepers = {handle: _HandleKeeper(self.shim, handle, inputs) for handle in owned.transfer()}
-        return [self._device_array(view, keepers[handle]) for handle, view in zip(owned.handles, views)]
+        handles = owned.handles
+        keepers = {handle: _HandleKeeper(self.shim, handle, inputs, self.stream) for handle in owned.transfer()}
+        return [self._device_array(view, keepers[handle]) for handle, view in zip(handles, views)]
 
     def _contiguous(self, array: Any) -> Any:
         with self.stream.as_cupy():
@@ -377,15 +403,20 @@ class _HandleKeeper:
     It also keeps the run's inputs alive, since an output can view an input.
     """
 
-    __slots__ = ("_delete", "_handle", "_inputs")
+    __slots__ = ("_delete", "_handle", "_inputs", "_stream")
 
-    def __init__(self, shim: Shim, handle: int, inputs: list[Any]):
+    def __init__(self, shim: Shim, handle: int, inputs: list[Any], stream: Stream):
         self._delete = shim.delete_tensor_object
         self._handle = handle
         self._inputs = inputs
+        self._stream = stream
+        stream.hold()  # its memory is freed on this stream: it must still exist then
 
     def __del__(self) -> None:
-        self._delete(self._handle)
+        try:
+            self._delete(self._handle)
+        finally:
+            self._stream.let_go()
 
 
 def _is_pooled(array: np.ndarray) -> bool:
