@@ -6,7 +6,8 @@ archive member holds (dtype and shape, from its header), `load()` reads it.
 
 NumPy writes ml_dtypes' bfloat16 as an anonymous 2-byte void ('<V2') and
 reads it back as such. We write the descriptor 'bfloat16' instead, which
-np.load resolves to ml_dtypes' bfloat16 once ml_dtypes is imported.
+np.load resolves to ml_dtypes' bfloat16 once ml_dtypes is imported, and we
+read a bare 2-byte void (what np.save/np.savez wrote) as bfloat16.
 """
 
 from __future__ import annotations
@@ -62,7 +63,21 @@ def _parse_header(handle: BinaryIO, where: str) -> ArrayHeader:
         raise InputError(f"{where} holds Python objects; only plain numeric arrays are accepted (files are never unpickled)")
     if any(not isinstance(size, int) or size < 0 for size in shape):
         raise InputError(f"{where} is not a valid .npy file: its header declares the shape {shape}")
-    return ArrayHeader(np.dtype(dtype), tuple(shape), bool(fortran_order))
+    dtype = np.dtype(dtype)
+    if dtype == _SAVED_BFLOAT16 and dtype.fields is None:
+        dtype = np.dtype(ml_dtypes.bfloat16)
+    return ArrayHeader(dtype, tuple(shape), bool(fortran_order))
+
+
+# What np.save writes for ml_dtypes' bfloat16 (it has no name for it): a bare
+# 2-byte void. No other array is saved that way, so it is read as bfloat16.
+_SAVED_BFLOAT16 = np.dtype("V2")
+
+
+def _bfloat16_if_saved_by_numpy(array: np.ndarray) -> np.ndarray:
+    if array.dtype == _SAVED_BFLOAT16 and array.dtype.fields is None:
+        return array.view(ml_dtypes.bfloat16)
+    return array
 
 
 def _first_line(error: BaseException) -> str:
@@ -89,7 +104,7 @@ def load_array(path: str | os.PathLike[str]) -> np.ndarray:
     path = Path(path)
     read_array_header(path)
     try:
-        return np.load(path, mmap_mode="r", allow_pickle=False)
+        return _bfloat16_if_saved_by_numpy(np.load(path, mmap_mode="r", allow_pickle=False))
     except (ValueError, OSError, EOFError) as error:
         raise InputError(f"cannot read {path}: {_first_line(error)}") from None
 
@@ -138,7 +153,7 @@ class NpzArchive:
             raise InputError(f"cannot read {where} of shape {shape_text(header.shape)}: {problem}")
         try:
             with self._zip.open(self._members[key]) as member:
-                return np.lib.format.read_array(member, allow_pickle=False, max_header_size=_MAX_HEADER_BYTES)
+                return _bfloat16_if_saved_by_numpy(np.lib.format.read_array(member, allow_pickle=False, max_header_size=_MAX_HEADER_BYTES))
         except (zipfile.BadZipFile, OSError, EOFError, ValueError, RuntimeError) as error:
             raise InputError(f"cannot read {where}: {_first_line(error)}") from None
 

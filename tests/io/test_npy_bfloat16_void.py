@@ -1,0 +1,32 @@
+"""bfloat16 arrays saved by NumPy itself (np.save, np.savez) come back as a bare
+2-byte void; inputs and references read that way are bfloat16."""
+
+from __future__ import annotations
+
+import ml_dtypes
+import numpy as np
+from helpers import cli
+
+from cuda_runner.io.npy import load_archive, load_array
+
+
+def test_numpy_saved_bfloat16_reads_as_bfloat16(tmp_path):
+    values = np.array([[1.5, -2.0], [0.25, 3.0]], dtype=ml_dtypes.bfloat16)
+    np.save(tmp_path / "a.npy", values)
+    np.savez(tmp_path / "a.npz", a=values)
+    assert np.load(tmp_path / "a.npy").dtype == np.dtype("V2")  # what NumPy itself gives back
+    for loaded in (load_array(tmp_path / "a.npy"), load_archive(tmp_path / "a.npz")["a"]):
+        assert loaded.dtype == np.dtype(ml_dtypes.bfloat16)
+        np.testing.assert_array_equal(loaded.astype(np.float32), values.astype(np.float32))
+
+
+def test_a_bfloat16_model_runs_and_verifies_with_files_numpy_wrote(bf16_bundle, tmp_path):
+    x = bf16_bundle.args[0].float().numpy().astype(ml_dtypes.bfloat16)
+    np.savez(tmp_path / "in.npz", **{"x": x})
+    first = cli("run", str(bf16_bundle.path), "--inputs", str(tmp_path / "in.npz"), "--out-dir", str(tmp_path / "out"))
+    assert first.returncode == 0, first.stderr
+    reference = np.load(tmp_path / "out" / "output_0.npy")
+    np.savez(tmp_path / "ref.npz", output_0=reference.astype(ml_dtypes.bfloat16))  # saved by NumPy: a bare void on disk
+    again = cli("run", str(bf16_bundle.path), "--inputs", str(tmp_path / "in.npz"), "--expected", str(tmp_path / "ref.npz"))
+    assert again.returncode == 0, again.stdout + again.stderr
+    assert "VERDICT: PASSED" in again.stdout
