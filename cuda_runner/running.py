@@ -67,6 +67,9 @@ class RunResult:
     comparison: Comparison | None = None
     # Outputs written in another dtype than the model gave them (--bf16-as): {name: dtype in the files}.
     written_dtypes: dict[str, str] = field(default_factory=dict)
+    # The signature that was checked before anything loaded: {signer, method, shards}; None without trusted keys.
+    signature: dict[str, Any] | None = None
+    provider: str = ""  # whose shim functions the library ran on
 
     def output_dtype(self, name: str) -> str:
         """The dtype of an output as reported: as written, where it was written converted."""
@@ -105,6 +108,8 @@ class RunResult:
             "timings_s": {key: round(value, 6) for key, value in self.timings.items()},
             "load_s": {key: round(value, 6) for key, value in self.load_timings.items()},
             "comparison": None if self.comparison is None else self.comparison.to_json(),
+            "signature": self.signature,
+            "provider": self.provider,
             "verdict": self.verdict,
         }
 
@@ -133,6 +138,8 @@ def run_bundle(request: RunRequest, progress: Progress = lambda _: None) -> RunR
     try:
         if request.trusted_keys:
             reader.require_signature(request.trusted_keys)  # before anything in the bundle is used
+        checked = reader.signature
+        signature = checked.to_json() if checked is not None else None
         opened = time.perf_counter() - started
         started = time.perf_counter()
         method = select_method(reader, request.method)
@@ -156,7 +163,8 @@ def run_bundle(request: RunRequest, progress: Progress = lambda _: None) -> RunR
         outputs = loaded.run(inputs.arrays)
         ran = time.perf_counter() - started
         device = str(loaded.device)
-    result = RunResult(request.bundle, method, device, inputs, outputs, load_timings=load_timings)
+        provider = loaded.provider
+    result = RunResult(request.bundle, method, device, inputs, outputs, load_timings=load_timings, signature=signature, provider=provider)
     if expected is not None:
         result.comparison = compare_outputs(outputs, expected, request.tolerances, allow_missing=request.allow_missing)
     started = time.perf_counter()

@@ -58,6 +58,13 @@ def test_a_signed_bundle_runs_with_its_key(signed, memfds):
     result = cli("run", str(bundle), "--random-inputs", "--trusted-key", str(public))
     assert result.returncode == 0, result.stderr
     assert len(memfds) == 1
+    from cuda_runner.signing import load_public_key
+
+    fingerprint = load_public_key(public).fingerprint
+    assert f"signature: verified before loading, by trusted key {fingerprint}" in result.stdout  # the run says what it checked
+    document = json.loads(cli("run", str(bundle), "--random-inputs", "--trusted-key", str(public), "--json").stdout)
+    assert document["signature"]["signer"] == fingerprint
+    assert json.loads(cli("run", str(bundle), "--random-inputs", "--json").stdout)["signature"] is None
     inspected = json.loads(cli("inspect", str(bundle), "--trusted-key", str(public), "--json", "--verify").stdout)
     assert inspected["signature"]["verified"] is True and inspected["runnable_here"] is True
 

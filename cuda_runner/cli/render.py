@@ -251,6 +251,8 @@ def run_lines(result: Any, *, show_stats: bool, show_values: bool, full_values: 
         row.append(clean(", ".join(str(path) for path in result.files.get(spec.name, [])) or "-"))
         rows.append(row)
     lines = [clean(f"{result.method.name} on {result.device}"), *table(headers, rows, "  ")]
+    if result.signature is not None:
+        lines.append(clean(f"signature: verified before loading, by trusted key {result.signature['signer']} ({result.signature['method']})"))
     if show_values:
         for spec in result.method.outputs:
             lines += [clean(f"{spec.name} ="), *values_text(result.outputs[spec.name], full_values).splitlines()]

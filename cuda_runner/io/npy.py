@@ -12,6 +12,7 @@ read a bare 2-byte void (what np.save/np.savez wrote) as bfloat16.
 
 from __future__ import annotations
 
+import errno
 import io
 import os
 import zipfile
@@ -23,7 +24,7 @@ from typing import BinaryIO
 import ml_dtypes  # registers 'bfloat16' with NumPy for np.load
 import numpy as np
 
-from ..errors import InputError
+from ..errors import DeviceError, InputError
 from ..files import write_file
 from ..opening import open_regular
 from ..shapes import allocation_problem, shape_text
@@ -120,7 +121,12 @@ class NpzArchive:
             stream = open_regular(source, "an .npz archive")  # closed by close()
         try:
             self._zip = zipfile.ZipFile(stream)
-        except (zipfile.BadZipFile, OSError, EOFError, ValueError) as error:
+        except OSError as error:
+            stream.close()
+            if error.errno in (errno.EMFILE, errno.ENFILE):  # not the file's fault: say whose it is
+                raise DeviceError(f"cannot read {self.label}: too many open files in this process (raise the limit: ulimit -n)") from None
+            raise InputError(f"cannot read {self.label} as an .npz archive: {_first_line(error)}") from None
+        except (zipfile.BadZipFile, EOFError, ValueError) as error:
             stream.close()
             raise InputError(f"cannot read {self.label} as an .npz archive: {_first_line(error)}") from None
         self._members = {}

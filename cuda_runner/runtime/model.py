@@ -19,7 +19,7 @@ from typing import Any
 
 import numpy as np
 
-from ..errors import InputError
+from ..errors import ClosedError, InputError
 from ..format.manifest import Manifest, MethodSpec, choose_method
 from ..format.source import AnyReader, open_model
 from ..signing import TrustedKey
@@ -36,6 +36,7 @@ class Model:
         self.methods = methods
         self.open_seconds = open_seconds
         self._constants = constants  # storages the methods share by FQN; released after the last method
+        self._closed = False
 
     @property
     def constant_storages(self) -> int:
@@ -59,6 +60,8 @@ class Model:
 
     def method(self, name: str | None = None) -> Method:
         """The named method; with no name, the only one loaded, or 'forward'."""
+        if self._closed:
+            raise ClosedError("the model is closed")
         return self.methods[choose_method(list(self.methods), name)]
 
     def load_timings(self, name: str | None = None) -> dict[str, float]:
@@ -81,6 +84,7 @@ class Model:
         return ordered_map(target.run, inputs, in_flight or target.lanes + 1)
 
     def close(self) -> None:
+        self._closed = True
         for method in reversed(list(self.methods.values())):
             method.close()
         self.methods = {}

@@ -288,3 +288,13 @@ def test_interrupts_at_any_moment_of_a_run_leave_no_tensor_behind(lib, dict_mlp_
                     interrupted += 1
         assert interrupted > 50  # the interrupts did land
         assert live(lib) == baseline
+
+
+def test_a_closed_model_says_so(dict_mlp_bundle):
+    import cuda_runner
+    from cuda_runner.errors import ClosedError
+
+    model = cuda_runner.load(dict_mlp_bundle.path)
+    model.close()
+    with pytest.raises(ClosedError, match="the model is closed"):
+        model.run([arg.numpy() for arg in dict_mlp_bundle.args])
