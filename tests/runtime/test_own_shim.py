@@ -298,3 +298,17 @@ def test_a_closed_model_says_so(dict_mlp_bundle):
     model.close()
     with pytest.raises(ClosedError, match="the model is closed"):
         model.run([arg.numpy() for arg in dict_mlp_bundle.args])
+
+
+def test_a_library_that_needs_libtorch_on_a_machine_without_it_is_one_clear_error(monkeypatch):
+    from cuda_runner.errors import DeviceError
+    from cuda_runner.format.elf import LibraryFacts
+    from cuda_runner.runtime import providers
+
+    monkeypatch.setattr(providers, "libtorch_installed", lambda: False)
+    facts = LibraryFacts(needed=(), undefined=("aoti_torch_cpu_convolution", "aoti_torch_empty_strided"), kernels=())
+    with pytest.raises(DeviceError, match=r"needs libtorch \(cuda-runner's shim lacks aoti_torch_cpu_convolution\); install it with") as refused:
+        providers.choose_provider([facts], "cpu")
+    assert refused.value.exit_code == 4
+    with pytest.raises(DeviceError, match="lacks aoti_torch_cpu_convolution"):
+        providers.choose_provider([facts], "cpu", "shim")
