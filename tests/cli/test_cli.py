@@ -191,6 +191,7 @@ def test_sigterm_cleans_up_and_exits_128_plus_15(tmp_path):
     assert list(tmp_path.iterdir()) == []  # the temp file is gone, and no output appeared
 
 
+@pytest.mark.heavy
 def test_sigterm_during_compile_removes_its_work_folder(tmp_path):
     import signal
     import time
