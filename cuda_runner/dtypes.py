@@ -49,8 +49,18 @@ def _bfloat16() -> np.dtype:
     return np.dtype(ml_dtypes.bfloat16)
 
 
+_NUMPY_DTYPES: dict = {}  # np.dtype(name) costs 0.5 us (bfloat16 1.5 us), twice per output of every call
+
+
 def numpy_dtype(name: str) -> np.dtype:
     """The NumPy dtype for a manifest dtype name."""
+    dtype = _NUMPY_DTYPES.get(name)
+    if dtype is None:
+        dtype = _NUMPY_DTYPES[name] = _numpy_dtype_uncached(name)
+    return dtype
+
+
+def _numpy_dtype_uncached(name: str) -> np.dtype:
     if name == "bfloat16":
         return _bfloat16()
     if name not in SCALAR_TYPE_CODES:

@@ -2,7 +2,8 @@
 # The lowest versions pyproject.toml allows for the run-time dependencies (and
 # typer 0.27, whose option naming differs), without torch: the CLI parses every
 # command's options, refuses bad input with its exit codes, and reads, inspects
-# and converts a real ExecuTorch program. CI runs this after the test suite.
+# and converts a real ExecuTorch program. scripts/test.sh (CI) runs this beside
+# the install and the suite.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 venv=.venv-min

@@ -18,7 +18,33 @@ HAS_GPU = cuda_device_count() > 0
 Compiler = Callable[[str, str], CompiledModel]
 
 
+# Files whose tests must run on one worker, in order (state built once per
+# module, and a later test using what an earlier one wrote). xdist's own
+# xdist_group mark groups nothing under pytest 9: it renames item._nodeid,
+# which pytest 9 no longer reads. The scheduler below groups by file instead.
+SAME_WORKER = {"tests/test_readme.py": "readme"}
+
+
+def pytest_xdist_make_scheduler(config, log):
+    """--dist loadgroup, with SAME_WORKER's files each one unit of work. Units
+    are handed out largest first, then in collection order (heavy tests first,
+    see pytest_collection_modifyitems)."""
+    if config.getvalue("dist") != "loadgroup":
+        return None
+    from xdist.scheduler import LoadGroupScheduling
+
+    class FileGroups(LoadGroupScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            return SAME_WORKER.get(nodeid.split("::", 1)[0]) or super()._split_scope(nodeid)
+
+    return FileGroups(config, log)
+
+
 def pytest_collection_modifyitems(config, items):
+    # Long tests start first, so that the two workers end together instead of
+    # one running a long test alone at the end (a stable sort: the same order
+    # on every worker, as xdist requires).
+    items.sort(key=lambda item: item.get_closest_marker("heavy") is None)
     if HAS_GPU:
         return
     skip = pytest.mark.skip(reason="no CUDA device: GPU tests run on a GPU machine (scripts/gpu-test.sh)")

@@ -10,9 +10,6 @@ from cuda_runner.errors import InputError
 from cuda_runner.ray import BundlePredictor, map_bundle
 
 ray = pytest.importorskip("ray")
-# The heaviest tests (many processes each) run one after another on one
-# worker, so that they never compete for the 2-core CI machine at once.
-pytestmark = pytest.mark.xdist_group("heavy")
 
 
 def test_batches_larger_than_the_bound_are_split(compiled):
@@ -28,6 +25,7 @@ def test_batches_larger_than_the_bound_are_split(compiled):
         predictor({"other": x})
 
 
+@pytest.mark.heavy
 def test_map_bundle_on_a_local_ray(compiled):
     bundle = compiled("linear", "cpu").path
     x = np.random.default_rng(1).standard_normal((300, 16), dtype=np.float32)

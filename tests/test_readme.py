@@ -16,9 +16,9 @@ from helpers import ROOT, cli
 from cuda_runner.runtime.devices import cuda_device_count
 
 README = (ROOT / "README.md").read_text()
-# The heaviest tests (many processes each) run one after another on one
-# worker, so that they never compete for the 2-core CI machine at once.
-pytestmark = pytest.mark.xdist_group("heavy")
+# Under xdist this file's tests run on one worker, handed out first
+# (conftest.SAME_WORKER): the Python examples use the model.bundle that the
+# commands compiled in the module's folder.
 HAS_GPU = cuda_device_count() > 0
 
 

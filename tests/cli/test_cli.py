@@ -214,6 +214,7 @@ def _descendants(root: int, table: dict[int, tuple[int, int, str, str]]) -> set[
     return found
 
 
+@pytest.mark.heavy
 def test_sigterm_during_compile_ends_its_compilers_and_leaves_tmpdir_empty(tmp_path):
     """SIGTERM while Inductor's C++ compiler runs: exit 143 with one line, no
     process of the compile left (cc1plus used to run on, orphaned), nothing

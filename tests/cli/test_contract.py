@@ -213,6 +213,7 @@ def test_bench_gates_exit_5_with_the_figure_and_the_limit(dict_mlp_bundle):
     assert document["throughput_per_s"] == pytest.approx(document["steady_s"]["count"] / document["timed_wall_s"])
 
 
+@pytest.mark.heavy
 def test_the_console_script_exits_at_once_with_its_outputs_written(dict_mlp_bundle, tmp_path):
     """main() leaves through os._exit after flushing (the interpreter's and
     libtorch's teardown cost 0.3 s of a cold run): outputs, stdout and the

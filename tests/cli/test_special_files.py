@@ -171,6 +171,7 @@ def test_a_path_that_is_no_usable_file_is_refused_at_once(special, bundle, key, 
     _check(result.returncode, result.stdout, result.stderr, path, argv)
 
 
+@pytest.mark.heavy
 def test_unreadable_paths_are_refused(special, bundle):
     """Mode 000 files and folders. root reads them anyway, so as root the cases
     run in one process without the capabilities that let root ignore permissions."""

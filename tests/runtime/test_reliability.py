@@ -83,6 +83,7 @@ def test_inspect_verify_runs_the_library_checks(dict_mlp_bundle, tmp_path):
     assert "manifest does not match the library" in (result.methods["forward"].library_check or "")
 
 
+@pytest.mark.heavy
 def test_load_run_close_cycles_do_not_grow_memory_or_fail(compiled, device):
     """500 cycles in a fresh process: RSS growth under 20 MB, no failure."""
     dict_mlp_bundle = compiled("dict_mlp", device)
