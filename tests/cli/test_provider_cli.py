@@ -26,6 +26,7 @@ def no_torch_env(tmp_path):
     return {"PYTHONPATH": os.pathsep.join([str(folder), *sys.path])}
 
 
+@pytest.mark.heavy
 @pytest.mark.parametrize("provider", ["shim", None])  # None: auto, which has only the shim when torch is missing
 def test_a_cpu_bundle_runs_and_verifies_in_a_process_without_torch(dict_mlp_bundle, tmp_path, no_torch_env, provider):
     reference = tmp_path / "ref"
@@ -66,6 +67,7 @@ def test_bench_and_inspect_say_which_provider_runs_the_library(dict_mlp_bundle):
     assert "runs on: libtorch where it is installed" in text.stdout
 
 
+@pytest.mark.heavy
 def test_compile_standalone_for_cpu_writes_a_bundle_that_runs_without_torch(tmp_path, no_torch_env):
     import torch
 
