@@ -34,7 +34,9 @@ for typer_version in 0.21.1 0.27.2; do
   grep -q -- "--device" <("$venv/bin/python" -m cuda_runner run --help)
   check 2 run "$work/missing.bundle" --device cpu --random-inputs
   check 2 bench "$work/missing.bundle" --device cpu
-  check 4 compile "$work/missing.pt2" --device cuda -o "$work/m.bundle"  # needs torch: one line, exit 4
+  check 2 compile "$work/missing.pt2" --device cuda -o "$work/m.bundle"  # a missing program: one line, exit 2, before torch is needed
+  "$venv/bin/python" -c "import sys, zipfile; zipfile.ZipFile(sys.argv[1], 'w').close()" "$work/empty.pt2"
+  check 4 compile "$work/empty.pt2" --device cuda -o "$work/m.bundle"  # needs torch: one line, exit 4
   check 0 inspect "$program"
   check 0 inspect "$program" --json
   check 0 convert "$program" -o "$work/converted.bundle" --no-call-helper
