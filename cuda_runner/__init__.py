@@ -35,65 +35,68 @@ from .format import open_bundle, read_manifest
 
 if TYPE_CHECKING:
     from .runtime.model import Model, ModelPool
+    from .runtime.options import LoadOptions
 
 
 def load(
     path: str | os.PathLike[str],
     device: str | None = None,
+    options: LoadOptions | None = None,
     *,
-    verify_weights: bool = True,
     methods: Iterable[str] | None = None,
-    cuda_graph: bool = False,
-    lanes: int = 1,
-    check_inputs: bool = False,
+    data: str | os.PathLike[str] | None = None,
     trusted_keys: Iterable[str | os.PathLike[str]] | None = None,
     require_signature: bool = False,
-    data: str | os.PathLike[str] | None = None,
-    warm_up: bool = True,
-    call_helper: bool = True,
-    provider: str | None = None,
+    **option_fields: Any,
 ) -> Model:
     """Load a bundle's methods onto a device ("cpu", "cuda", "cuda:1"; None picks the bundle's).
 
     `path` may also be an ExecuTorch CUDA program (`.pte`); `data` is its data
-    file (`.ptd`), by default the `aoti_cuda_blob.ptd` next to it.
+    file (`.ptd`), by default the `aoti_cuda_blob.ptd` next to it. `methods`
+    loads only those (all by default).
 
-    On CUDA each method runs once on zeros while it loads (`warm_up`), so the
-    first real call does not pay for the library's lazy set-up.
-
-    A bundle compiled with its call helper makes each call one foreign call
-    (`call_helper=False` goes through ctypes alone, as bundles without one do).
-
-    `provider` picks whose shim functions each model library runs on: "auto"
-    (the default, or CUDA_RUNNER_PROVIDER), "shim" (cuda-runner's own, with no
-    libtorch in the process) or "libtorch" (README, "Running without torch").
-
-    The model is safe to call from any number of threads; `lanes` is how many
-    calls of one method run at once (each lane has its own CUDA stream and
-    staging buffers). `check_inputs` turns on the library's own input checks;
-    `cuda_graph` captures each (static-shape) method into a CUDA graph.
+    How it loads is a `LoadOptions` (`options`), or its fields given as
+    keywords (`lanes=2`, `cuda_graph=True`, `provider="shim"`, ...), which
+    change `options`; LoadOptions' docstring says what each does. The model is
+    safe to call from any number of threads; `lanes` is how many calls of one
+    method run at once.
 
     `trusted_keys` (public key files; CUDA_RUNNER_TRUSTED_KEYS adds more): the
     bundle must be signed by one of them (`<bundle>.sig`), checked before any
     of its code loads. `require_signature` makes having no trusted key an error."""
     from .runtime.model import load_model
-    from .signing import keys_for_loading
 
-    keys = keys_for_loading(trusted_keys or (), require_signature)
-    return load_model(path, device, verify_weights=verify_weights, methods=methods, cuda_graph=cuda_graph, lanes=lanes,
-                      check_inputs=check_inputs, trusted_keys=keys, data=data, warm_up=warm_up,
-                      call_helper=call_helper, provider=provider)
+    return load_model(path, device, _options(options, trusted_keys, require_signature, option_fields), methods=methods, data=data)
 
 
-def load_pool(path: str | os.PathLike[str], devices: str | Iterable[int | str] = "all", **options: Any) -> ModelPool:
+def load_pool(
+    path: str | os.PathLike[str],
+    devices: str | Iterable[int | str] = "all",
+    options: LoadOptions | None = None,
+    *,
+    methods: Iterable[str] | None = None,
+    data: str | os.PathLike[str] | None = None,
+    trusted_keys: Iterable[str | os.PathLike[str]] | None = None,
+    require_signature: bool = False,
+    **option_fields: Any,
+) -> ModelPool:
     """Load a bundle on several GPUs ("all", "0,1", or [0, 1]); `run` and `map`
     spread calls over them, to the device with the fewest calls in flight.
     Takes load()'s options."""
     from .runtime.model import load_pool as _load_pool
+
+    chosen = _options(options, trusted_keys, require_signature, option_fields)
+    return _load_pool(path, devices if isinstance(devices, str) else list(devices), chosen, methods=methods, data=data)
+
+
+def _options(options: LoadOptions | None, trusted_keys: Iterable[str | os.PathLike[str]] | None, require_signature: bool,
+             fields: dict[str, Any]) -> LoadOptions:
+    from .runtime.options import LoadOptions
     from .signing import keys_for_loading
 
-    keys = keys_for_loading(options.pop("trusted_keys", None) or (), options.pop("require_signature", False))
-    return _load_pool(path, devices if isinstance(devices, str) else list(devices), trusted_keys=keys, **options)
+    chosen = (options or LoadOptions()).with_fields(**fields)
+    keys = keys_for_loading(trusted_keys or (), require_signature and not chosen.trusted_keys)
+    return chosen.with_fields(trusted_keys=(*chosen.trusted_keys, *keys)) if keys else chosen
 
 
 def compile_module(*args: Any, **kwargs: Any) -> Any:

@@ -20,15 +20,15 @@ from pathlib import Path
 from typing import Any
 
 from .errors import CudaRunnerError, ExitCode, InputError
-from .format.manifest import MethodSpec, choose_method
-from .format.source import open_model
+from .format.manifest import MethodSpec
 from .io.inputs import ArchiveFile, ArrayFile, GivenInputs, resolve_inputs
 from .io.outputs import OutputPlan, output_filenames, write_outputs
 from .names import safe_filename
 from .opening import require_folder
 from .report.schema import SCHEMAS
+from .running import open_for_run
 from .runtime.model import load_model, load_pool
-from .signing import TrustedKey
+from .runtime.options import LoadOptions
 from .stacking import Stacker, batch_dim
 from .verify.compare import Comparison, Tolerances, compare_outputs
 from .verify.reference import load_reference
@@ -75,10 +75,9 @@ class BatchRequest:
     allow_missing: bool = False
     resume: bool = False  # skip sets whose outputs are complete (their set record matches them)
     fail_fast: bool = False
-    lanes: int = 2
     devices: str | None = None  # "all" or "0,1": one loaded model per GPU, sets shared out
-    verify_weights: bool = True
-    trusted_keys: tuple[TrustedKey, ...] = ()
+    # Two lanes by default: one set's copies overlap another's compute.
+    load: LoadOptions = field(default_factory=lambda: LoadOptions(lanes=2))
     data: Path | None = None  # an ExecuTorch program's data file (.ptd)
     batch_size: int = 1  # sets stacked into one call along the method's batch dim (stacking.py)
 
@@ -236,31 +235,29 @@ def run_batch(request: BatchRequest, progress: Progress = lambda done, total: No
     if request.devices is not None and request.device is not None:
         raise InputError("give either one device or several devices, not both", subject="device")
     started = time.perf_counter()
-    reader = open_model(request.bundle, request.data)
+    opened = open_for_run(request.bundle, request.data, request.method, request.load.trusted_keys)
+    name = opened.method.name  # load only the method that runs
     try:
-        methods = [choose_method(list(reader.manifest.methods), request.method)]  # load only the method that runs
         if request.batch_size > 1:
-            batch_dim(reader.manifest.methods[methods[0]])  # refuse before loading anything
+            batch_dim(opened.method)  # refuse before loading anything
     except BaseException:
-        reader.close()
+        opened.close()
         raise
-    options: dict[str, Any] = {"verify_weights": request.verify_weights, "methods": methods, "lanes": request.lanes, "trusted_keys": request.trusted_keys,
-                               "data": request.data}
     if request.devices is not None:
-        reader.close()  # each device opens the bundle for itself
-        with load_pool(request.bundle, request.devices, **options) as pool:
-            method = pool.method(request.method)
-            runner = _Runner(method.spec, lambda arrays: pool.run(arrays, method.spec.name), request.lanes * len(pool.models))
+        opened.close()  # each device opens the bundle for itself
+        with load_pool(request.bundle, request.devices, request.load, methods=[name], data=request.data) as pool:
+            method = pool.method(name)
+            runner = _Runner(method.spec, lambda arrays: pool.run(arrays, name), method.lanes * len(pool.models))
             results = _run_all(request, runner, sets, progress)
             device = ",".join(str(device) for device in pool.devices)
-            load_timings = pool.models[0].load_timings(method.spec.name)
+            load_timings = pool.models[0].load_timings(name)
     else:
-        with load_model(reader, request.device, **options) as model:  # the model takes over the open reader
-            method = model.method(request.method)
-            load_timings = model.load_timings(method.spec.name)
+        with load_model(opened.reader, request.device, request.load, methods=[name], open_seconds=opened.seconds) as model:
+            method = model.method(name)
+            load_timings = model.load_timings(name)
             results = _run_all(request, _Runner(method.spec, method.run, method.lanes), sets, progress)
             device = str(method.device)
-    return BatchResult(request.bundle, method.spec.name, device, results, time.perf_counter() - started, load_timings, request.batch_size)
+    return BatchResult(request.bundle, name, device, results, time.perf_counter() - started, load_timings, request.batch_size)
 
 
 def _run_all(request: BatchRequest, runner: _Runner, sets: list[InputSet], progress: Progress) -> list[SetResult]:

@@ -11,13 +11,12 @@ from typing import Any
 
 import numpy as np
 
-from .format.source import open_model
 from .io.inputs import InputPlan, RandomInputs
 from .report.schema import SCHEMAS
-from .running import prepare_inputs, select_method
+from .running import open_for_run, prepare_inputs
 from .runtime.method import Method
 from .runtime.model import Model, load_model
-from .signing import TrustedKey
+from .runtime.options import LoadOptions
 
 # What each number includes; also in `bench --json` as "definitions".
 DEFINITIONS = """\
@@ -112,14 +111,11 @@ class BenchRequest:
     data: Path | None = None  # an ExecuTorch program's data file (.ptd)
     method: str | None = None
     device: str | None = None
-    verify_weights: bool = True
-    cuda_graph: bool = False
-    warmup: int = 10
+    load: LoadOptions = field(default_factory=LoadOptions)  # its warm_up is the load's one run on zeros (CUDA)
+    warmup_runs: int = 10  # untimed runs after the first, before measuring
     iterations: int = 100
     duration: float | None = None  # seconds; replaces iterations
     gates: Gates = field(default_factory=Gates)
-    trusted_keys: tuple[TrustedKey, ...] = ()
-    warm_up: bool = True  # CUDA: run once during the load (see Method.load)
 
 
 @dataclass
@@ -191,21 +187,14 @@ def _timed(function: Callable[[], Any]) -> tuple[Any, float]:
 
 
 def benchmark(request: BenchRequest, progress: Progress = lambda done, total: None) -> BenchResult:
-    started = time.perf_counter()
-    reader = open_model(request.bundle, request.data)
+    opened = open_for_run(request.bundle, request.data, request.method, request.load.trusted_keys)
     try:
-        if request.trusted_keys:
-            reader.require_signature(request.trusted_keys)
-        opened = time.perf_counter() - started
-        spec = select_method(reader, request.method)
-        inputs, _ = prepare_inputs(reader, spec, request.inputs)
+        inputs, _ = prepare_inputs(opened.reader, opened.method, request.inputs)
     except BaseException:
-        reader.close()
+        opened.close()
         raise
-    with load_model(reader, request.device, verify_weights=request.verify_weights, methods=[spec.name], cuda_graph=request.cuda_graph,
-                    warm_up=request.warm_up) as model:
-        result = _measure(request, model, spec.name, inputs.arrays, progress)
-        result.load["open"] = opened
+    with load_model(opened.reader, request.device, request.load, methods=[opened.method.name], open_seconds=opened.seconds) as model:
+        result = _measure(request, model, opened.method.name, inputs.arrays, progress)
     result.check_gates(request.gates)
     return result
 
@@ -213,11 +202,11 @@ def benchmark(request: BenchRequest, progress: Progress = lambda done, total: No
 def _measure(request: BenchRequest, model: Model, name: str, arrays: dict[str, np.ndarray], progress: Progress) -> BenchResult:
     method = model.method(name)
     outputs, first_run = _timed(lambda: method.run(arrays))
-    for _ in range(request.warmup):
+    for _ in range(request.warmup_runs):
         method.run(arrays)
     steady, wall = _steady(request, lambda: method.run(arrays), progress)
-    split = {} if request.cuda_graph else _split(method, arrays, min(len(steady), SPLIT_RUNS))
-    on_gpu = method.device.type == "cuda" and not request.cuda_graph
+    split = {} if request.load.cuda_graph else _split(method, arrays, min(len(steady), SPLIT_RUNS))
+    on_gpu = method.device.type == "cuda" and not request.load.cuda_graph
     resident = _device_resident(method, arrays, min(len(steady), 1000)) if on_gpu else None
     stats = LatencyStats.of(steady)
     result = BenchResult(

@@ -20,7 +20,7 @@ from .errors import BundleError, CudaRunnerError
 from .format.bundle import BundleReader
 from .format.manifest import DimSpec, Manifest, MethodSpec, SegmentEntry, TensorSpec
 from .format.program import ProgramInfo, ProgramReader
-from .format.source import AnyReader, open_model
+from .format.source import ModelReader, open_model
 from .report.schema import SCHEMAS
 from .runtime.devices import Device, incompatibility
 from .signing import TrustedKey, read_signature_file, signature_path
@@ -247,6 +247,7 @@ def inspect_bundle(
             result = InspectResult(reader.path, f"ExecuTorch {reader.version}", reader.file_size, manifest, reports, signature,
                                    program=reader.info, shim_check=_shim_check(reader.info))
         else:
+            assert isinstance(reader, BundleReader)  # open_model gives one of the two
             result = InspectResult(reader.path, reader.version, reader.file_size, manifest, reports, _signature_report(reader, trusted_keys))
         if verify and (result.signature is None or result.signature.verified is not False):
             result.segment_digests_ok = reader.verify_all()
@@ -264,7 +265,7 @@ def _shim_check(info: ProgramInfo) -> dict[str, tuple[list[str] | None, str | No
     }
 
 
-def _check_library(reader: AnyReader, report: MethodReport, digests_ok: bool) -> str:
+def _check_library(reader: ModelReader, report: MethodReport, digests_ok: bool) -> str:
     """Load the method and run it once with the library's own input checks."""
     if not digests_ok:
         return "skipped: digests do not match"
@@ -273,12 +274,13 @@ def _check_library(reader: AnyReader, report: MethodReport, digests_ok: bool) ->
     from .io.inputs import RandomInputs, resolve_inputs
     from .runtime.devices import choose_device
     from .runtime.method import Method
+    from .runtime.options import LoadOptions
 
     spec = report.spec
     try:
         # Inputs made from the manifest: if it lies, the library's checks say so.
         inputs = resolve_inputs(spec, RandomInputs())
-        with Method.load(reader, spec, choose_device([spec], None), check_inputs=True) as method:
+        with Method.load(reader, spec, choose_device([spec], None), LoadOptions(check_inputs=True)) as method:
             method.run(inputs.arrays)
     except CudaRunnerError as error:
         return f"failed: {error}"

@@ -10,7 +10,7 @@ all-or-none after it ran.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -19,13 +19,14 @@ import numpy as np
 
 from .errors import InputError
 from .format.manifest import MethodSpec, choose_method
-from .format.source import AnyReader, open_model
+from .format.source import ModelReader, open_model
 from .io.inputs import GivenInputs, InputPlan, ResolvedInputs, StoredSamples, resolve_inputs
 from .io.npy import NpzArchive, save_archive
 from .io.outputs import OutputPlan, write_outputs
 from .report.schema import SCHEMAS
 from .report.stats import ArrayStats, array_stats
 from .runtime.model import load_model
+from .runtime.options import LoadOptions
 from .signing import TrustedKey
 from .verify.compare import Comparison, Tolerances, compare_outputs
 from .verify.reference import load_reference, stored_sample_outputs
@@ -48,10 +49,8 @@ class RunRequest:
     expected: Path | None = None
     tolerances: Tolerances = field(default_factory=Tolerances)
     allow_missing: bool = False  # outputs without a reference are not a failure
-    verify_weights: bool = True
-    cuda_graph: bool = False
-    check_inputs: bool = False  # the library's own input checks (AOTI_RUNTIME_CHECK_INPUTS)
-    trusted_keys: tuple[TrustedKey, ...] = ()  # when given, the bundle must be signed by one of them
+    # How to load; the warm-up is never done for one run (it only helps later calls).
+    load: LoadOptions = field(default_factory=LoadOptions)
 
 
 @dataclass
@@ -114,12 +113,40 @@ class RunResult:
         }
 
 
-def select_method(reader: AnyReader, name: str | None) -> MethodSpec:
-    methods = reader.manifest.methods
-    return methods[choose_method(list(methods), name)]
+@dataclass
+class OpenedModel:
+    """A model file opened for one command: its signature checked (where keys
+    were given) and the method to run chosen, nothing loaded yet."""
+
+    reader: ModelReader
+    method: MethodSpec
+    seconds: float  # opening and the signature check, for the load timings
+    signature: dict[str, Any] | None  # the checked signature as reported (SignedFile.to_json), or None
+
+    def close(self) -> None:
+        self.reader.close()
 
 
-def prepare_inputs(reader: AnyReader, method: MethodSpec, plan: InputPlan) -> tuple[ResolvedInputs, dict[str, np.ndarray] | None]:
+def open_for_run(path: Path, data: Path | None, method: str | None, trusted_keys: Sequence[TrustedKey] = ()) -> OpenedModel:
+    """Open a bundle or program, check its signature against `trusted_keys`
+    before anything in it is used, and choose the method (the only one, or
+    'forward', where `method` is None)."""
+    started = time.perf_counter()
+    reader = open_model(path, data)
+    try:
+        if trusted_keys:
+            reader.require_signature(trusted_keys)
+        seconds = time.perf_counter() - started
+        methods = reader.manifest.methods
+        spec = methods[choose_method(list(methods), method)]
+    except BaseException:
+        reader.close()
+        raise
+    checked = reader.signature
+    return OpenedModel(reader, spec, seconds, checked.to_json() if checked is not None else None)
+
+
+def prepare_inputs(reader: ModelReader, method: MethodSpec, plan: InputPlan) -> tuple[ResolvedInputs, dict[str, np.ndarray] | None]:
     """The inputs, and for stored samples the eager outputs stored with them."""
     if not isinstance(plan, StoredSamples):
         return resolve_inputs(method, plan), None
@@ -133,17 +160,11 @@ def prepare_inputs(reader: AnyReader, method: MethodSpec, plan: InputPlan) -> tu
 
 def run_bundle(request: RunRequest, progress: Progress = lambda _: None) -> RunResult:
     request.outputs.check()
-    started = time.perf_counter()
-    reader = open_model(request.bundle, request.data)
+    opened = open_for_run(request.bundle, request.data, request.method, request.load.trusted_keys)
+    method = opened.method
     try:
-        if request.trusted_keys:
-            reader.require_signature(request.trusted_keys)  # before anything in the bundle is used
-        checked = reader.signature
-        signature = checked.to_json() if checked is not None else None
-        opened = time.perf_counter() - started
         started = time.perf_counter()
-        method = select_method(reader, request.method)
-        inputs, expected = prepare_inputs(reader, method, request.inputs)
+        inputs, expected = prepare_inputs(opened.reader, method, request.inputs)
         if request.expected is not None:
             expected = load_reference(request.expected, [spec.name for spec in method.outputs])
         request.tolerances.check_names([spec.name for spec in method.outputs])
@@ -152,19 +173,19 @@ def run_bundle(request: RunRequest, progress: Progress = lambda _: None) -> RunR
             save_archive(request.save_inputs / "inputs.npz", inputs.arrays)
         progress(f"loading {method.name!r}")
     except BaseException:
-        reader.close()
+        opened.close()
         raise
-    with load_model(reader, request.device, verify_weights=request.verify_weights, methods=[method.name],
-                    cuda_graph=request.cuda_graph, check_inputs=request.check_inputs) as model:
+    options = request.load.with_fields(warm_up=False)
+    with load_model(opened.reader, request.device, options, methods=[method.name], open_seconds=opened.seconds) as model:
         loaded = model.method(method.name)
-        load_timings = {**model.load_timings(method.name), "open": opened}
+        load_timings = model.load_timings(method.name)
         progress(f"running {method.name!r} on {loaded.device}")
         started = time.perf_counter()
         outputs = loaded.run(inputs.arrays)
         ran = time.perf_counter() - started
         device = str(loaded.device)
         provider = loaded.provider
-    result = RunResult(request.bundle, method, device, inputs, outputs, load_timings=load_timings, signature=signature, provider=provider)
+    result = RunResult(request.bundle, method, device, inputs, outputs, load_timings=load_timings, signature=opened.signature, provider=provider)
     if expected is not None:
         result.comparison = compare_outputs(outputs, expected, request.tolerances, allow_missing=request.allow_missing)
     started = time.perf_counter()

@@ -38,6 +38,7 @@ import cuda_runner  # noqa: E402
 from cuda_runner.bench import BenchRequest, LatencyStats, benchmark  # noqa: E402
 from cuda_runner.format import open_bundle  # noqa: E402
 from cuda_runner.io.inputs import ArrayFile, GivenInputs  # noqa: E402
+from cuda_runner.runtime.options import LoadOptions  # noqa: E402
 
 
 def log(message: str) -> None:
@@ -104,7 +105,7 @@ def cli_cold(bundle: Path, input_file: Path, repeats: int, full_exit: bool = Fal
 
 def api(bundle: Path, input_file: Path, device: str, iterations: int, cuda_graph: bool = False) -> dict[str, Any]:
     plan = GivenInputs((ArrayFile(input_file),))
-    request = BenchRequest(bundle=bundle, inputs=plan, device=device, cuda_graph=cuda_graph, warmup=20, iterations=iterations)
+    request = BenchRequest(bundle=bundle, inputs=plan, device=device, load=LoadOptions(cuda_graph=cuda_graph), warmup_runs=20, iterations=iterations)
     return benchmark(request).to_json()
 
 

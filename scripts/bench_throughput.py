@@ -108,7 +108,7 @@ def many_sets(torch: Any, work: Path, label: str, module: Any, example: Any, cou
     _write_sets(folder, tuple(example.shape), count, input_name)
     results: dict[str, Any] = {"sets": count, "set_bytes": example.numel() * 4}
     started = time.perf_counter()
-    batch = run_batch(BatchRequest(bundle=bundle, inputs=folder, out_dir=work / f"{label}-batch", lanes=2))
+    batch = run_batch(BatchRequest(bundle=bundle, inputs=folder, out_dir=work / f"{label}-batch"))
     results["batch_lanes2_sets_per_s"] = count / (time.perf_counter() - started)
     results["batch_failed"] = batch.count("error") + batch.count("failed")
     files = sorted(folder.glob("*.npz"))
@@ -148,7 +148,7 @@ def stacked_sets(torch: Any, work: Path, count: int) -> dict[str, Any]:
         rounds = []
         for attempt in range(3):
             started = time.perf_counter()
-            batch = run_batch(BatchRequest(bundle=bundle, inputs=folder, out_dir=work / f"stacked-{size}-{attempt}", lanes=2, batch_size=size))
+            batch = run_batch(BatchRequest(bundle=bundle, inputs=folder, out_dir=work / f"stacked-{size}-{attempt}", batch_size=size))
             rounds.append(count / (time.perf_counter() - started))
             assert batch.exit_code == 0
         results[f"batch_size_{size}_sets_per_s"] = _median(rounds)
@@ -205,10 +205,10 @@ def compute_heavy(torch: Any, work: Path, count: int) -> dict[str, Any]:
             method.run_device(resident)
         method.stream.synchronize()
         results["pure_compute_sets_per_s"] = count / (time.perf_counter() - started)
-    run_batch(BatchRequest(bundle=bundle, inputs=folder, out_dir=work / "compute-warm", lanes=2))  # page cache and kernels warm
+    run_batch(BatchRequest(bundle=bundle, inputs=folder, out_dir=work / "compute-warm"))  # page cache and kernels warm
     with _Utilisation() as utilisation:
         started = time.perf_counter()
-        batch = run_batch(BatchRequest(bundle=bundle, inputs=folder, out_dir=work / "compute-batch", lanes=2))
+        batch = run_batch(BatchRequest(bundle=bundle, inputs=folder, out_dir=work / "compute-batch"))
         results["batch_sets_per_s"] = count / (time.perf_counter() - started)
     results["batch_failed"] = batch.count("error") + batch.count("failed")
     results["gpu_utilisation_during_batch"] = utilisation.summary()

@@ -200,17 +200,14 @@ def _quiet_warnings() -> None:
 
 def _run_batch(bundle: str, folder: str, out_dir: str, out_format: str, method: str | None, device: str | None, devices: str | None,
                expected_dir: str | None,
-               tolerances: Any, allow_missing: bool, resume: bool, fail_fast: bool, lanes: int, verify_weights: bool,
-               trusted_keys: tuple[Any, ...], json_output: bool, data: str | None, batch_size: int) -> None:
+               tolerances: Any, allow_missing: bool, resume: bool, fail_fast: bool, load: Any, json_output: bool, data: str | None,
+               batch_size: int) -> None:
     from ..batch import BatchRequest, run_batch
 
-    if out_format not in ("npy", "npz"):
-        raise parse.UsageError(f"--out-format {out_format!r}: use npy or npz")
     request = BatchRequest(
         bundle=Path(bundle), inputs=Path(folder), out_dir=Path(out_dir), out_format=out_format, method=method, device=device,
         expected_dir=_path(expected_dir), tolerances=tolerances, allow_missing=allow_missing, resume=resume, fail_fast=fail_fast,
-        lanes=lanes, devices=devices, verify_weights=verify_weights, trusted_keys=trusted_keys, data=_path(data),
-        batch_size=batch_size,
+        devices=devices, load=load, data=_path(data), batch_size=batch_size,
     )
     _quiet_warnings()
     with _native_stderr(), _progress_bar("input sets") as advance:
@@ -407,7 +404,7 @@ def inspect_command(
     from ..inspection import inspect_bundle
     from .render import inspect_lines
 
-    keys = _trusted_keys(trusted_key, require_signature)
+    keys = _load_options(trusted_key, require_signature).trusted_keys
     with _native_stderr():
         result = inspect_bundle(bundle, verify=verify, trusted_keys=keys, data=data)
     if json_output:
@@ -445,17 +442,12 @@ ProviderOption = Annotated[Optional[str], typer.Option("--provider", metavar="au
     "kernel is wanted), shim (no libtorch in the process), libtorch (default: CUDA_RUNNER_PROVIDER, else auto)."))]
 
 
-def _use_provider(provider: str | None) -> None:
-    """For this command only: the CLI runs in-process in tests, one command after another."""
-    from ..runtime.providers import set_default_provider
-
-    set_default_provider(provider)
-
-
-def _trusted_keys(paths: list[str], require: bool) -> tuple[Any, ...]:
+def _load_options(trusted_key: list[str], require_signature: bool, **fields: Any) -> Any:
+    """The LoadOptions of a command: its fields, and the trusted keys read from their files."""
+    from ..runtime.options import LoadOptions
     from ..signing import keys_for_loading
 
-    return tuple(keys_for_loading(paths, require))
+    return LoadOptions(trusted_keys=tuple(keys_for_loading(trusted_key, require_signature)), **fields)
 
 
 def _input_plan(inputs: list[str], random_inputs: bool, seed: int, shape: list[str], value_range: list[str], cast: bool = False) -> Any:
@@ -525,15 +517,15 @@ def run_command(
     from ..io.outputs import OutputPlan
     from ..running import RunRequest, run_bundle
 
-    _use_provider(provider)
+    load = _load_options(trusted_key, require_signature, verify_weights=not skip_weights_digest, cuda_graph=cuda_graph,
+                         check_inputs=check_inputs or self_test, provider=provider, **({"lanes": lanes} if batch is not None else {}))
     if batch is not None:
         parse.exclusive(batch=True, inputs=inputs, random_inputs=random_inputs, self_test=self_test, out=out, expected=expected,
                         save_inputs=save_inputs)
         if out_dir is None:
             raise parse.UsageError("--batch needs --out-dir")
         _run_batch(bundle, batch, out_dir, out_format, method, device, devices, expected_dir, parse.tolerances(atol, rtol, exact),
-                   allow_missing, resume, fail_fast, lanes, not skip_weights_digest, _trusted_keys(trusted_key, require_signature), json_output,
-                   data, batch_size)
+                   allow_missing, resume, fail_fast, load, json_output, data, batch_size)
         return
     for value, option in ((expected_dir, "--expected-dir"), (resume, "--resume"), (fail_fast, "--fail-fast"), (devices, "--devices"),
                           (batch_size > 1, "--batch-size")):
@@ -549,9 +541,7 @@ def run_command(
     request = RunRequest(
         bundle=Path(bundle), inputs=plan, data=_path(data), method=method, device=device,
         outputs=OutputPlan(_path(out_dir), _path(out), bf16_as), save_inputs=_path(save_inputs), expected=_path(expected),
-        tolerances=parse.tolerances(atol, rtol, exact), allow_missing=allow_missing,
-        verify_weights=not skip_weights_digest, cuda_graph=cuda_graph, check_inputs=check_inputs or self_test,
-        trusted_keys=_trusted_keys(trusted_key, require_signature),
+        tolerances=parse.tolerances(atol, rtol, exact), allow_missing=allow_missing, load=load,
     )
     _quiet_warnings()
     with _native_stderr():
@@ -601,15 +591,14 @@ def bench_command(
     """Measure load time, first run and steady-state latency, split into copies and compute (random inputs unless --inputs)."""
     from ..bench import BenchRequest, Gates, benchmark
 
-    _use_provider(provider)
     parse.positive(duration, "--duration")
     for value, option in ((max_p50_ms, "--max-p50-ms"), (max_p99_ms, "--max-p99-ms"), (min_throughput, "--min-throughput"), (max_load_s, "--max-load-s")):
         parse.positive(value, option)
     plan = _input_plan(inputs, random_inputs or not inputs, seed, shape, value_range)
+    load = _load_options(trusted_key, require_signature, verify_weights=not skip_weights_digest, cuda_graph=cuda_graph, provider=provider)
     request = BenchRequest(
-        bundle=Path(bundle), inputs=plan, data=_path(data), method=method, device=device, verify_weights=not skip_weights_digest, cuda_graph=cuda_graph,
-        warmup=warmup, iterations=iterations, duration=duration, gates=Gates(max_p50_ms, max_p99_ms, min_throughput, max_load_s),
-        trusted_keys=_trusted_keys(trusted_key, require_signature),
+        bundle=Path(bundle), inputs=plan, data=_path(data), method=method, device=device, load=load,
+        warmup_runs=warmup, iterations=iterations, duration=duration, gates=Gates(max_p50_ms, max_p99_ms, min_throughput, max_load_s),
     )
     _quiet_warnings()
     with _native_stderr(), _progress_bar("measuring") as advance:

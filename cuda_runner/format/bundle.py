@@ -312,7 +312,7 @@ class BundleReader:
         self._verified.add(entry.name)
         return data
 
-    def verify_in_background(self, name: str) -> Future:
+    def verify_in_background(self, name: str) -> Future[None]:
         """Check a segment's digest on other threads while the caller goes on
         (the weights are checked while they are being loaded); the future
         raises BundleError on a mismatch."""

@@ -66,7 +66,7 @@ _checks: ThreadPoolExecutor | None = None
 _checks_lock = threading.Lock()
 
 
-def in_background(check: Callable[..., None], *args: Any) -> Future:
+def in_background(check: Callable[..., None], *args: Any) -> Future[None]:
     """Run a data check on the process's pool of checking threads. One pool for
     all, a few threads wide: a method may check 65,536 constant segments, and a
     thread (or pool) for each made loading quadratic."""

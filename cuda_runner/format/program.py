@@ -23,7 +23,7 @@ import hashlib
 import json
 import mmap
 import os
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -31,6 +31,7 @@ from typing import Any, BinaryIO
 
 from ..errors import BundleError, IncompatibleBundleError, InputError
 from ..opening import open_regular
+from ..signing import SignedFile, TrustedKey
 from . import executorch as et
 from .digest import in_background
 from .elf import LibraryFacts, read_library_facts
@@ -92,7 +93,7 @@ class ProgramReader:
 
     def __init__(self, path: str | os.PathLike[str], data: str | os.PathLike[str] | None = None):
         self.path = Path(path)
-        self.signature = None
+        self.signature: SignedFile | None = None  # programs carry none
         self._files: dict[str, BinaryIO] = {}
         self._maps: dict[str, mmap.mmap] = {}
         self._stored: dict[str, StoredBytes] = {}
@@ -262,7 +263,7 @@ class ProgramReader:
             raise BundleError(f"program: {self._stored[name].key[:80]!r} is damaged: its SHA-256 does not match its key")
         self._verified.add(name)
 
-    def verify_in_background(self, name: str) -> Future:
+    def verify_in_background(self, name: str) -> Future[None]:
         return in_background(self._check, name, self._view(name))
 
     def verify_all(self) -> dict[str, bool]:
@@ -277,7 +278,7 @@ class ProgramReader:
                 results[name] = False
         return results
 
-    def require_signature(self, keys: object) -> None:
+    def require_signature(self, keys: Sequence[TrustedKey]) -> SignedFile:
         raise BundleError("ExecuTorch programs carry no signature; convert the program to a bundle and sign that (cuda-runner convert, cuda-runner sign)")
 
     def close(self) -> None:

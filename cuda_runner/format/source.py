@@ -1,26 +1,65 @@
 """Opening a model file, whichever format it is in.
 
 A cuda-runner bundle and an ExecuTorch program (`.pte`, with its `.ptd`) are
-read by different modules but look the same to everything else: a Manifest,
-and segments by name (`AnyReader`). `open_model` tells them apart by their
-first bytes, not by their names.
+read by different modules but look the same to everything else: a
+`ModelReader`, with a Manifest and segments by name. `open_model` tells them
+apart by their first bytes, not by their names.
 """
 
 from __future__ import annotations
 
 import os
+from collections.abc import Sequence
+from concurrent.futures import Future
 from pathlib import Path
-from typing import TYPE_CHECKING, Union
+from typing import Protocol
 
 from ..errors import CudaRunnerError, InputError
 from ..opening import open_regular
-from .bundle import BundleReader, open_bundle
+from ..signing import SignedFile, TrustedKey
+from .bundle import open_bundle
+from .manifest import Manifest
 
-if TYPE_CHECKING:  # the ExecuTorch reader is imported only for a program
-    from .program import ProgramReader
 
+class ModelReader(Protocol):
+    """What the runtime needs of an open model file, whichever format it is in."""
 
-AnyReader = Union[BundleReader, "ProgramReader"]
+    path: Path
+    manifest: Manifest
+    file_size: int
+    #: The checked signature, once require_signature succeeded; None before (and always for programs).
+    signature: SignedFile | None
+
+    @property
+    def version(self) -> str:
+        """The format version, for reports."""
+        ...
+
+    def segment(self, name: str, *, verify: bool = True) -> memoryview:
+        """A zero-copy view of a segment, its digest checked (where it has one) unless verify=False."""
+        ...
+
+    def read_verified(self, name: str) -> bytes:
+        """A private copy of a segment, checked after copying (code is loaded from it)."""
+        ...
+
+    def verify_in_background(self, name: str) -> Future[None]:
+        """Check a segment on other threads; the future raises BundleError on a mismatch."""
+        ...
+
+    def verify_all(self) -> dict[str, bool]:
+        """{segment: digest matches} for every segment that can be checked."""
+        ...
+
+    def require_signature(self, keys: Sequence[TrustedKey]) -> SignedFile:
+        """Check the file's signature against trusted keys, or raise BundleError."""
+        ...
+
+    def close(self) -> None: ...
+
+    def __enter__(self) -> ModelReader: ...
+
+    def __exit__(self, *exc: object) -> None: ...
 
 
 def is_program(path: str | os.PathLike[str]) -> bool:
@@ -34,7 +73,7 @@ def is_program(path: str | os.PathLike[str]) -> bool:
     return len(head) == 8 and head[4:6] == b"ET" and head[6:8].isalnum()
 
 
-def open_model(path: str | os.PathLike[str], data: str | os.PathLike[str] | None = None) -> AnyReader:
+def open_model(path: str | os.PathLike[str], data: str | os.PathLike[str] | None = None) -> ModelReader:
     """A bundle, or an ExecuTorch program with its data file (`data`, or the
     one ExecuTorch names `aoti_cuda_blob.ptd`, found next to the program)."""
     if is_program(path):

@@ -15,12 +15,13 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import threading
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
 
 from ..dtypes import numpy_dtype
-from ..errors import DeviceError
+from ..errors import DeviceError, InputError
 from . import pinned
 from .container import Container
 from .executor import Executor
@@ -64,6 +65,13 @@ def wait_for_context(device_index: int) -> None:
     thread = _contexts.get(device_index)
     if thread is not None:
         thread.join()
+
+
+def use_device(device_index: int) -> None:
+    """Make `device_index` this thread's current device (CUDA calls that name no device use it)."""
+    runtime = cuda_runtime()
+    if runtime.getDevice() != device_index:
+        runtime.setDevice(device_index)
 
 
 def _create_context(device_index: int) -> None:
@@ -216,18 +224,18 @@ def load_weights_on_cuda(device_index: int, container: Container, weights: memor
 
 
 class CudaExecutor(Executor):
-    takes_device_arrays = True
+    """One lane of a method on a GPU: its own stream, staging buffers and invoker, for one container."""
 
-    def __init__(self, shim: Shim, device_index: int, helper: CallHelper | None = None):
+    def __init__(self, shim: Shim, device_index: int, container: Container, dtypes: Sequence[str], helper: CallHelper | None = None):
         self.runtime = cuda_runtime()
         self.shim = shim
         self.device_index = device_index
+        self.container = container
         self.use_device()
         self.stream = Stream(self.runtime, device_index)
         self.pinned = PinnedBuffers(self.runtime)
         self.device_buffers = DeviceBuffers(self.runtime)
-        self._helper = helper
-        self._invoker: Invoker | None = None
+        self._invoker: Invoker = make_invoker(helper, shim, container, dtypes, shim.device_cuda, device_index, self.stream.ptr)
         self._cupy_module: Any = None
         self._cupy_dtypes: dict[str, np.dtype] = {}
 
@@ -243,7 +251,7 @@ class CudaExecutor(Executor):
 
     # -- host arrays in, host arrays out --------------------------------------
 
-    def run(self, container: Container, dtypes: list[str], arrays: list[np.ndarray], phases: dict[str, float] | None = None) -> list[np.ndarray]:
+    def run(self, arrays: list[np.ndarray], phases: dict[str, float] | None = None) -> list[np.ndarray]:
         """Host arrays in and out. With `phases`, CUDA events time the copies in
         (host staging included), the model and the copies out."""
         self.use_device()
@@ -251,7 +259,7 @@ class CudaExecutor(Executor):
         _mark(events, "start")
         addresses = [self.upload(index, array) for index, array in enumerate(arrays)]
         _mark(events, "uploaded")
-        owned, views = self._run(container, dtypes, [(address, array.shape) for address, array in zip(addresses, arrays)])
+        owned, views = self._run([(address, array.shape) for address, array in zip(addresses, arrays)])
         try:
             _mark(events, "computed")
             staged = [self._download_output(index, view) for index, view in enumerate(views)]
@@ -301,11 +309,8 @@ class CudaExecutor(Executor):
             self.runtime.memcpyAsync(device, source, nbytes, HOST_TO_DEVICE, self.stream.ptr)
         return device
 
-    def _run(self, container: Container, dtypes: list[str], inputs: list[tuple[int, tuple[int, ...]]]) -> tuple[OwnedHandles, list[TensorView]]:
-        invoker = self._invoker
-        if invoker is None or invoker.container is not container:
-            invoker = self._invoker = make_invoker(self._helper, self.shim, container, dtypes, self.shim.device_cuda, self.device_index, self.stream.ptr)
-        return invoker([(address, shape, contiguous_strides(shape)) for address, shape in inputs])
+    def _run(self, inputs: list[tuple[int, tuple[int, ...]]]) -> tuple[OwnedHandles, list[TensorView]]:
+        return self._invoker([(address, shape, contiguous_strides(shape)) for address, shape in inputs])
 
     def _download_output(self, index: int, view: TensorView) -> tuple[np.ndarray, bool]:
         """Queue an output's copy to the host. A large contiguous output lands in a
@@ -340,13 +345,22 @@ class CudaExecutor(Executor):
         strides = tuple(stride * itemsize for stride in view.strides)
         return cupy.ndarray(view.shape, dtype=dtype, memptr=cupy.cuda.MemoryPointer(memory, 0), strides=strides)
 
-    def run_device(self, container: Container, dtypes: list[str], arrays: list[Any]) -> list[Any]:
+    def device_inputs(self, arrays: Sequence[Any], names: Sequence[str]) -> list[Any]:
+        cupy = self.cupy
+        if all(type(array) is cupy.ndarray for array in arrays):
+            return list(arrays)
+        return [_as_cupy(cupy, name, array) for name, array in zip(names, arrays)]
+
+    def copy_device(self, array: Any) -> Any:
+        return self.cupy.array(array)
+
+    def run_device(self, arrays: list[Any]) -> list[Any]:
         """CuPy in, CuPy out, no copies. Outputs own their handles: releasing the
         last array that views a handle frees it. Work is ordered on this method's
         stream; inputs must be ready on it (synchronize the producer's stream)."""
         self.use_device()
         inputs = [array if array.flags.c_contiguous else self._contiguous(array) for array in arrays]
-        owned, views = self._run(container, dtypes, [(array.data.ptr, array.shape) for array in inputs])
+        owned, views = self._run([(array.data.ptr, array.shape) for array in inputs])
         handles = owned.handles
         keepers = {handle: _HandleKeeper(self.shim, handle, inputs, self.stream) for handle in owned.transfer()}
         return [self._device_array(view, keepers[handle]) for handle, view in zip(handles, views)]
@@ -361,7 +375,6 @@ class CudaExecutor(Executor):
         self.pinned.clear()
         self.device_buffers.clear()
         self.stream.destroy()
-        self._invoker = None
 
 
 class _PhaseEvents:
@@ -425,6 +438,14 @@ def _is_pooled(array: np.ndarray) -> bool:
     while isinstance(base, np.ndarray):
         base = base.base
     return isinstance(base, pinned.PinnedArrayOwner)
+
+
+def _as_cupy(cupy: Any, name: str, array: Any) -> Any:
+    if isinstance(array, cupy.ndarray):
+        return array
+    if not hasattr(array, "__cuda_array_interface__"):
+        raise InputError(f"input {name!r} is not a CUDA array (CuPy, or anything with __cuda_array_interface__)")
+    return cupy.asarray(array)
 
 
 def _cupy_dtype(name: str) -> np.dtype:

@@ -2,7 +2,9 @@
 
 Three implementations: `CpuExecutor` (NumPy memory), `CudaExecutor` (pinned
 staging and one CUDA stream), and `CudaGraphExecutor` (replays one captured
-Run). A `Method` owns one or more executors ("lanes").
+Run). A `Method` owns one or more executors ("lanes"). An executor is made for
+one container, after it exists: it binds its call path (the invoker) once,
+and each call passes only arrays.
 
 Thread safety: an executor serves one call at a time. It owns per-call state
 (staging buffers, a stream, ctypes out-parameters), so the Method hands each
@@ -12,31 +14,40 @@ concurrent call its own executor, and never shares one between two threads.
 from __future__ import annotations
 
 import abc
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
 
 from ..errors import InputError
-from .container import Container
+
+_NO_DEVICE_ARRAYS = "device arrays need a method loaded on a CUDA device, without a CUDA graph"
 
 
 class Executor(abc.ABC):
-    """Runs a container on host (NumPy) arrays; optionally on device arrays."""
+    """Runs one container on host (NumPy) arrays; optionally on device arrays."""
 
     #: The CUDA stream every copy and run of this executor is ordered on, or None.
     stream: Any = None
-    #: Whether run_device works (CuPy arrays in and out).
-    takes_device_arrays = False
 
     @abc.abstractmethod
-    def run(self, container: Container, dtypes: list[str], arrays: list[np.ndarray], phases: dict[str, float] | None = None) -> list[np.ndarray]:
-        """Host arrays in (validated, in input order), fresh host arrays out.
+    def run(self, arrays: list[np.ndarray], phases: dict[str, float] | None = None) -> list[np.ndarray]:
+        """Host arrays in (validated, in the library's input order), fresh host arrays out.
 
         With `phases`, fill in copy_in, compute and copy_out seconds."""
 
-    def run_device(self, container: Container, dtypes: list[str], arrays: list[Any]) -> list[Any]:
-        """Device arrays in and out, no host copies."""
-        raise InputError("device arrays need a method loaded on a CUDA device, without a CUDA graph")
+    def device_inputs(self, arrays: Sequence[Any], names: Sequence[str]) -> list[Any]:
+        """The inputs as this executor's device arrays (CuPy), converting
+        anything with `__cuda_array_interface__`; refuses where there are none."""
+        raise InputError(_NO_DEVICE_ARRAYS)
+
+    def copy_device(self, array: Any) -> Any:
+        """A private copy of one of this executor's device arrays."""
+        raise InputError(_NO_DEVICE_ARRAYS)
+
+    def run_device(self, arrays: list[Any]) -> list[Any]:
+        """Device arrays in (from device_inputs, in the library's order) and out, no host copies."""
+        raise InputError(_NO_DEVICE_ARRAYS)
 
     def pinned_input(self, index: int, shape: tuple[int, ...], dtype: str) -> np.ndarray:
         """A page-locked staging array for input `index`."""

@@ -25,7 +25,6 @@ import numpy as np
 from ..dtypes import numpy_dtype
 from ..errors import InputError, ModelRuntimeError
 from ..format.manifest import MethodSpec
-from .container import Container
 from .cuda import CudaExecutor
 from .executor import Executor
 from .tensors import Describer, OwnedHandles, contiguous_strides, gather, wrap_memory
@@ -36,11 +35,11 @@ _WARMUP_RUNS = 3
 class CudaGraphExecutor(Executor):
     """Replays one captured Run. Owns the static inputs and the captured outputs."""
 
-    def __init__(self, executor: CudaExecutor, container: Container, spec: MethodSpec):
+    def __init__(self, executor: CudaExecutor, spec: MethodSpec):
         if spec.dims or any(not isinstance(entry, int) for tensor in (*spec.inputs, *spec.outputs) for entry in tensor.shape):
             raise InputError(f"a CUDA graph needs static shapes; method {spec.name!r} has dynamic dimensions", subject="cuda_graph")
         self._executor = executor
-        self._container = container
+        self._container = executor.container
         self._dtypes = [tensor.dtype for tensor in spec.inputs]
         self._shapes = [tuple(int(size) for size in tensor.shape) for tensor in spec.inputs]  # static: checked above
         self._nbytes = [int(np.prod(shape, dtype=np.int64)) * numpy_dtype(dtype).itemsize for dtype, shape in zip(self._dtypes, self._shapes)]
@@ -67,7 +66,7 @@ class CudaGraphExecutor(Executor):
         handles = self._graph.capture(lambda: self._container.run(self._handles(), stream.ptr, single_threaded=True))
         return OwnedHandles(shim, handles)
 
-    def run(self, container: Container, dtypes: list[str], arrays: list[np.ndarray], phases: dict[str, float] | None = None) -> list[np.ndarray]:
+    def run(self, arrays: list[np.ndarray], phases: dict[str, float] | None = None) -> list[np.ndarray]:
         executor = self._executor
         executor.use_device()
         for index, (address, array) in enumerate(zip(self._inputs, arrays)):

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import ctypes
 import time
+from collections.abc import Sequence
 
 import numpy as np
 
@@ -55,12 +56,11 @@ def load_weights_on_host(container: Container, weights: memoryview) -> None:
 class CpuExecutor(Executor):
     """Runs a container on NumPy memory; outputs are copied out and their handles freed."""
 
-    def __init__(self, shim: Shim, helper: CallHelper | None = None):
+    def __init__(self, shim: Shim, container: Container, dtypes: Sequence[str], helper: CallHelper | None = None):
         self.shim = shim
-        self._helper = helper
-        self._invoker: Invoker | None = None
+        self._invoker: Invoker = make_invoker(helper, shim, container, dtypes, shim.device_cpu, 0, None)
 
-    def run(self, container: Container, dtypes: list[str], arrays: list[np.ndarray], phases: dict[str, float] | None = None) -> list[np.ndarray]:
+    def run(self, arrays: list[np.ndarray], phases: dict[str, float] | None = None) -> list[np.ndarray]:
         """With `phases`, host timers split the run into input preparation, the model and output copies."""
         clock = time.perf_counter
         started = clock()
@@ -69,10 +69,7 @@ class CpuExecutor(Executor):
         # stride (x[None], broadcast_to), which the library's own checks refuse.
         layouts = [(array.ctypes.data, array.shape, contiguous_strides(array.shape)) for array in arrays]
         prepared = clock()
-        invoker = self._invoker
-        if invoker is None or invoker.container is not container:
-            invoker = self._invoker = make_invoker(self._helper, self.shim, container, dtypes, self.shim.device_cpu, 0, None)
-        owned, views = invoker(layouts)
+        owned, views = self._invoker(layouts)
         computed = clock()
         try:
             # An output may view an input, so copy before `arrays` can go away.
@@ -84,4 +81,4 @@ class CpuExecutor(Executor):
         return outputs
 
     def close(self) -> None:
-        self._invoker = None
+        pass  # nothing of its own: the container and the arrays belong to others

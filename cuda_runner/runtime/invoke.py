@@ -22,7 +22,7 @@ from collections.abc import Callable, Sequence
 
 from ..errors import BundleError, ModelRuntimeError
 from ..format.manifest import MethodSpec
-from ..format.source import AnyReader
+from ..format.source import ModelReader
 from .container import Container
 from .library import LibraryLease, lease_library
 from .shim import Shim
@@ -68,7 +68,7 @@ class CallHelper:
         self.lease.release()
 
 
-def load_call_helper(reader: AnyReader, spec: MethodSpec, prepare: Callable[[bytes], bytes] = bytes) -> tuple[CallHelper | None, str]:
+def load_call_helper(reader: ModelReader, spec: MethodSpec, prepare: Callable[[bytes], bytes] = bytes) -> tuple[CallHelper | None, str]:
     """The method's call helper, checked like a library before it is loaded.
 
     The helper is optional, so where it cannot serve here (another ABI, or a

@@ -31,19 +31,21 @@ import numpy as np
 from ..dtypes import dtype_name
 from ..errors import BundleError, ClosedError, InputError, ModelRuntimeError
 from ..format.manifest import LIBRARY_CHECKS_OPTION, MUTATED_BUFFERS_OPTION, MUTATED_INPUTS_OPTION, MethodSpec
-from ..format.source import AnyReader
+from ..format.source import ModelReader
 from ..validation import check_inputs
 from .constants import ConstantMemory, bind_constants
-from .container import Container
+from .container import ConstantInfo, Container
 from .devices import Device
 from .executor import Executor
 from .host import CpuExecutor, load_weights_on_host
 from .invoke import CallHelper, load_call_helper
 from .library import LibraryLease, lease_library
+from .options import LoadOptions
 from .providers import bind_library, default_provider
 from .shim import Shim
 
 Inputs = Mapping[str, Any] | Sequence[Any]
+_DEFAULTS = LoadOptions()
 
 _NATIVE_CHECKS = "AOTI_RUNTIME_CHECK_INPUTS"
 _first_run_lock = threading.Lock()
@@ -165,8 +167,6 @@ class Method:
         self._container: Container | None = container
         self._lanes = lanes
         self.load_timings = timings
-        library_inputs, _ = spec.library_signature
-        self._dtypes = [input_spec.dtype for input_spec in library_inputs]  # in the library's order
         self._wiring = spec.wiring
         self._names = [input_spec.name for input_spec in spec.inputs]
         self._written_inputs = written_inputs(spec)
@@ -190,13 +190,11 @@ class Method:
 
     @classmethod
     def load(
-        cls, reader: AnyReader, spec: MethodSpec, device: Device, *,
-        verify_weights: bool = True, cuda_graph: bool = False, lanes: int = 1, check_inputs: bool = False, warm_up: bool = True,
-        call_helper: bool = True, shared_constants: ConstantMemory | None = None, provider: str | None = None,
+        cls, reader: ModelReader, spec: MethodSpec, device: Device, options: LoadOptions = _DEFAULTS, *,
+        shared_constants: ConstantMemory | None = None,
     ) -> Method:
-        """The load sequence: check the library, choose its shim provider and load it, create the container, feed the weights."""
-        if lanes < 1:
-            raise InputError("a method needs at least one lane")
+        """The load sequence: check the library, choose its shim provider and load it,
+        create the container, feed the weights, then make the lanes' executors for it."""
         timings: dict[str, float] = {}
         clock = time.perf_counter
         if device.type == "cuda":
@@ -207,9 +205,8 @@ class Method:
         library_bytes = reader.read_verified(spec.library_segment)  # always checked, before it is loaded
         timings["verify_library"] = clock() - started
         started = clock()
-        chosen, library_bytes = bind_library(library_bytes, device.type, default_provider(provider))
+        chosen, library_bytes = bind_library(library_bytes, device.type, default_provider(options.provider))
         timings["libtorch" if chosen.needs_torch else "shim"] = clock() - started
-        shim = chosen.shim
         if device.type == "cuda":
             started = clock()
             wait_for_context(device.index)
@@ -218,18 +215,18 @@ class Method:
         # The weights and samples are data, not code: they are checked on other
         # threads while the weights load, and the method is refused if a check
         # fails. Skipping the weights digest never skips a signature.
-        check_weights = verify_weights or reader.signature is not None
+        check_weights = options.verify_weights or reader.signature is not None
         weight_segments = [spec.weights_segment] if spec.weights_segment else sorted({item.segment for item in spec.constants})
         data_segments = weight_segments if check_weights else []
         data_segments += [name for name in (spec.sample_inputs_segment, spec.sample_outputs_segment) if name is not None]
         data_checks = [reader.verify_in_background(name) for name in data_segments]
         library: LibraryLease | None = None
         helper: CallHelper | None = None
-        call_path = _unhelped_call_path(spec, call_helper, cuda_graph)
+        call_path = _unhelped_call_path(spec, options.call_helper, options.cuda_graph)
         container: Container | None = None
         constants: ConstantMemory | None = None
         executors: list[Executor] = []
-        check_inputs = check_inputs or signature_needs_library_checks(spec)
+        check_inputs = options.check_inputs or signature_needs_library_checks(spec)
         try:
             started = clock()
             library = lease_library(library_bytes, f"{spec.name}@{reader.path.name}", native_checks=check_inputs, bound_to=chosen.name)
@@ -238,17 +235,21 @@ class Method:
                 started = clock()
                 helper, call_path = load_call_helper(reader, spec, chosen.prepare)
                 timings["load_call_helper"] = clock() - started
-            make = _executor_factory(shim, device, helper)
-            executors.append(make())
             started = clock()
-            container = Container(library.library, str(device), num_models=1 if cuda_graph else lanes)
+            if device.type == "cuda":
+                from .cuda import use_device
+
+                use_device(device.index)  # the container's model instances are made on the current device
+            container = Container(library.library, str(device), num_models=1 if options.cuda_graph else options.lanes)
             container.capture_errors = check_inputs  # a refusal by the checks must be told apart
             _check_counts(spec, container)
             timings["create_container"] = clock() - started
+            make = _executor_factory(chosen.shim, device, container, spec, helper)
+            executors.append(make())
             started = clock()
             if spec.constants:
                 # Storages shared by FQN with other methods of the model are uploaded once (and state in them is shared, as in ExecuTorch).
-                constants = bind_constants(container, device, shim, spec.constants, lambda name: reader.segment(name, verify=False), shared_constants)
+                constants = bind_constants(container, device, chosen.shim, spec.constants, lambda name: reader.segment(name, verify=False), shared_constants)
             else:
                 _load_weights(device, container, weights)
             timings["load_weights"] = clock() - started
@@ -257,9 +258,9 @@ class Method:
                 for check in data_checks:
                     check.result()
                 timings["verify_weights_wait"] = clock() - started
-            if cuda_graph:
+            if options.cuda_graph:
                 with _first_run_lock, _native_checks(check_inputs):  # the capture's warm-up runs are the first runs
-                    executors[0] = _graph_executor(executors[0], container, spec, timings)
+                    executors[0] = _graph_executor(executors[0], spec, timings)
         except BaseException:
             for check in data_checks:
                 check.cancel()
@@ -271,21 +272,22 @@ class Method:
             weights.release()
         stateful = changes_state(spec, container)
         # Calls of a method with state must see each other's writes in order: one lane.
-        method = cls(spec, device, library, container, _Lanes(make, 1 if cuda_graph or stateful else lanes, executors[0]), timings, check_inputs)
+        lanes = _Lanes(make, 1 if options.cuda_graph or stateful else options.lanes, executors[0])
+        method = cls(spec, device, library, container, lanes, timings, check_inputs)
         method.stateful = stateful
         method._constants = constants if shared_constants is None else None  # shared memory is the model's to release
         method._reset_source = (constants, lambda name: reader.segment(name, verify=False)) if constants is not None else None
         method._helper = helper
         method.call_path = call_path or "ctypes"
         method.provider = chosen.name
-        method._first_run_done = cuda_graph
-        if warm_up and device.type == "cuda" and not cuda_graph:
+        method._first_run_done = options.cuda_graph
+        if options.warm_up and device.type == "cuda" and not options.cuda_graph:
             started = clock()
-            method.warm_up_note = method._warm_up(container)
+            method.warm_up_note = method._warm_up()
             timings["warm_up"] = clock() - started
         return method
 
-    def _warm_up(self, container: Container) -> str:
+    def _warm_up(self) -> str:
         """Run once on zeros, so that the first real call does not pay for what a
         library does lazily on its first run (loading kernel modules, creating
         cuBLAS handles and workspaces: 86 ms of a 0.1 ms model on the H200).
@@ -314,6 +316,14 @@ class Method:
             raise InputError(f"method {self.spec.name!r} keeps its weights in one blob, which cannot be loaded twice; load the model again to reset its state")
         memory, segment = self._reset_source
         memory.reload(self.spec.constants, segment)
+
+    def library_constants(self) -> list[ConstantInfo]:
+        """What the loaded library says about each of its constants: internal
+        name, original FQN, dtype code, size, and whether constant folding made it."""
+        container = self._container
+        if container is None:
+            raise ClosedError(f"method {self.spec.name!r} is closed")
+        return container.constants()
 
     @property
     def lanes(self) -> int:
@@ -350,9 +360,9 @@ class Method:
         with self._lanes.borrow() as executor:
             self._last_stream.stream = executor.stream
             if self._first_run_done and not self.check_inputs:
-                return self._named(executor.run(self._live_container(), self._dtypes, ordered, phases), given, np.array)
+                return self._named(executor.run(ordered, phases), given, np.array)
             with self._first_run(), self._lying_manifest():
-                return self._named(executor.run(self._live_container(), self._dtypes, ordered, phases), given, np.array)
+                return self._named(executor.run(ordered, phases), given, np.array)
 
     def pinned_input(self, name: str, shape: tuple[int, ...] | None = None) -> np.ndarray:
         """A page-locked host array for input `name` (CUDA only). Fill it and pass
@@ -386,22 +396,18 @@ class Method:
         lanes = self._lanes
         executor = lanes.take()  # not `with lanes.borrow()`: this path is timed against a C loop
         try:
-            if not executor.takes_device_arrays:
-                raise InputError("device arrays need a method loaded on a CUDA device, without a CUDA graph")
-            cupy = executor.cupy  # type: ignore[attr-defined]
-            if not all(type(array) is cupy.ndarray for array in ordered):
-                ordered = [_as_cupy(cupy, spec.name, array) for spec, array in zip(self.spec.inputs, ordered)]
+            ordered = executor.device_inputs(ordered, self._names)
             self._accept(ordered, _device_dtype_name, self._accepted_device)
             if self._copies_inputs:
-                ordered = self._private_copies(ordered, cupy.array)
+                ordered = self._private_copies(ordered, executor.copy_device)
             given = ordered
             if self._wiring is not None:
                 ordered = [given[index] for index in self._wiring.library_inputs]
             self._last_stream.stream = executor.stream
             if self._first_run_done and not self.check_inputs:
-                return self._named(executor.run_device(self._live_container(), self._dtypes, ordered), given, cupy.array)
+                return self._named(executor.run_device(ordered), given, executor.copy_device)
             with self._first_run(), self._lying_manifest():
-                return self._named(executor.run_device(self._live_container(), self._dtypes, ordered), given, cupy.array)
+                return self._named(executor.run_device(ordered), given, executor.copy_device)
         finally:
             lanes.give_back(executor)
 
@@ -500,11 +506,6 @@ class Method:
             for output_spec, source in zip(self.spec.outputs, wiring.outputs)
         }
 
-    def _live_container(self) -> Container:
-        if self._container is None:
-            raise ClosedError(f"method {self.spec.name!r} is closed")
-        return self._container
-
     def close(self) -> None:
         """Wait for calls in flight, then release in a safe order: executors, container, library.
         Closing twice, or from two threads at once, releases once."""
@@ -551,12 +552,14 @@ def _unhelped_call_path(spec: MethodSpec, wanted: bool, cuda_graph: bool) -> str
     return None
 
 
-def _executor_factory(shim: Shim, device: Device, helper: CallHelper | None) -> Callable[[], Executor]:
+def _executor_factory(shim: Shim, device: Device, container: Container, spec: MethodSpec, helper: CallHelper | None) -> Callable[[], Executor]:
+    """How to make one more lane for this container."""
+    dtypes = [tensor.dtype for tensor in spec.library_signature[0]]  # in the library's order
     if device.type == "cpu":
-        return lambda: CpuExecutor(shim, helper)
+        return lambda: CpuExecutor(shim, container, dtypes, helper)
     from .cuda import CudaExecutor
 
-    return lambda: CudaExecutor(shim, device.index, helper)
+    return lambda: CudaExecutor(shim, device.index, container, dtypes, helper)
 
 
 def _load_weights(device: Device, container: Container, weights: memoryview) -> None:
@@ -568,7 +571,7 @@ def _load_weights(device: Device, container: Container, weights: memoryview) -> 
     load_weights_on_cuda(device.index, container, weights)
 
 
-def _graph_executor(executor: Executor, container: Container, spec: MethodSpec, timings: dict[str, float]) -> Executor:
+def _graph_executor(executor: Executor, spec: MethodSpec, timings: dict[str, float]) -> Executor:
     from .cuda import CudaExecutor
 
     if not isinstance(executor, CudaExecutor):
@@ -577,7 +580,7 @@ def _graph_executor(executor: Executor, container: Container, spec: MethodSpec, 
 
     started = time.perf_counter()
     inputs, outputs = spec.library_signature  # the graph replays the library's own call
-    graph = CudaGraphExecutor(executor, container, dataclasses.replace(spec, inputs=inputs, outputs=outputs, wiring=None))
+    graph = CudaGraphExecutor(executor, dataclasses.replace(spec, inputs=inputs, outputs=outputs, wiring=None))
     timings["capture_graph"] = time.perf_counter() - started
     return graph
 
@@ -660,14 +663,6 @@ def written_inputs(spec: MethodSpec) -> frozenset[int] | None:
 def _writeable(array: Any) -> bool:
     flags = getattr(array, "flags", None)
     return bool(getattr(flags, "writeable", True))
-
-
-def _as_cupy(cupy: Any, name: str, array: Any) -> Any:
-    if isinstance(array, cupy.ndarray):
-        return array
-    if not hasattr(array, "__cuda_array_interface__"):
-        raise InputError(f"input {name!r} is not a CUDA array (CuPy, or anything with __cuda_array_interface__)")
-    return cupy.asarray(array)
 
 
 def _device_dtype_name(array: Any, expected: str) -> str:

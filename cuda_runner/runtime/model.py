@@ -1,8 +1,8 @@
 """A loaded bundle: its methods on one device, sharing one open bundle mapping.
 
-`load_model` is the one load sequence, used by `cuda_runner.load`, by `run`
-and by `bench`: open and check the bundle, choose the device, then load each
-method (runtime/method.py). A Model is safe to use from any number of threads
+`load_model` is the one load sequence, used by `cuda_runner.load` and by
+`run`, `bench` and batch jobs, each with a `LoadOptions`: open and check the
+bundle, choose the device, then load each method (runtime/method.py). A Model is safe to use from any number of threads
 (see Method); close it once, when no thread uses it any more.
 """
 
@@ -21,15 +21,17 @@ import numpy as np
 
 from ..errors import ClosedError, InputError
 from ..format.manifest import Manifest, MethodSpec, choose_method
-from ..format.source import AnyReader, open_model
-from ..signing import TrustedKey
+from ..format.source import ModelReader, open_model
 from .constants import ConstantMemory
 from .devices import Device, choose_device
 from .method import Inputs, Method
+from .options import LoadOptions
+
+_DEFAULTS = LoadOptions()
 
 
 class Model:
-    def __init__(self, reader: AnyReader, device: Device, methods: dict[str, Method], open_seconds: float = 0.0,
+    def __init__(self, reader: ModelReader, device: Device, methods: dict[str, Method], open_seconds: float = 0.0,
                  constants: ConstantMemory | None = None):
         self._reader = reader
         self.device = device
@@ -181,12 +183,13 @@ def parse_devices(text: str | Sequence[int | str]) -> list[Device]:
     return devices
 
 
-def load_pool(source: str | os.PathLike[str], devices: str | Sequence[int | str] = "all", **options: Any) -> ModelPool:
-    """Load the bundle once per device (load_model's options apply to each)."""
+def load_pool(source: str | os.PathLike[str], devices: str | Sequence[int | str] = "all", options: LoadOptions = _DEFAULTS, *,
+              methods: Iterable[str] | None = None, data: str | os.PathLike[str] | None = None) -> ModelPool:
+    """Load the bundle once per device, each with the same options."""
     models: list[Model] = []
     try:
         for device in parse_devices(devices):
-            models.append(load_model(source, device, **options))
+            models.append(load_model(source, device, options, methods=methods, data=data))
     except BaseException:
         for model in models:
             model.close()
@@ -195,39 +198,34 @@ def load_pool(source: str | os.PathLike[str], devices: str | Sequence[int | str]
 
 
 def load_model(
-    source: str | os.PathLike[str] | AnyReader,
+    source: str | os.PathLike[str] | ModelReader,
     device: str | Device | None = None,
+    options: LoadOptions = _DEFAULTS,
     *,
-    data: str | os.PathLike[str] | None = None,
-    verify_weights: bool = True,
     methods: Iterable[str] | None = None,
-    cuda_graph: bool = False,
-    lanes: int = 1,
-    check_inputs: bool = False,
-    trusted_keys: Sequence[TrustedKey] = (),
-    warm_up: bool = True,
-    call_helper: bool = True,
-    provider: str | None = None,
+    data: str | os.PathLike[str] | None = None,
+    open_seconds: float = 0.0,
 ) -> Model:
-    """Load methods (all by default) onto `device`. The Model takes over an open reader.
+    """Load methods (all by default) onto `device`. Given an open reader, the
+    Model takes it over (`open_seconds`: what opening it took, for the load
+    timings); given a path, it opens and times it here.
 
-    With `trusted_keys`, the bundle must carry a signature (`<bundle>.sig`)
-    made by one of them; it is checked before any of the bundle's code is loaded."""
+    With `options.trusted_keys`, the bundle must carry a signature
+    (`<bundle>.sig`) made by one of them; it is checked before any of the
+    bundle's code is loaded, unless the reader checked it already."""
     started = time.perf_counter()
     reader = open_model(source, data) if isinstance(source, (str, os.PathLike)) else source
     loaded: dict[str, Method] = {}
     shared = ConstantMemory()  # weights and state named alike in several methods are one storage
     try:
-        if trusted_keys and reader.signature is None:
-            reader.require_signature(trusted_keys)
-        open_seconds = time.perf_counter() - started
+        if options.trusted_keys and reader.signature is None:
+            reader.require_signature(options.trusted_keys)
+        if isinstance(source, (str, os.PathLike)):
+            open_seconds = time.perf_counter() - started
         specs = _selected(reader.manifest, methods)
         target = choose_device(specs, device)
         for spec in specs:
-            loaded[spec.name] = Method.load(
-                reader, spec, target, verify_weights=verify_weights, cuda_graph=cuda_graph, lanes=lanes, check_inputs=check_inputs, warm_up=warm_up,
-                call_helper=call_helper, shared_constants=shared, provider=provider,
-            )
+            loaded[spec.name] = Method.load(reader, spec, target, options, shared_constants=shared)
         if reader.signature is not None:
             reader.signature.cancel()  # what is loaded is checked; hash nothing more while the model runs
         return Model(reader, target, loaded, open_seconds, shared)

@@ -67,18 +67,10 @@ class Provider:
         return self.name == LIBTORCH_NAME
 
 
-_default: list[str] = []  # set by the CLI's --provider
-
-
-def set_default_provider(name: str | None) -> None:
-    """The provider for loads that name none (the CLI's --provider); None goes back to CUDA_RUNNER_PROVIDER or auto."""
-    _default[:] = [] if name is None else [check_provider(name)]
-
-
 def default_provider(name: str | None) -> str:
-    """`name`, else the default set by set_default_provider, else CUDA_RUNNER_PROVIDER, else "auto"."""
+    """`name`, else CUDA_RUNNER_PROVIDER, else "auto"."""
     if name is None:
-        name = _default[0] if _default else os.environ.get("CUDA_RUNNER_PROVIDER") or "auto"
+        name = os.environ.get("CUDA_RUNNER_PROVIDER") or "auto"
     return check_provider(name)
 
 

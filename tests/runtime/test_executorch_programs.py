@@ -26,7 +26,7 @@ def _library_constants(bundle: Path) -> set[str]:
     """The FQNs the library holds as constants: a bias the compiler folded into
     the code is not one (ExecuTorch lists exactly these in its manifest)."""
     with cuda_runner.load(bundle) as model:
-        return {info.fqn for info in model.method()._live_container().constants()}
+        return {info.fqn for info in model.method().library_constants()}
 
 
 def _weights(module, keep: set[str]) -> list[Weight]:
