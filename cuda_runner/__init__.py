@@ -32,17 +32,18 @@ from .errors import (
     WriteError,
 )
 from .format import open_bundle, read_manifest
+from .runtime.options import LoadOptions
 
 if TYPE_CHECKING:
+    from .compile import compile_module, compile_programs
     from .runtime.model import Model, ModelPool
-    from .runtime.options import LoadOptions
 
 
 def load(
     path: str | os.PathLike[str],
     device: str | None = None,
-    options: LoadOptions | None = None,
     *,
+    options: LoadOptions | None = None,
     methods: Iterable[str] | None = None,
     data: str | os.PathLike[str] | None = None,
     trusted_keys: Iterable[str | os.PathLike[str]] | None = None,
@@ -72,8 +73,8 @@ def load(
 def load_pool(
     path: str | os.PathLike[str],
     devices: str | Iterable[int | str] = "all",
-    options: LoadOptions | None = None,
     *,
+    options: LoadOptions | None = None,
     methods: Iterable[str] | None = None,
     data: str | os.PathLike[str] | None = None,
     trusted_keys: Iterable[str | os.PathLike[str]] | None = None,
@@ -91,7 +92,6 @@ def load_pool(
 
 def _options(options: LoadOptions | None, trusted_keys: Iterable[str | os.PathLike[str]] | None, require_signature: bool,
              fields: dict[str, Any]) -> LoadOptions:
-    from .runtime.options import LoadOptions
     from .signing import keys_for_loading
 
     chosen = (options or LoadOptions()).with_fields(**fields)
@@ -99,18 +99,14 @@ def _options(options: LoadOptions | None, trusted_keys: Iterable[str | os.PathLi
     return chosen.with_fields(trusted_keys=(*chosen.trusted_keys, *keys)) if keys else chosen
 
 
-def compile_module(*args: Any, **kwargs: Any) -> Any:
-    """Export and AOT-compile an nn.Module into a bundle; see cuda_runner.compile.compile_module."""
-    from .compile import compile_module as _compile_module
+def __getattr__(name: str) -> Any:
+    """compile_module and compile_programs, imported when first used (their
+    module is light, but compiling is the only thing that needs it)."""
+    if name in ("compile_module", "compile_programs"):
+        from . import compile as compiling
 
-    return _compile_module(*args, **kwargs)
-
-
-def compile_programs(*args: Any, **kwargs: Any) -> Any:
-    """AOT-compile saved ExportedPrograms (.pt2) into one bundle; see cuda_runner.compile."""
-    from .compile import compile_programs as _compile_programs
-
-    return _compile_programs(*args, **kwargs)
+        return getattr(compiling, name)
+    raise AttributeError(f"module 'cuda_runner' has no attribute {name!r}")
 
 
 __all__ = [
@@ -122,6 +118,7 @@ __all__ = [
     "ExitCode",
     "IncompatibleBundleError",
     "InputError",
+    "LoadOptions",
     "ModelRuntimeError",
     "WriteError",
     "__version__",

@@ -13,10 +13,21 @@ import json
 import os
 import sys
 from collections.abc import Sequence
-from typing import Any, TextIO
+from typing import TYPE_CHECKING, Any, TextIO
 
 from ..names import printable
 from ..shapes import shape_text
+
+if TYPE_CHECKING:  # the results are typed; their modules load only when a command runs
+    import numpy as np
+
+    from ..bench import BenchResult
+    from ..format.manifest import MethodSpec
+    from ..format.program import ProgramMethodInfo
+    from ..inspection import InspectResult, MethodReport, SignatureReport
+    from ..running import RunResult
+    from ..runtime.devices import DevicesResult
+    from ..verify.compare import Comparison
 
 
 class Output:
@@ -100,8 +111,7 @@ def ms(seconds: float) -> str:
 # inspect
 
 
-def inspect_lines(result: Any) -> list[str]:
-    """`result` is an inspection.InspectResult."""
+def inspect_lines(result: InspectResult) -> list[str]:
     manifest = result.manifest
     kind = "program" if result.program is not None else "bundle"
     lines = [clean(f"{kind} {result.path}  (format {result.format_version}, {human_bytes(result.file_size)})")]
@@ -138,8 +148,8 @@ def inspect_lines(result: Any) -> list[str]:
     return lines
 
 
-def _program_method_lines(method: Any, shim_check: tuple[list[str] | None, str | None]) -> list[str]:
-    """What an ExecuTorch program says about a method (format.program.ProgramMethodInfo)."""
+def _program_method_lines(method: ProgramMethodInfo, shim_check: tuple[list[str] | None, str | None]) -> list[str]:
+    """What an ExecuTorch program says about a method."""
     facts = method.library
     specs = ", ".join(f"{key}={value}" for key, value in method.compile_specs.items())
     lines = [
@@ -162,7 +172,7 @@ def _program_method_lines(method: Any, shim_check: tuple[list[str] | None, str |
     return lines
 
 
-def _signature_lines(signature: Any, segments_checked: bool) -> list[str]:
+def _signature_lines(signature: SignatureReport | None, segments_checked: bool) -> list[str]:
     if signature is None:
         return []
     if not signature.present:
@@ -178,7 +188,7 @@ def _signature_lines(signature: Any, segments_checked: bool) -> list[str]:
     return [clean(line)]
 
 
-def _wiring_lines(spec: Any) -> list[str]:
+def _wiring_lines(spec: MethodSpec) -> list[str]:
     """How values reach the library where it is not in order, which inputs the
     library writes into, and what state a run changes."""
     from ..format.manifest import MUTATED_BUFFERS_OPTION
@@ -200,7 +210,7 @@ def _wiring_lines(spec: Any) -> list[str]:
     return lines
 
 
-def _method_lines(name: str, report: Any) -> list[str]:
+def _method_lines(name: str, report: MethodReport) -> list[str]:
     from ..inspection import isa_name
 
     spec, device = report.spec, report.spec.device
@@ -236,8 +246,7 @@ def _method_lines(name: str, report: Any) -> list[str]:
 # run
 
 
-def run_lines(result: Any, *, show_stats: bool, show_values: bool, full_values: bool) -> list[str]:
-    """`result` is a running.RunResult."""
+def run_lines(result: RunResult, *, show_stats: bool, show_values: bool, full_values: bool) -> list[str]:
     stats = result.stats()
     headers = ["output", "dtype", "shape"] + (["min", "max", "mean", "nan", "inf"] if show_stats else []) + ["file"]
     rows = []
@@ -259,7 +268,7 @@ def run_lines(result: Any, *, show_stats: bool, show_values: bool, full_values: 
     return lines
 
 
-def values_text(array: Any, full: bool) -> str:
+def values_text(array: np.ndarray, full: bool) -> str:
     """NumPy's own printing, summarised for large arrays unless `full`."""
     import numpy as np
 
@@ -268,8 +277,8 @@ def values_text(array: Any, full: bool) -> str:
     return np.array2string(values, threshold=threshold, edgeitems=3, max_line_width=10**6)
 
 
-def comparison_lines(comparison: Any) -> list[tuple[str, str | None]]:
-    """(line, style) per output of a verify.compare.Comparison."""
+def comparison_lines(comparison: Comparison) -> list[tuple[str, str | None]]:
+    """(line, style) per output of a comparison."""
     lines = []
     for output in comparison.outputs:
         line = f"{output.verdict} {output.name}"
@@ -293,8 +302,7 @@ def comparison_lines(comparison: Any) -> list[tuple[str, str | None]]:
 # bench
 
 
-def bench_lines(result: Any) -> list[str]:
-    """`result` is a bench.BenchResult."""
+def bench_lines(result: BenchResult) -> list[str]:
     lines = [clean(f"{result.method} on {result.device}  ({human_bytes(result.input_bytes)} in, {human_bytes(result.output_bytes)} out)"), "load (ms)"]
     lines += table([*result.load, "first_run"], [[*(ms(value) for value in result.load.values()), ms(result.first_run)]], "  ")
     lines.append("steady state (ms per run)")
@@ -317,8 +325,7 @@ def bench_lines(result: Any) -> list[str]:
 # devices
 
 
-def devices_lines(result: Any) -> list[str]:
-    """`result` is a runtime.devices.DevicesResult."""
+def devices_lines(result: DevicesResult) -> list[str]:
     lines = [clean(f"cpu: {result.cpu_model}, {result.cpu_cores} cores"), clean(f"  ISA flags checked for CPU bundles: {' '.join(result.cpu_flags) or 'none found'}")]
     for gpu in result.gpus:
         lines.append(clean(f"{gpu.device}: {gpu.name}, compute capability {gpu.compute_capability}, {human_bytes(gpu.memory_bytes)}"))

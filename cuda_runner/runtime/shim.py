@@ -31,8 +31,11 @@ _LIBRARIES = {
 
 _STATUS = ctypes.c_int32
 
+#: A bound shim function: ctypes arguments in, an AOTITorchError status (0 = success) out.
+ShimFunction = Callable[..., int]
 
-def _bind(library: Any, name: str, *argtypes: Any) -> Any:
+
+def _bind(library: Any, name: str, *argtypes: Any) -> ShimFunction:
     function = getattr(library, name)
     function.argtypes = argtypes
     function.restype = _STATUS
