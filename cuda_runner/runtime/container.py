@@ -23,8 +23,8 @@ from typing import Any
 
 from ..errors import BundleError, ModelRuntimeError
 from .library import ModelLibrary
+from .shim import Handle
 
-Handle = ctypes.c_void_p
 _SIZE_P = ctypes.POINTER(ctypes.c_size_t)
 _PREFIX = "AOTInductorModelContainer"
 _BUFFER_CONSTANT = 2  # torch::aot_inductor::ConstantType::Buffer

@@ -1,9 +1,9 @@
-"""The CUDA executor: one stream per method, pinned staging, CuPy arrays on request.
+"""The CUDA executor: one stream per lane, pinned staging, CuPy arrays on request.
 
 Pageable host<->device copies run at 6-9 GB/s on the H200 machine against
 54 GB/s pinned (docs/aoti-abi.md, "Figures"), so every host copy goes through pinned
-staging buffers that belong to the method and grow as needed, and every copy
-and the Run itself are ordered on the method's own stream.
+staging buffers that belong to the lane and grow as needed, and every copy
+and the Run itself are ordered on the lane's own stream.
 
 The host path drives the CUDA runtime through `cupy_backends` (CuPy's thin
 runtime bindings, 3 ms to import) rather than `import cupy` (0.5 s), which
@@ -91,12 +91,8 @@ def _cupy() -> Any:
     return cupy
 
 
-def _capacity(nbytes: int) -> int:
-    return 1 << max(12, (max(nbytes, 1) - 1).bit_length())
-
-
 class Stream:
-    """A non-blocking CUDA stream owned by one method.
+    """A non-blocking CUDA stream owned by one lane (executor) of a method.
 
     Outputs handed out as CuPy arrays may outlive the method, and cuda-runner's
     shim frees an output on the stream that allocated it: so the stream is
@@ -156,7 +152,7 @@ class PinnedBuffers:
         if entry is None or entry[1].nbytes < nbytes:
             if entry is not None:
                 self._retired.append(entry)
-            capacity = _capacity(nbytes)
+            capacity = pinned.rounded_capacity(nbytes)
             pointer = self._runtime.hostAlloc(capacity, 0)
             entry = (pointer, np.frombuffer(memoryview((ctypes.c_uint8 * capacity).from_address(pointer)).cast("B"), np.uint8))
             self._buffers[slot] = entry
@@ -189,7 +185,7 @@ class DeviceBuffers:
         if capacity < nbytes or not pointer:
             if pointer:
                 self._runtime.free(pointer)
-            capacity = _capacity(nbytes)
+            capacity = pinned.rounded_capacity(nbytes)
             pointer = self._runtime.malloc(capacity)
             self._buffers[slot] = (pointer, capacity)
         return pointer
@@ -356,7 +352,7 @@ class CudaExecutor(Executor):
 
     def run_device(self, arrays: list[Any]) -> list[Any]:
         """CuPy in, CuPy out, no copies. Outputs own their handles: releasing the
-        last array that views a handle frees it. Work is ordered on this method's
+        last array that views a handle frees it. Work is ordered on this lane's
         stream; inputs must be ready on it (synchronize the producer's stream)."""
         self.use_device()
         inputs = [array if array.flags.c_contiguous else self._contiguous(array) for array in arrays]
@@ -378,7 +374,7 @@ class CudaExecutor(Executor):
 
 
 class _PhaseEvents:
-    """CUDA events recorded on the method's stream between the phases of a run."""
+    """CUDA events recorded on the lane's stream between the phases of a run."""
 
     NAMES = ("start", "uploaded", "computed", "downloaded")
 

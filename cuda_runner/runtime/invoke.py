@@ -25,6 +25,7 @@ from ..format.manifest import MethodSpec
 from ..format.source import ModelReader
 from .container import Container
 from .library import LibraryLease, lease_library
+from .shim import Int64Pointer as _I64P
 from .shim import Shim
 from .tensors import Describer, OwnedHandles, TensorView, wrap_memory
 
@@ -34,7 +35,6 @@ InputLayout = tuple[int, tuple[int, ...], tuple[int, ...]]
 HELPER_ABI = 1
 # Status codes of cuda_runner_call.
 _WRAP_FAILED, _RUN_FAILED, _DESCRIBE_FAILED = 1, 2, 3
-_I64P = ctypes.POINTER(ctypes.c_int64)
 
 
 class _Input(ctypes.Structure):

@@ -66,6 +66,12 @@ def staged_upload(runtime: Any, stream: int, device: int, source: np.ndarray, st
                 future.exception()
 
 
+
+def rounded_capacity(nbytes: int) -> int:
+    """The size a reusable buffer for `nbytes` gets: a power of two, at least
+    4 KiB, so that a buffer grows rarely as sizes vary."""
+    return 1 << max(12, (max(nbytes, 1) - 1).bit_length())
+
 class PinnedArrayOwner:
     """The base object of a pooled output array; its collection returns the buffer."""
 
@@ -89,7 +95,7 @@ class PinnedPool:
 
     def array(self, nbytes: int) -> np.ndarray:
         """A uint8 array of `nbytes` pinned bytes, valid while it (or any view of it) lives."""
-        capacity = 1 << max(12, (nbytes - 1).bit_length())
+        capacity = rounded_capacity(nbytes)
         self._drain()
         with self._lock:
             free = self._idle.get(capacity)

@@ -21,8 +21,9 @@ from typing import Any
 from ..dtypes import SCALAR_TYPE_CODES
 from ..errors import DeviceError, ModelRuntimeError
 
-Handle = ctypes.c_void_p
-_I64P = ctypes.POINTER(ctypes.c_int64)
+# The ctypes types of the C ABI, for every module that crosses it.
+Handle = ctypes.c_void_p  # AtenTensorHandle, and the container's handle
+Int64Pointer = ctypes.POINTER(ctypes.c_int64)  # sizes and strides
 
 _LIBRARIES = {
     "cpu": ("libc10.so", "libtorch_cpu.so"),
@@ -68,13 +69,13 @@ class Shim:
         torch_cpu = _Prefixed(library, prefix)
         self.create_tensor_from_blob_v2 = _bind(
             torch_cpu, "aoti_torch_create_tensor_from_blob_v2",
-            ctypes.c_void_p, ctypes.c_int64, _I64P, _I64P, ctypes.c_int64, ctypes.c_int32,
+            ctypes.c_void_p, ctypes.c_int64, Int64Pointer, Int64Pointer, ctypes.c_int64, ctypes.c_int32,
             ctypes.c_int32, ctypes.c_int32, ctypes.POINTER(Handle), ctypes.c_int32, ctypes.c_void_p, ctypes.c_int64,
         )
         self.get_data_ptr = _bind(torch_cpu, "aoti_torch_get_data_ptr", Handle, ctypes.POINTER(ctypes.c_void_p))
         self.get_dim = _bind(torch_cpu, "aoti_torch_get_dim", Handle, ctypes.POINTER(ctypes.c_int64))
-        self.get_sizes = _bind(torch_cpu, "aoti_torch_get_sizes", Handle, ctypes.POINTER(_I64P))
-        self.get_strides = _bind(torch_cpu, "aoti_torch_get_strides", Handle, ctypes.POINTER(_I64P))
+        self.get_sizes = _bind(torch_cpu, "aoti_torch_get_sizes", Handle, ctypes.POINTER(Int64Pointer))
+        self.get_strides = _bind(torch_cpu, "aoti_torch_get_strides", Handle, ctypes.POINTER(Int64Pointer))
         self.get_dtype = _bind(torch_cpu, "aoti_torch_get_dtype", Handle, ctypes.POINTER(ctypes.c_int32))
         self.get_device_type = _bind(torch_cpu, "aoti_torch_get_device_type", Handle, ctypes.POINTER(ctypes.c_int32))
         self.delete_tensor_object = _bind(torch_cpu, "aoti_torch_delete_tensor_object", Handle)

@@ -10,8 +10,7 @@ import numpy as np
 
 from ..dtypes import numpy_dtype
 from .shim import Handle, Shim
-
-_I64P = ctypes.POINTER(ctypes.c_int64)
+from .shim import Int64Pointer as _I64P
 
 
 class TensorView(NamedTuple):
