@@ -112,8 +112,10 @@ def python(tmp_path_factory) -> Path:
 
 
 def in_env(python: Path, *args: str, cwd: Path, timeout: float = 300) -> subprocess.CompletedProcess:
-    """A command of that interpreter, with nothing of this environment's paths."""
-    env = {key: value for key, value in os.environ.items() if not key.startswith(("PYTHON", "CUDA_RUNNER_"))}
+    """A command of that interpreter, with none of this environment's paths (its
+    bytecode settings kept: CI writes bytecode outside the source tree)."""
+    dropped = ("PYTHONPATH", "PYTHONHOME", "PYTHONSTARTUP", "PYTHONUSERBASE", "PYTHONSAFEPATH")
+    env = {key: value for key, value in os.environ.items() if key not in dropped and not key.startswith("CUDA_RUNNER_")}
     env.update(NO_COLOR="1", PYTHONNOUSERSITE="1")
     return subprocess.run([str(python), *args], cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
 
@@ -222,6 +224,7 @@ def test_the_executorch_cpu_standins_run_and_match_their_reference(python, tmp_p
     assert "VERDICT: PASSED" in done.stdout
 
 
+@pytest.mark.heavy
 def test_a_bundle_that_needs_libtorch_exits_4_with_how_to_install_it(python, dict_mlp_bundle, tmp_path):
     """dict_mlp's bundle with its GEMM import renamed to one our shim lacks (as
     a default compile of a convolution would import aoti_torch_cpu_convolution):
