@@ -9,11 +9,20 @@ For five small models (MLP, conv+BN, fp32 attention, embedding+argmax, bf16 MLP)
 3. cold `run` of a standalone bundle beside the default bundle, eager torch and
    `python -c "import numpy"`;
 4. per call, in one process: standalone (shim), default (libtorch) and eager,
-   on host arrays and on device arrays + synchronize;
+   on host arrays and on device arrays + synchronize; beside them the floor,
+   scripts/bench_floor.c calling the container's Run on the same libraries
+   (standalone on cuda-runner's shim, default on libtorch);
 5. CUDA graphs: standalone without torch beside the default bundle's torch graph;
 6. a real ExecuTorch program (the G3 fixture) without torch.
 
     python3 scripts/bench_standalone.py --output standalone.json --markdown standalone.md
+
+`--floor-only` compiles only the MLP (`--standalone`, for `--device`) and
+prints cuda-runner's per call (host arrays on the CPU, device arrays +
+synchronize on CUDA) beside the C program calling Run on the shim; it runs
+on a CPU machine too:
+
+    python3 scripts/bench_standalone.py --floor-only --device cpu
 """
 
 from __future__ import annotations
@@ -187,6 +196,76 @@ def check_without_torch(work: Path, names: list[str], env: dict) -> dict[str, di
     return results
 
 
+def build_floor(work: Path) -> Path:
+    """scripts/bench_floor.c, compiled once into `work`."""
+    binary = work / "bench_floor"
+    if not binary.exists():
+        subprocess.run(["cc", "-O2", "-o", str(binary), str(ROOT / "scripts" / "bench_floor.c"), "-ldl"], check=True, capture_output=True, text=True)
+    return binary
+
+
+def _floor_files(bundle: Path, work: Path, rename: bool) -> tuple[Path, Path]:
+    """The forward method's library and weights, as files the C program loads;
+    for the shim, the library copy with its imports renamed as cuda-runner renames them."""
+    from cuda_runner.format import open_bundle
+    from cuda_runner.format.elf import rename_imports
+    from cuda_runner.runtime.providers import RENAMES
+
+    with open_bundle(bundle) as reader:
+        spec = reader.manifest.methods["forward"]
+        library = reader.read_verified(spec.library_segment)
+        weights = bytes(reader.segment(spec.weights_segment)) if spec.weights_segment else b""
+    stem = f"{bundle.stem}-{'shim' if rename else 'libtorch'}"
+    library_path, weights_path = work / f"{stem}.so", work / f"{stem}.blob"
+    library_path.write_bytes(rename_imports(library, RENAMES) if rename else library)
+    weights_path.write_bytes(weights)
+    return library_path, weights_path
+
+
+def c_floor(bundle: Path, device: str, inputs: dict[str, np.ndarray], work: Path, iterations: int,
+            provider: str = "shim", processes: int = 3, sync_each_call: bool = True) -> dict:
+    """scripts/bench_floor.c calling the container's Run on `bundle`'s library,
+    on cuda-runner's shim (the renamed copy, the shim and the CUDA runtime made
+    global first, as cuda-runner binds it) or on libtorch. `sync_each_call`
+    waits for each call's stream, as cuda-runner's "device arrays + sync" rows
+    do (no-op on the CPU). Its figures, over `processes` processes: the median
+    of their median calls (min and max of them as the spread), and the median
+    of their mean calls."""
+    from cuda_runner.dtypes import SCALAR_TYPE_CODES
+
+    binary = build_floor(work)
+    library, weights = _floor_files(bundle, work, rename=provider == "shim")
+    lead = ["--median", *(["--sync-each-call"] if sync_each_call else [])]
+    if provider == "shim":
+        from cuda_runner.runtime.providers import _cudart_candidates, own_shim_path
+
+        shim = own_shim_path()
+        if shim is None:
+            return {"error": "cuda-runner's shim is not built (python setup.py build_ext --inplace)"}
+        lead.append(f"--shim={shim}")
+        cudart = next((path for path in _cudart_candidates() if os.path.isabs(path) and os.path.exists(path)), None)
+        if device == "cuda" and cudart:
+            lead.append(f"--cudart={cudart}")
+    else:
+        from cuda_runner.runtime.shim import torch_library_dir
+
+        lead.append(str(torch_library_dir()))
+    specs = [f"{SCALAR_TYPE_CODES[str(array.dtype)]}:" + "x".join(str(size) for size in array.shape) for array in inputs.values()]
+    means, medians = [], []
+    for _ in range(processes):
+        done = subprocess.run([str(binary), *lead, str(library), str(weights), device, str(iterations), *specs],
+                              capture_output=True, text=True, timeout=600)
+        if done.returncode != 0:
+            reason = f"signal {-done.returncode}" if done.returncode < 0 else f"exit {done.returncode}"
+            return {"error": f"{reason}: {done.stderr.strip()[-400:]}"}
+        mean, median = (float(value) for value in done.stdout.split())
+        means.append(mean)
+        medians.append(median)
+    return {"median_us": round(statistics.median(medians), 2), "p10_us": round(min(medians), 2), "p90_us": round(max(medians), 2),
+            "mean_us": round(statistics.median(means), 2),
+            "note": f"{iterations} calls per process; median call (min-max over {processes} processes), and the median of their means"}
+
+
 def summary(times: list[float]) -> dict:
     ordered = sorted(times)
     pick = lambda q: ordered[min(len(ordered) - 1, int(q * len(ordered)))] * 1e6  # noqa: E731
@@ -226,6 +305,12 @@ def per_call(work: Path, cases: dict, iterations: int) -> dict:
         finally:
             standalone.close()
             default.close()
+        # The floor, on the same libraries: wrap the resident inputs, Run, free the outputs.
+        host = cases[name]["inputs"]
+        standalone_bundle, default_bundle = work / f"{name}-standalone.bundle", work / f"{name}-default.bundle"
+        results[name]["C program calling Run (shim)"] = c_floor(standalone_bundle, "cuda", host, work, 5 * iterations)
+        results[name]["C program calling Run (shim), one sync at the end"] = c_floor(standalone_bundle, "cuda", host, work, 5 * iterations, sync_each_call=False)
+        results[name]["C program calling Run (libtorch), default bundle"] = c_floor(default_bundle, "cuda", host, work, 5 * iterations, provider="libtorch")
     return results
 
 
@@ -306,19 +391,81 @@ def markdown(report: dict) -> str:
     for name, rows in report["per_call"].items():
         lines += ["", f"per call, {name} | median µs | p10-p90 µs", "|---|---|---|"]
         for key, row in rows.items():
-            lines.append(f"| {key} | {row['median_us']} | {row['p10_us']}-{row['p90_us']} |")
+            lines.append(_per_call_row(key, row))
     lines += ["", f"mlp, default bundle, torch CUDA graph replay, host arrays: {report['graph_with_torch']}",
               f"ExecuTorch G3 program without torch: {report['executorch_g3']}"]
     return "\n".join(lines)
 
 
+def _per_call_row(key: str, row: dict) -> str:
+    if "error" in row:
+        return f"| {key} | {row['error']} | |"
+    if key.startswith("C program"):
+        return f"| {key} | {row['median_us']} (mean {row['mean_us']}) | {row['p10_us']}-{row['p90_us']} (min-max of the processes' medians) |"
+    return f"| {key} | {row['median_us']} | {row['p10_us']}-{row['p90_us']} |"
+
+
+def floor_only(device: str, iterations: int) -> None:
+    """Compile the MLP with --standalone for `device`; cuda-runner's per call on
+    the shim beside the C program calling Run on the shim, on one library."""
+    import torch
+
+    import cuda_runner
+
+    work = Path(tempfile.mkdtemp(prefix="cuda-runner-floor-"))
+    module, args = models()["mlp"]
+    module = module.eval().to(device)
+    args = tuple(arg.to(device) for arg in args)
+    bundle = work / "mlp-standalone.bundle"
+    started = time.perf_counter()
+    cuda_runner.compile_module(module, args, bundle, device=device, standalone=True)
+    print(f"compiled mlp --standalone for {device} in {time.perf_counter() - started:.1f} s", file=sys.stderr, flush=True)
+    host = {"x": to_numpy(args[0])}
+    with torch.no_grad():
+        eager = to_numpy(module(*args))
+    rows: dict[str, dict] = {}
+    with cuda_runner.load(bundle, provider="shim") as model:
+        got = model.run(host)["output_0"]
+        max_diff = float(np.max(np.abs(got.astype(np.float64) - eager.astype(np.float64))))
+        if device == "cuda":
+            import cupy
+
+            device_inputs = {key: cupy.asarray(value) for key, value in host.items()}
+            label = "cuda-runner (shim), device arrays + sync"
+            call = lambda: (model.run_device(device_inputs), cupy.cuda.runtime.deviceSynchronize())  # noqa: E731
+        else:
+            label = "cuda-runner (shim), host arrays"
+            call = lambda: model.run(host)  # noqa: E731
+        for _ in range(50):
+            call()
+        times = []
+        for _ in range(iterations):
+            started = time.perf_counter()
+            call()
+            times.append(time.perf_counter() - started)
+        rows[label] = summary(times)
+    rows["C program calling Run (shim)"] = c_floor(bundle, device, host, work, 5 * iterations)
+    if device == "cuda":
+        rows["C program calling Run (shim), one sync at the end"] = c_floor(bundle, device, host, work, 5 * iterations, sync_each_call=False)
+    print(json.dumps({"device": device, "max_abs_diff_vs_eager": max_diff, "per_call": rows}, indent=2))
+    print("\n".join(["", f"per call, mlp --standalone on {device} | median µs | p10-p90 µs", "|---|---|---|",
+                     *(_per_call_row(key, row) for key, row in rows.items())]))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--output", type=Path, required=True)
+    parser.add_argument("--output", type=Path)
+    parser.add_argument("--floor-only", action="store_true", help="only the MLP: cuda-runner per call beside the C program on the shim")
+    parser.add_argument("--device", choices=("cpu", "cuda"), default="cuda", help="for --floor-only")
     parser.add_argument("--markdown", type=Path)
     parser.add_argument("--iterations", type=int, default=300)
     parser.add_argument("--cold-rounds", type=int, default=5)
     options = parser.parse_args()
+    if options.floor_only:
+        floor_only(options.device, options.iterations)
+        return
+    if options.output is None:
+        parser.error("--output is required (but with --floor-only)")
     import torch
 
     work = Path(tempfile.mkdtemp(prefix="cuda-runner-standalone-"))
