@@ -237,13 +237,13 @@ def c_floor(bundle: Path, device: str, inputs: dict[str, np.ndarray], work: Path
     library, weights = _floor_files(bundle, work, rename=provider == "shim")
     lead = ["--median", *(["--sync-each-call"] if sync_each_call else [])]
     if provider == "shim":
-        from cuda_runner.runtime.providers import _cudart_candidates, own_shim_path
+        from cuda_runner.runtime.providers import cudart_candidates, own_shim_path
 
         shim = own_shim_path()
         if shim is None:
             return {"error": "cuda-runner's shim is not built (python setup.py build_ext --inplace)"}
         lead.append(f"--shim={shim}")
-        cudart = next((path for path in _cudart_candidates() if os.path.isabs(path) and os.path.exists(path)), None)
+        cudart = next((path for path in cudart_candidates() if os.path.isabs(path) and os.path.exists(path)), None)
         if device == "cuda" and cudart:
             lead.append(f"--cudart={cudart}")
     else:

@@ -234,7 +234,7 @@ def load_cuda_runtime() -> str:
     if hasattr(already, "cudaGetDevice"):
         return "(already loaded)"
     errors = []
-    for candidate in _cudart_candidates():
+    for candidate in cudart_candidates():
         try:
             ctypes.CDLL(candidate, mode=os.RTLD_NOW | os.RTLD_GLOBAL)
             return candidate
@@ -245,7 +245,7 @@ def load_cuda_runtime() -> str:
         "install it with: pip install 'cuda-runner[cuda13]' (or [cuda12])")
 
 
-def _cudart_candidates() -> list[str]:
+def cudart_candidates() -> list[str]:
     """Where the CUDA runtime may be: NVIDIA's pip wheels (the ones CuPy uses),
     the CUDA toolkit, then the loader's search path."""
     found: list[str] = []
