@@ -134,6 +134,7 @@ def test_cuda_graph_replay_matches_plain_runs_and_follows_new_inputs(cuda_bf16):
     rng = np.random.default_rng(5)
     with cuda_runner.load(cuda_bf16.path) as plain, cuda_runner.load(cuda_bf16.path, cuda_graph=True) as graphed:
         assert "capture_graph" in graphed.method().load_timings
+        assert graphed.method().call_path == "ctypes: a CUDA graph replays its captured run without the call helper"
         for _ in range(3):
             x = rng.standard_normal((2, 32)).astype(ml_dtypes.bfloat16)
             (expected,) = plain.run([x]).values()

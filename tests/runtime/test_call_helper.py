@@ -148,16 +148,24 @@ def test_a_helper_this_machine_cannot_load_falls_back(dict_mlp_bundle, tmp_path)
         model.run(_inputs("dict_mlp", 2))
 
 
-def test_why_a_method_runs_without_the_helper(dict_mlp_bundle):
-    """CUDA graphs replay a run captured through ctypes: no helper is loaded for them."""
-    from cuda_runner.runtime.method import _unhelped_call_path
-
+def test_why_a_method_runs_without_the_helper(dict_mlp_bundle, tmp_path):
+    """Method.call_path says why calls go through ctypes: the helper turned off,
+    or a bundle without one (CUDA graphs: tests/gpu)."""
+    with cuda_runner.load(dict_mlp_bundle.path) as model:
+        assert model.method().call_path == "call helper"
+    with cuda_runner.load(dict_mlp_bundle.path, call_helper=False) as model:
+        assert model.method().call_path == "ctypes: the call helper is turned off"
     with open_bundle(dict_mlp_bundle.path) as reader:
-        spec = reader.manifest.methods["forward"]
-    assert _unhelped_call_path(spec, wanted=True, cuda_graph=False) is None
-    assert _unhelped_call_path(spec, wanted=False, cuda_graph=False) == "ctypes: the call helper is turned off"
-    assert "CUDA graph" in (_unhelped_call_path(spec, wanted=True, cuda_graph=True) or "")
-    assert _unhelped_call_path(dataclasses.replace(spec, call_helper_segment=None), True, False) == "ctypes: the bundle has no call helper"
+        manifest = reader.manifest
+        segments = {entry.name: bytes(reader.segment(entry.name)) for entry in manifest.segments if entry.name != helper_build.SEGMENT_NAME}
+    spec = dataclasses.replace(manifest.methods["forward"], call_helper_segment=None)
+    features = type(manifest.optional_features)(feature for feature in manifest.optional_features if feature != CALL_HELPER)
+    without = tmp_path / "without.bundle"
+    write_bundle(without, dataclasses.replace(manifest, methods={"forward": spec}, optional_features=features), segments)
+    inputs = _inputs("dict_mlp", 3)
+    with cuda_runner.load(without) as model, cuda_runner.load(dict_mlp_bundle.path) as reference:
+        assert model.method().call_path == "ctypes: the bundle has no call helper"
+        np.testing.assert_array_equal(model.run(inputs)["logits"], reference.run(inputs)["logits"])
 
 
 def test_without_a_c_compiler_bundles_are_written_without_the_helper(monkeypatch, dict_mlp_bundle, tmp_path):
