@@ -123,6 +123,19 @@ def test_cli_run_on_gpu_cold_process(cuda_dict_mlp, tmp_path):
     np.testing.assert_allclose(np.load(tmp_path / "out" / "aux.hidden.npy"), expected["aux"]["hidden"].cpu().numpy(), rtol=1e-4, atol=1e-4)
 
 
+def test_one_thread_keeps_one_lane_and_its_stream(cuda_dict_mlp):
+    """Each lane has its own stream, and Method.stream is the one the calling
+    thread's last call was ordered on: one thread calling alone stays on one lane."""
+    inputs = {"x": np.ones((2, 16), np.float32), "bias": np.zeros(8, np.float32)}
+    with cuda_runner.load(cuda_dict_mlp.path, lanes=2) as model:
+        method = model.method()
+        streams = []
+        for _ in range(4):
+            method.run(inputs)
+            streams.append(method.stream.ptr)
+    assert len(set(streams)) == 1 and streams[0]
+
+
 def test_inspect_reports_cuda_bundle_runnable(cuda_dict_mlp):
     document = json.loads(run_cli("inspect", str(cuda_dict_mlp.path), "--json").stdout)
     method = document["methods"]["forward"]
