@@ -13,6 +13,7 @@ from collections.abc import Mapping
 
 from .errors import InputError
 from .format.manifest import DimSpec, MethodSpec, TensorSpec
+from .shapes import shape_text
 
 _OPERATORS = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul, ast.FloorDiv: operator.floordiv}
 
@@ -48,7 +49,7 @@ def check_inputs(method: MethodSpec, given: Mapping[str, tuple[str, tuple[int, .
         if dtype != spec.dtype:
             raise InputError(f"input {spec.name!r}: expected dtype {spec.dtype}, got {dtype}")
         if len(shape) != spec.rank:
-            raise InputError(f"input {spec.name!r}: expected rank {spec.rank} {spec.shape_text()}, got shape {_shape_text(shape)}")
+            raise InputError(f"input {spec.name!r}: expected rank {spec.rank} {spec.shape_text()}, got shape {shape_text(shape)}")
         for axis, (entry, size) in enumerate(zip(spec.shape, shape)):
             _check_axis(method.dims, spec, axis, entry, size, bindings)
     values = {name: value for name, (value, _) in bindings.items()}
@@ -97,7 +98,3 @@ def _check_expressions(method: MethodSpec, given: Mapping[str, tuple[str, tuple[
                 expected = evaluate_shape_entry(entry, values)
                 if expected is not None and expected != shape[axis]:
                     raise InputError(f"input {spec.name!r} axis {axis}: expected {entry} = {expected}, got {shape[axis]}")
-
-
-def _shape_text(shape: tuple[int, ...]) -> str:
-    return "[" + ", ".join(str(size) for size in shape) + "]"

@@ -7,6 +7,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 
 import numpy as np
 import pytest
@@ -181,15 +182,40 @@ def test_map_yields_outputs_in_order(compiled, device, lanes):
             np.testing.assert_array_equal(got[name], want[name])
 
 
-def test_a_pool_spreads_calls_and_keeps_order(compiled, tmp_path, device):
-    """On CPU the pool has one member; on a machine with several GPUs, all of them."""
+def test_a_pool_spreads_calls_and_keeps_order(compiled, tmp_path, device, monkeypatch):
+    """A pool of two members (two loads on this device): while the first member's
+    first call is held, the pool gives the next call to the other member, the
+    one with fewer calls in flight; each member's public `run` counts the calls
+    it serves, and the outputs still come back in input order. Then load_pool
+    and `run --devices` (one member on CPU; every GPU on a GPU machine)."""
+    from cuda_runner.runtime.model import ModelPool
+
     bundle = compiled("dict_mlp", device).path
-    devices = ["cpu"] if device == "cpu" else "all"
     cases = [_set(index) for index in range(12)]
     with cuda_runner.load(bundle) as model:
         expected = [model.run(case) for case in cases]
+    served: list[int] = []
+    other_served = threading.Event()
+    with ModelPool([cuda_runner.load(bundle, device, lanes=2), cuda_runner.load(bundle, device, lanes=2)]) as pool:
+        for index, member in enumerate(pool.models):
+            def counted(inputs, method=None, *, index=index, run=member.run):
+                served.append(index)
+                if index == 0 and not other_served.is_set():
+                    other_served.wait(30)  # only a guard against a pool that never spreads; no time is asserted
+                else:
+                    other_served.set()
+                return run(inputs, method)
+
+            monkeypatch.setattr(member, "run", counted)
+        outputs = list(pool.map(cases))
+    assert len(outputs) == len(cases) == len(served)
+    assert sorted(set(served)) == [0, 1], served  # both members served calls
+    for got, want in zip(outputs, expected):
+        np.testing.assert_allclose(got["logits"], want["logits"], rtol=1e-6, atol=1e-6)
+
+    devices = ["cpu"] if device == "cpu" else "all"
     with cuda_runner.load_pool(bundle, devices, lanes=2) as pool:
-        assert len(pool.devices) >= 1
+        assert len(pool.devices) >= 1 and all(member.type == device for member in pool.devices)
         for got, want in zip(pool.map(cases), expected):
             np.testing.assert_allclose(got["logits"], want["logits"], rtol=1e-6, atol=1e-6)
     folder = tmp_path / "sets"
@@ -200,6 +226,8 @@ def test_a_pool_spreads_calls_and_keeps_order(compiled, tmp_path, device):
     result = cli("run", str(bundle), "--batch", str(folder), "--out-dir", str(tmp_path / "out"), "--devices", spread, "--json")
     assert result.returncode == 0, result.stderr
     assert json.loads(result.stdout)["counts"]["passed"] == 12
+    for index, want in enumerate(expected):
+        np.testing.assert_allclose(np.load(tmp_path / "out" / f"s{index:02d}" / "logits.npy"), want["logits"], rtol=1e-6, atol=1e-6)
 
 
 def test_resume_never_turns_a_failed_comparison_into_a_pass(dict_mlp_bundle, sets, tmp_path):

@@ -27,15 +27,27 @@ def test_batches_larger_than_the_bound_are_split(compiled):
 
 @pytest.mark.heavy
 def test_map_bundle_on_a_local_ray(compiled):
+    """Every output row is the model's output for its own input row: Ray is told
+    to keep row order (its public DataContext setting), so row i of the result
+    is matched to input row i, and each row is checked on its own."""
+    from ray.data import DataContext
+
     bundle = compiled("linear", "cpu").path
     x = np.random.default_rng(1).standard_normal((300, 16), dtype=np.float32)
     ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, configure_logging=False)
+    context = DataContext.get_current()
+    kept = context.execution_options.preserve_order
+    context.execution_options.preserve_order = True
     try:
         dataset = ray.data.from_items([{"input": row} for row in x])
         rows = map_bundle(dataset, bundle, batch_size=100).take_all()
     finally:
+        context.execution_options.preserve_order = kept
         ray.shutdown()
-    got = np.stack([row["output_0"] for row in rows])
+    assert len(rows) == len(x)
     with cuda_runner.load(bundle) as model:
-        expected = np.concatenate([model.run([x[start:start + 64]])["output_0"] for start in range(0, 300, 64)])
-    np.testing.assert_allclose(np.sort(got, axis=0), np.sort(expected, axis=0), rtol=1e-5, atol=1e-6)  # row order is Ray's
+        for index, row in enumerate(rows):
+            expected = model.run([x[index:index + 1]])["output_0"][0]
+            np.testing.assert_allclose(row["output_0"], expected, rtol=1e-5, atol=1e-6, err_msg=f"row {index}")
+    # Rows differ from each other, so a shuffled result could not pass the check above.
+    assert len({tuple(np.round(row["output_0"], 4)) for row in rows}) == len(rows)

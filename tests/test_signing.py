@@ -257,12 +257,27 @@ def test_a_fifo_or_device_as_signature_is_refused_without_blocking(signed):
     assert cli("run", str(bundle), "--random-inputs", "--trusted-key", str(public)).returncode == 3
 
 
+def _held_by_this_process(path) -> tuple[bool, bool]:
+    """Whether the file is mapped into this process (/proc/self/maps), and whether a descriptor is open on it."""
+    name = str(path.resolve())
+    with open("/proc/self/maps") as maps:
+        mapped = any(line.rstrip("\n").endswith(" " + name) for line in maps)
+    folder = "/proc/self/fd"
+    opened = False
+    for entry in os.listdir(folder):
+        try:
+            opened = opened or os.readlink(os.path.join(folder, entry)) == name
+        except OSError:  # closed meanwhile
+            pass
+    return mapped, opened
+
+
 def test_closing_a_signed_model_unmaps_the_bundle(signed):
     bundle, public, _ = signed
     model = cuda_runner.load(bundle, trusted_keys=[public])
-    reader = model._reader
+    assert _held_by_this_process(bundle) == (True, True)
     model.close()
-    assert reader._map is None
+    assert _held_by_this_process(bundle) == (False, False)
 
 
 def test_signed_ranges_must_tile_the_file_within_its_size():

@@ -20,7 +20,6 @@ from typing import TypeVar
 
 from ..errors import BundleError
 
-_U8 = struct.Struct("<B")
 _U16 = struct.Struct("<H")
 _U32 = struct.Struct("<I")
 _I32 = struct.Struct("<i")

@@ -1,17 +1,24 @@
-"""Reading signatures from exported programs: bounds as torch states them."""
+"""compile/signature.py: the manifest signature read from an exported program."""
 
 from __future__ import annotations
 
 import pytest
 
-from cuda_runner.compile.signature import _finite_or_none
+from cuda_runner.compile.signature import dim_names_from_dynamic_shapes, program_signature
 
 
-def test_unbounded_dimensions_are_recorded_as_unbounded():
-    sympy = pytest.importorskip("sympy")
-    from torch.utils._sympy.numbers import int_oo
+@pytest.mark.parametrize(("bound", "recorded"), [(None, None), (64, 64)])
+def test_unbounded_dimensions_are_recorded_as_unbounded(bound, recorded):
+    """torch.export gives an unbounded Dim the upper bound int_oo (whose int() raises):
+    the signature records no bound for it, and a bounded Dim's bound as an int."""
+    torch = pytest.importorskip("torch")
+    from torch.export import Dim
 
-    assert _finite_or_none(int_oo) is None  # int() of it raises AttributeError
-    assert _finite_or_none(sympy.oo) is None
-    assert _finite_or_none(sympy.Integer(64)) == 64
-    assert _finite_or_none(2) == 2
+    batch = Dim("batch") if bound is None else Dim("batch", max=bound)
+    dynamic_shapes = {"input": {0: batch}}
+    program = torch.export.export(torch.nn.Linear(16, 4).eval(), (torch.randn(3, 16),), dynamic_shapes=dynamic_shapes)
+    signature = program_signature(program, dim_names_from_dynamic_shapes(["input"], dynamic_shapes))
+    assert [(tensor.name, tensor.shape) for tensor in signature.inputs] == [("input", ("batch", 16))]
+    dim = signature.dims["batch"]
+    assert dim.max == recorded and (dim.max is None or type(dim.max) is int)
+    assert (dim.min, dim.example) == (0, 3)

@@ -313,25 +313,20 @@ def test_an_invalid_manifest_is_the_writers_callers_error(tmp_path):
     assert list(tmp_path.iterdir()) == []
 
 
-def test_a_write_that_fails_midway_keeps_the_old_bundle_and_leaves_no_temp(tmp_path, monkeypatch):
+def test_a_write_that_fails_midway_keeps_the_old_bundle_and_leaves_no_temp(tmp_path):
+    """The weights come from a path that cannot be read (a folder): the failure
+    comes once the temp file is open and the library is being written into it."""
     import os
 
     from cuda_runner.errors import WriteError
-    from cuda_runner.format import bundle as bundle_module
 
     manifest = Manifest(methods={"m": MethodSpec("m", DeviceSpec("cpu"), "m_so", "m_w", (), (), {}, "2.13")})
     target = tmp_path / "out.bundle"
     write_bundle(target, manifest, {"m_so": b"old library", "m_w": b"old weights"})
     previous = target.read_bytes()
-    real_chunks = bundle_module._chunks
-
-    def chunks_then_disk_full(source):
-        yield from real_chunks(source)
-        if bytes(source) == b"W" * 5000:
-            raise OSError(28, "No space left on device")
-
-    monkeypatch.setattr(bundle_module, "_chunks", chunks_then_disk_full)
-    with pytest.raises(WriteError, match="No space left"):
-        write_bundle(target, manifest, {"m_so": b"new library", "m_w": b"W" * 5000})
+    unreadable = tmp_path / "weights"
+    unreadable.mkdir()
+    with pytest.raises(WriteError, match="weights: Is a directory"):
+        write_bundle(target, manifest, {"m_so": b"new library" * 1000, "m_w": unreadable})
     assert target.read_bytes() == previous
-    assert sorted(os.listdir(tmp_path)) == ["out.bundle"]
+    assert sorted(os.listdir(tmp_path)) == ["out.bundle", "weights"]

@@ -97,17 +97,43 @@ print("cycles ok", "torch" in sys.modules, "cupy" in sys.modules)
 
 
 def test_cli_run_on_gpu_cold_process(cuda_dict_mlp, tmp_path):
-    np.save(tmp_path / "x.npy", np.ones((4, 16), np.float32))
-    np.save(tmp_path / "bias.npy", np.zeros(8, np.float32))
+    """The console script in a fresh process runs a CUDA bundle from .npy files:
+    exit 0, the right device and provider, eager PyTorch's outputs in the files,
+    and (from the interpreter's own import log) neither torch nor CuPy imported.
+    Its time is printed for information only: timings come from benchmarks."""
+    x = np.random.default_rng(5).standard_normal((4, 16), dtype=np.float32)
+    bias = np.linspace(-1, 1, 8, dtype=np.float32)
+    np.save(tmp_path / "x.npy", x)
+    np.save(tmp_path / "bias.npy", bias)
     started = time.perf_counter()
-    result = run_cli("run", str(cuda_dict_mlp.path), "-i", str(tmp_path / "x.npy"), "-i", str(tmp_path / "bias.npy"), "--json", "--out-dir", str(tmp_path / "out"))
+    result = run_cli("run", str(cuda_dict_mlp.path), "-i", str(tmp_path / "x.npy"), "-i", str(tmp_path / "bias.npy"), "--json",
+                     "--out-dir", str(tmp_path / "out"), env={"PYTHONPROFILEIMPORTTIME": "1"})
     elapsed = time.perf_counter() - started
-    assert result.returncode == 0, result.stderr
+    assert result.returncode == 0, result.stderr[-3000:]
     document = json.loads(result.stdout)
     assert document["device"] == "cuda:0"
-    print(f"cold CLI run on GPU: {elapsed:.3f} s; phases {document['timings_s']}")
-    expected = _eager_cuda(cuda_dict_mlp, np.ones((4, 16), np.float32), np.zeros(8, np.float32))
+    assert document["provider"] in ("cuda-runner shim", "libtorch")
+    assert [output["name"] for output in document["outputs"]] == ["logits", "aux.loss", "aux.hidden"]
+    imported = {line.rsplit("|", 1)[-1].strip() for line in result.stderr.splitlines() if line.startswith("import time:")}
+    assert "cuda_runner.cli.main" in imported  # the import log is there, so its absences mean something
+    assert {name.split(".")[0] for name in imported} & {"torch", "cupy"} == set()
+    print(f"cold CLI run on GPU (information only): {elapsed:.3f} s; phases {document['timings_s']}")
+    expected = _eager_cuda(cuda_dict_mlp, x, bias)
     np.testing.assert_allclose(np.load(tmp_path / "out" / "logits.npy"), expected["logits"].cpu().numpy(), rtol=1e-4, atol=1e-4)
+    np.testing.assert_allclose(np.load(tmp_path / "out" / "aux.hidden.npy"), expected["aux"]["hidden"].cpu().numpy(), rtol=1e-4, atol=1e-4)
+
+
+def test_one_thread_keeps_one_lane_and_its_stream(cuda_dict_mlp):
+    """Each lane has its own stream, and Method.stream is the one the calling
+    thread's last call was ordered on: one thread calling alone stays on one lane."""
+    inputs = {"x": np.ones((2, 16), np.float32), "bias": np.zeros(8, np.float32)}
+    with cuda_runner.load(cuda_dict_mlp.path, lanes=2) as model:
+        method = model.method()
+        streams = []
+        for _ in range(4):
+            method.run(inputs)
+            streams.append(method.stream.ptr)
+    assert len(set(streams)) == 1 and streams[0]
 
 
 def test_inspect_reports_cuda_bundle_runnable(cuda_dict_mlp):
@@ -121,6 +147,7 @@ def test_cuda_graph_replay_matches_plain_runs_and_follows_new_inputs(cuda_bf16):
     rng = np.random.default_rng(5)
     with cuda_runner.load(cuda_bf16.path) as plain, cuda_runner.load(cuda_bf16.path, cuda_graph=True) as graphed:
         assert "capture_graph" in graphed.method().load_timings
+        assert graphed.method().call_path == "ctypes: a CUDA graph replays its captured run without the call helper"
         for _ in range(3):
             x = rng.standard_normal((2, 32)).astype(ml_dtypes.bfloat16)
             (expected,) = plain.run([x]).values()

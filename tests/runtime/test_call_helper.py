@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import os
 import shutil
 import subprocess
 from pathlib import Path
@@ -86,8 +87,13 @@ def _with_helper_bytes(source: Path, destination: Path, library: bytes) -> None:
         write_bundle(destination, reader.manifest, segments)
 
 
+def _c_compiler() -> str | None:
+    """A C compiler for building test helpers: $CC, or cc/gcc/clang on PATH (as compile looks for one)."""
+    return next((found for name in (os.environ.get("CC"), "cc", "gcc", "clang") if name and (found := shutil.which(name))), None)
+
+
 def _build_helper(tmp_path: Path, *defines: str) -> bytes:
-    compiler = helper_build._compiler()
+    compiler = _c_compiler()
     if compiler is None:
         pytest.skip("no C compiler")
     output = tmp_path / "helper.so"
@@ -129,7 +135,7 @@ def test_a_newer_helper_with_other_entry_points_falls_back(dict_mlp_bundle, tmp_
 
 def test_a_helper_this_machine_cannot_load_falls_back(dict_mlp_bundle, tmp_path):
     """As a helper built against a newer libtorch would: it needs a function this one lacks."""
-    compiler = helper_build._compiler()
+    compiler = _c_compiler()
     if compiler is None:
         pytest.skip("no C compiler")
     source = tmp_path / "needs.c"
@@ -142,21 +148,31 @@ def test_a_helper_this_machine_cannot_load_falls_back(dict_mlp_bundle, tmp_path)
         model.run(_inputs("dict_mlp", 2))
 
 
-def test_why_a_method_runs_without_the_helper(dict_mlp_bundle):
-    """CUDA graphs replay a run captured through ctypes: no helper is loaded for them."""
-    from cuda_runner.runtime.method import _unhelped_call_path
-
+def test_why_a_method_runs_without_the_helper(dict_mlp_bundle, tmp_path):
+    """Method.call_path says why calls go through ctypes: the helper turned off,
+    or a bundle without one (CUDA graphs: tests/gpu)."""
+    with cuda_runner.load(dict_mlp_bundle.path) as model:
+        assert model.method().call_path == "call helper"
+    with cuda_runner.load(dict_mlp_bundle.path, call_helper=False) as model:
+        assert model.method().call_path == "ctypes: the call helper is turned off"
     with open_bundle(dict_mlp_bundle.path) as reader:
-        spec = reader.manifest.methods["forward"]
-    assert _unhelped_call_path(spec, wanted=True, cuda_graph=False) is None
-    assert _unhelped_call_path(spec, wanted=False, cuda_graph=False) == "ctypes: the call helper is turned off"
-    assert "CUDA graph" in (_unhelped_call_path(spec, wanted=True, cuda_graph=True) or "")
-    assert _unhelped_call_path(dataclasses.replace(spec, call_helper_segment=None), True, False) == "ctypes: the bundle has no call helper"
+        manifest = reader.manifest
+        segments = {entry.name: bytes(reader.segment(entry.name)) for entry in manifest.segments if entry.name != helper_build.SEGMENT_NAME}
+    spec = dataclasses.replace(manifest.methods["forward"], call_helper_segment=None)
+    features = type(manifest.optional_features)(feature for feature in manifest.optional_features if feature != CALL_HELPER)
+    without = tmp_path / "without.bundle"
+    write_bundle(without, dataclasses.replace(manifest, methods={"forward": spec}, optional_features=features), segments)
+    inputs = _inputs("dict_mlp", 3)
+    with cuda_runner.load(without) as model, cuda_runner.load(dict_mlp_bundle.path) as reference:
+        assert model.method().call_path == "ctypes: the bundle has no call helper"
+        np.testing.assert_array_equal(model.run(inputs)["logits"], reference.run(inputs)["logits"])
 
 
-def test_without_a_c_compiler_bundles_are_written_without_the_helper(monkeypatch, dict_mlp_bundle):
-    monkeypatch.setattr(helper_build, "_compiler", lambda: None)
-    monkeypatch.setattr(helper_build, "build_call_helper", helper_build.build_call_helper.__wrapped__)
+def test_without_a_c_compiler_bundles_are_written_without_the_helper(monkeypatch, dict_mlp_bundle, tmp_path):
+    """No CC and a PATH with no compiler on it: what a machine without one looks like to compile."""
+    monkeypatch.delenv("CC", raising=False)
+    monkeypatch.setenv("PATH", str(tmp_path))
+    monkeypatch.setattr(helper_build, "build_call_helper", helper_build.build_call_helper.__wrapped__)  # not the process's cached build
     with open_bundle(dict_mlp_bundle.path) as reader:
         methods = dict(reader.manifest.methods)
     notes: list[str] = []
@@ -166,16 +182,26 @@ def test_without_a_c_compiler_bundles_are_written_without_the_helper(monkeypatch
     assert segments == {} and updated == methods
 
 
-def test_a_failed_run_through_the_helper_is_reported(dict_mlp_bundle):
-    """The library's own checks refuse what the manifest allowed: the helper
-    returns Run's failure, and the runner names the manifest as the cause."""
-    with cuda_runner.load(dict_mlp_bundle.path, check_inputs=True) as model:
+def test_a_failed_run_through_the_helper_is_reported(dict_mlp_bundle, tmp_path):
+    """The library's own checks refuse what the manifest allowed: a bundle whose
+    manifest says the batch goes up to 128 where the library was compiled for 64.
+    The helper returns Run's failure, and the runner names the manifest as the cause."""
+    with open_bundle(dict_mlp_bundle.path) as reader:
+        manifest = reader.manifest
+        segments = {entry.name: bytes(reader.segment(entry.name)) for entry in manifest.segments}
+    spec = manifest.methods["forward"]
+    assert spec.dims["batch"].max == 64
+    dims = {**spec.dims, "batch": dataclasses.replace(spec.dims["batch"], max=128)}
+    lying = tmp_path / "lying.bundle"
+    write_bundle(lying, dataclasses.replace(manifest, methods={**manifest.methods, "forward": dataclasses.replace(spec, dims=dims)}), segments)
+    with cuda_runner.load(lying, check_inputs=True) as model:
         method = model.method()
         assert method.call_path == "call helper"
-        method._accepted_host.add(((np.dtype(np.float32), (2, 15)), (np.dtype(np.float32), (8,))))  # as if the manifest allowed 15 columns
-        with pytest.raises(BundleError, match="does not match the library"):
-            method.run({"x": np.zeros((2, 15), np.float32), "bias": np.zeros(8, np.float32)})
-        method.run(_inputs("dict_mlp", 2))  # and the method still runs
+        with pytest.raises(BundleError, match=r"does not match the library.*too large"):
+            method.run({"x": np.zeros((100, 16), np.float32), "bias": np.zeros(8, np.float32)})
+        inputs = _inputs("dict_mlp", 2)
+        with cuda_runner.load(dict_mlp_bundle.path) as reference:
+            np.testing.assert_array_equal(method.run(inputs)["logits"], reference.run(inputs)["logits"])  # and the method still runs
 
 
 @pytest.mark.parametrize(("flag", "expected"), [((), True), (("--no-call-helper",), False), (("--call-helper",), True)])

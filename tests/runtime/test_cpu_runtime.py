@@ -127,10 +127,16 @@ def test_without_memfd_the_library_goes_through_a_private_directory_that_is_remo
 def test_a_bundle_with_a_very_long_name_loads(dict_mlp_bundle, tmp_path):
     import shutil
 
-    path = tmp_path / ("b" * 235 + ".bundle")
+    path = tmp_path / ("b" * 235 + ".bundle")  # 242 bytes: near NAME_MAX, so no name derived from it may be longer
     shutil.copy(dict_mlp_bundle.path, path)
+    inputs = {"x": np.random.default_rng(3).standard_normal((1, 16), dtype=np.float32), "bias": np.ones(8, np.float32)}
     with cuda_runner.load(path) as model:
-        model.run({"x": np.ones((1, 16), np.float32), "bias": np.zeros(8, np.float32)})
+        assert model.path == path
+        assert list(model.methods) == ["forward"]
+        got = model.run(inputs)["logits"]
+    expected = dict_mlp_bundle.eager(inputs["x"], inputs["bias"])["logits"].numpy()
+    assert got.shape == (1, 8)
+    np.testing.assert_allclose(got, expected, rtol=1e-5, atol=1e-5)
 
 
 def test_one_thread_keeps_using_one_lane(dict_mlp_bundle):

@@ -4,6 +4,7 @@ library's imports, and CPU bundles run on it beside libtorch."""
 from __future__ import annotations
 
 import ctypes
+import os
 
 import numpy as np
 import pytest
@@ -21,7 +22,8 @@ H = ctypes.c_void_p
 
 @pytest.fixture(scope="module")
 def lib():
-    library = load_own_provider("cpu").shim._libraries[0]
+    load_own_provider("cpu")  # loaded as the runtime loads it; dlopen of the same path then hands back that library
+    library = ctypes.CDLL(str(own_shim_path()), mode=os.RTLD_NOW | os.RTLD_GLOBAL)
     for name in ("cudarunner_shim_live_tensors", "cudarunner_shim_live_storages"):
         getattr(library, name).restype = ctypes.c_int64
     library.cudarunner_shim_last_error.restype = ctypes.c_char_p
