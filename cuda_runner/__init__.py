@@ -17,8 +17,6 @@ import os
 from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any
 
-__version__ = "0.1.0"
-
 from .errors import (
     BundleError,
     ClosedError,
@@ -33,6 +31,7 @@ from .errors import (
 )
 from .format import open_bundle, read_manifest
 from .runtime.options import LoadOptions
+from .version import __version__
 
 if TYPE_CHECKING:
     from .compile import compile_module, compile_programs
@@ -92,7 +91,7 @@ def load_pool(
 
 def _options(options: LoadOptions | None, trusted_keys: Iterable[str | os.PathLike[str]] | None, require_signature: bool,
              fields: dict[str, Any]) -> LoadOptions:
-    from .signing import keys_for_loading
+    from .format.signing import keys_for_loading
 
     chosen = (options or LoadOptions()).with_fields(**fields)
     keys = keys_for_loading(trusted_keys or (), require_signature and not chosen.trusted_keys)

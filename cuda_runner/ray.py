@@ -102,7 +102,7 @@ def map_bundle(dataset: Any, bundle: str | os.PathLike[str], *, method: str | No
     The trusted keys are resolved here, on the driver (with CUDA_RUNNER_TRUSTED_KEYS),
     and handed to every actor by path: the key files must exist on every node."""
     from .format.bundle import read_manifest
-    from .signing import keys_for_loading
+    from .format.signing import keys_for_loading
 
     keys = [str(key.path) for key in keys_for_loading(trusted_keys or (), require_signature)]
     manifest = read_manifest(bundle)

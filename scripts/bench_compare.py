@@ -35,7 +35,7 @@ REPO = Path(__file__).resolve().parent.parent
 import numpy as np  # noqa: E402
 
 import cuda_runner  # noqa: E402
-from cuda_runner.bench import BenchRequest, LatencyStats, benchmark  # noqa: E402
+from cuda_runner.commands.bench import BenchRequest, LatencyStats, benchmark  # noqa: E402
 from cuda_runner.format import open_bundle  # noqa: E402
 from cuda_runner.io.inputs import ArrayFile, GivenInputs  # noqa: E402
 from cuda_runner.runtime.options import LoadOptions  # noqa: E402

@@ -22,7 +22,7 @@ from pathlib import Path
 import bench_compare  # scripts/ is this script's own folder
 
 import cuda_runner
-from cuda_runner.signing import DEFAULT_SHARD_SIZE, sign_file, signature_path
+from cuda_runner.format.signing import DEFAULT_SHARD_SIZE, sign_file, signature_path
 
 
 def _key_pair(folder: Path) -> tuple[Path, Path]:

@@ -34,7 +34,7 @@ import bench_compare  # scripts/ is this script's own folder
 import numpy as np
 
 import cuda_runner
-from cuda_runner.batch import BatchRequest, run_batch
+from cuda_runner.commands.batch import BatchRequest, run_batch
 from cuda_runner.io.npy import load_archive, save_archive
 from cuda_runner.runtime import pinned
 

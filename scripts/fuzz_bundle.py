@@ -148,7 +148,7 @@ def main() -> int:
     # Import and load everything once here; every forked case inherits it.
     import cuda_runner.cli.main
     import cuda_runner.cli.render
-    import cuda_runner.running  # noqa: F401
+    import cuda_runner.commands.running  # noqa: F401
     from cuda_runner.runtime.shim import load_shim
 
     load_shim("cpu")

@@ -23,7 +23,7 @@ LIBTORCH = "from cuda_runner.runtime.shim import load_shim; load_shim('cuda')"
 STEPS = {
     "interpreter": "pass",
     "numpy": "import numpy",
-    "cli_imports": "import cuda_runner.cli.main, cuda_runner.running",
+    "cli_imports": "import cuda_runner.cli.main, cuda_runner.commands.running",
     "libtorch_cuda": LIBTORCH,
     "cuda_context": CONTEXT,
     "libtorch_then_context": f"{LIBTORCH}; {CONTEXT}",

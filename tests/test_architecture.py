@@ -1,5 +1,5 @@
-"""The structure the code promises: the library never imports the CLI, and
-start-up imports stay light."""
+"""The structure the code promises: layers that import only downwards, the
+library never importing the CLI, and start-up imports that stay light."""
 
 from __future__ import annotations
 
@@ -30,6 +30,66 @@ def _imports(path: Path) -> set[str]:
             found.add(target)
             found.update(f"{target}.{alias.name}" for alias in node.names)
     return found
+
+
+# Lowest first. A unit (a root module, or a subpackage) may import from its
+# own layer and the layers below, never from one above (docs/architecture.md).
+LAYERS: list[tuple[str, set[str]]] = [
+    ("foundations", {"errors", "names", "shapes", "dtypes", "files", "opening", "version"}),
+    ("format", {"format"}),
+    ("data", {"io", "verify", "report"}),
+    ("runtime", {"runtime"}),
+    ("compile", {"compile"}),
+    ("commands", {"commands"}),
+    ("interfaces", {"cli", "ray", "__init__", "__main__"}),
+]
+
+
+def _unit(module: str) -> str:
+    """The layer unit of an absolute module name: cuda_runner.format.bundle -> format."""
+    parts = module.split(".")
+    return parts[1] if len(parts) > 1 else "__init__"
+
+
+def _layer(unit: str) -> int:
+    for index, (_, units) in enumerate(LAYERS):
+        if unit in units:
+            return index
+    raise AssertionError(f"{unit!r} is in no layer: add it to LAYERS (and to docs/architecture.md)")
+
+
+def layer_violations(edges: set[tuple[str, str]]) -> list[str]:
+    """The (importer unit, imported unit) pairs that climb to a higher layer."""
+    return sorted(f"{importer} ({LAYERS[_layer(importer)][0]}) imports {imported} ({LAYERS[_layer(imported)][0]})"
+                  for importer, imported in edges if _layer(imported) > _layer(importer))
+
+
+def _package_edges() -> set[tuple[str, str]]:
+    edges = set()
+    for path in PACKAGE.rglob("*.py"):
+        importer = _unit(".".join(path.relative_to(PACKAGE.parent).with_suffix("").parts))
+        for name in _imports(path):
+            # A bare "cuda_runner" is only the prefix of a longer name (from . import x), also found.
+            if name.startswith("cuda_runner.") and _unit(name) not in ("cuda_runner", importer):
+                imported = _unit(name)
+                if imported in {unit for _, units in LAYERS for unit in units} or (PACKAGE / imported).is_dir() or (PACKAGE / f"{imported}.py").exists():
+                    edges.add((importer, imported))
+    return edges
+
+
+def test_every_import_goes_down_the_layers():
+    assert layer_violations(_package_edges()) == []
+
+
+def test_the_layer_check_catches_a_climb():
+    """The rule itself: a format module importing the runtime would be refused."""
+    assert layer_violations({("format", "runtime"), ("runtime", "format")}) == ["format (format) imports runtime (runtime)"]
+
+
+def test_every_module_of_the_package_is_in_a_layer():
+    units = {path.stem if path.is_file() else path.name for path in PACKAGE.iterdir() if (path.suffix == ".py" or (path / "__init__.py").exists())}
+    for unit in units:
+        _layer(unit)
 
 
 def test_nothing_outside_the_cli_imports_it():

@@ -24,9 +24,9 @@ from typing import Annotated, Any, Optional
 
 import typer
 
-from .. import __version__
 from ..errors import CudaRunnerError, ExitCode, Interrupted
 from ..names import printable
+from ..version import __version__
 from . import options as parse
 
 # click's UsageError (unknown option, bad value, missing argument). typer 0.28
@@ -202,7 +202,7 @@ def _run_batch(bundle: str, folder: str, out_dir: str, out_format: str, method: 
                expected_dir: str | None,
                tolerances: Any, allow_missing: bool, resume: bool, fail_fast: bool, load: Any, json_output: bool, data: str | None,
                batch_size: int) -> None:
-    from ..batch import BatchRequest, run_batch
+    from ..commands.batch import BatchRequest, run_batch
 
     request = BatchRequest(
         bundle=Path(bundle), inputs=Path(folder), out_dir=Path(out_dir), out_format=out_format, method=method, device=device,
@@ -259,7 +259,7 @@ def _sign(output: str, sign_key: str | None) -> str:
     """Sign the written bundle if asked; the words to add to the 'wrote' line."""
     if sign_key is None:
         return ""
-    from ..signing import sign_file
+    from ..format.signing import sign_file
 
     return f", signed in {sign_file(output, sign_key)}"
 
@@ -353,7 +353,7 @@ def sign_command(
 ) -> None:
     """Write a detached signature BUNDLE.sig in the OpenSSF model-signing format (docs/provenance.md)."""
     from ..format.bundle import open_bundle
-    from ..signing import DEFAULT_SHARD_SIZE, sign_file
+    from ..format.signing import DEFAULT_SHARD_SIZE, sign_file
 
     open_bundle(bundle).close()  # only bundles get signed
     path = sign_file(bundle, key, shard_size=None if whole_file else DEFAULT_SHARD_SIZE)
@@ -401,7 +401,7 @@ def inspect_command(
     require_signature: RequireSignatureOption = False,
 ) -> None:
     """Show a bundle's methods, signatures, build info and whether this machine can run it."""
-    from ..inspection import inspect_bundle
+    from ..commands.inspection import inspect_bundle
     from .render import inspect_lines
 
     keys = _load_options(trusted_key, require_signature).trusted_keys
@@ -444,8 +444,8 @@ ProviderOption = Annotated[Optional[str], typer.Option("--provider", metavar="au
 
 def _load_options(trusted_key: list[str], require_signature: bool, **fields: Any) -> Any:
     """The LoadOptions of a command: its fields, and the trusted keys read from their files."""
+    from ..format.signing import keys_for_loading
     from ..runtime.options import LoadOptions
-    from ..signing import keys_for_loading
 
     return LoadOptions(trusted_keys=tuple(keys_for_loading(trusted_key, require_signature)), **fields)
 
@@ -513,9 +513,9 @@ def run_command(
         "With --batch: stack up to N sets into one call along the method's dynamic batch dim."))] = 1,
 ) -> None:
     """Run a method of a bundle on inputs, write its outputs, and optionally compare them with a reference (exit 1 if they differ)."""
+    from ..commands.running import RunRequest, run_bundle
     from ..io.inputs import StoredSamples
     from ..io.outputs import OutputPlan
-    from ..running import RunRequest, run_bundle
 
     load = _load_options(trusted_key, require_signature, verify_weights=not skip_weights_digest, cuda_graph=cuda_graph,
                          check_inputs=check_inputs or self_test, provider=provider, **({"lanes": lanes} if batch is not None else {}))
@@ -589,7 +589,7 @@ def bench_command(
     provider: ProviderOption = None,
 ) -> None:
     """Measure load time, first run and steady-state latency, split into copies and compute (random inputs unless --inputs)."""
-    from ..bench import BenchRequest, Gates, benchmark
+    from ..commands.bench import BenchRequest, Gates, benchmark
 
     parse.positive(duration, "--duration")
     for value, option in ((max_p50_ms, "--max-p50-ms"), (max_p99_ms, "--max-p99-ms"), (min_throughput, "--min-throughput"), (max_load_s, "--max-load-s")):

@@ -21,11 +21,11 @@ from ..shapes import shape_text
 if TYPE_CHECKING:  # the results are typed; their modules load only when a command runs
     import numpy as np
 
-    from ..bench import BenchResult
+    from ..commands.bench import BenchResult
+    from ..commands.inspection import InspectResult, MethodReport, SignatureReport
+    from ..commands.running import RunResult
     from ..format.manifest import MethodSpec
     from ..format.program import ProgramMethodInfo
-    from ..inspection import InspectResult, MethodReport, SignatureReport
-    from ..running import RunResult
     from ..runtime.devices import DevicesResult
     from ..verify.compare import Comparison
 
@@ -211,7 +211,7 @@ def _wiring_lines(spec: MethodSpec) -> list[str]:
 
 
 def _method_lines(name: str, report: MethodReport) -> list[str]:
-    from ..inspection import isa_name
+    from ..commands.inspection import isa_name
 
     spec, device = report.spec, report.spec.device
     target = device.type

@@ -15,12 +15,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from .. import __version__
 from ..errors import CompileError, InputError
 from ..files import check_destination
 from ..format import Manifest, MethodSpec, write_bundle
 from ..format.manifest import CALL_HELPER, MUTATED_BUFFERS_OPTION, MUTATED_INPUTS_OPTION, method_name_problem
 from ..opening import require_regular
+from ..version import __version__
 from .aot import DEFAULT_CPU_TARGET, Progress, check_cpu_target, check_device, check_options, compile_program, import_torch
 from .signature import dim_names_from_dynamic_shapes, program_signature
 

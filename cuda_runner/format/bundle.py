@@ -32,9 +32,9 @@ import xxhash
 from ..errors import BundleError, InputError, WriteError
 from ..files import write_file
 from ..opening import open_regular
-from ..signing import SignatureMismatch, SignedFile, TrustedKey, read_signature, signature_path
 from .digest import DIGEST_ALGORITHM, TreeHasher, in_background, segment_digest
 from .manifest import MAX_SEGMENTS, Manifest, SegmentEntry, manifest_from_json
+from .signing import SignatureMismatch, SignedFile, TrustedKey, read_signature, signature_path
 
 MAGIC = b"\x89CRB\r\n\x1a\n"
 FORMAT_MAJOR = 1

@@ -31,7 +31,6 @@ from typing import Any, BinaryIO
 
 from ..errors import BundleError, IncompatibleBundleError, InputError
 from ..opening import open_regular
-from ..signing import SignedFile, TrustedKey
 from . import executorch as et
 from .digest import in_background
 from .elf import LibraryFacts, read_library_facts
@@ -51,6 +50,7 @@ from .manifest import (
     Wiring,
     method_name_problem,
 )
+from .signing import SignedFile, TrustedKey
 
 NO_DIGEST = "none"
 # ExecuTorch's own CUDA kernels, which libtorch does not provide (quantized matmuls).
@@ -470,7 +470,7 @@ def convert_program(reader: ProgramReader, destination: str | os.PathLike[str], 
     segment digested, the signature and ExecuTorch details in the manifest.
     SHA-256 keys are checked on the way. `call_helper`: the built call helper
     to store with every method (cuda_runner.compile.helper)."""
-    from .. import __version__
+    from ..version import __version__
     from .bundle import write_bundle
     from .manifest import CALL_HELPER
 

@@ -16,9 +16,9 @@ from typing import Protocol
 
 from ..errors import CudaRunnerError, InputError
 from ..opening import open_regular
-from ..signing import SignedFile, TrustedKey
 from .bundle import open_bundle
 from .manifest import Manifest
+from .signing import SignedFile, TrustedKey
 
 
 class ModelReader(Protocol):

@@ -26,8 +26,8 @@ import numpy as np
 from ..dtypes import DTYPE_NAMES, FLOAT_DTYPES, dtype_name, itemsize, numpy_dtype
 from ..errors import BundleError, CudaRunnerError, InputError
 from ..format.manifest import MethodSpec, TensorSpec
+from ..format.validation import evaluate_shape_entry, validate_inputs
 from ..shapes import allocation_problem, shape_text, span_problem
-from ..validation import check_inputs, evaluate_shape_entry
 from .convert import convert, limits, position_text, range_text, value_text
 from .npy import ArrayHeader, NpzArchive, load_array, read_array_header
 
@@ -93,9 +93,13 @@ class InputSource:
 
 @dataclass
 class ResolvedInputs:
+    """Inputs read or generated for one method, already checked against its
+    signature: Method.run given these for that method checks them no more."""
+
     arrays: dict[str, np.ndarray]
     sources: list[InputSource] = field(default_factory=list)
     dims: dict[str, int] = field(default_factory=dict)
+    method: MethodSpec | None = None  # the signature they were checked against
 
 
 @dataclass
@@ -136,14 +140,14 @@ def resolve_inputs(method: MethodSpec, plan: InputPlan, samples: NpzArchive | No
 
 def _resolved(method: MethodSpec, pending: list[_Pending]) -> ResolvedInputs:
     given = {item.source.name: (item.dtype, item.shape) for item in pending}
-    dims = check_inputs(method, given)
+    dims = validate_inputs(method, given)
     for item in pending:
         if item.too_large is not None:
             problem = allocation_problem(item.shape, itemsize(item.dtype))
             if problem is not None:
                 raise item.too_large(problem)  # before anything is allocated: not NumPy's "array is too big" later
     arrays = {item.source.name: item.load() for item in pending}
-    return ResolvedInputs(arrays, [item.source for item in pending], dims)
+    return ResolvedInputs(arrays, [item.source for item in pending], dims, method)
 
 
 def check_arrays(method: MethodSpec, arrays: Mapping[str, np.ndarray], sources: list[InputSource], *, cast: bool = False) -> ResolvedInputs:

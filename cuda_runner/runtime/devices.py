@@ -7,7 +7,7 @@ import ctypes
 import functools
 import platform
 import re
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -33,6 +33,23 @@ def parse_device(text: str) -> Device:
     if match.group(1):
         return Device("cpu")
     return Device("cuda", int(match.group(2) or 0))
+
+
+def parse_devices(text: str | Sequence[int | str]) -> list[Device]:
+    """"all" (every CUDA device), "0,1", or a list of indexes or device names."""
+    if isinstance(text, str):
+        if text.strip() == "all":
+            count = cuda_device_count()
+            if count == 0:
+                raise InputError("no CUDA device is available for 'all'", subject="device")
+            return [Device("cuda", index) for index in range(count)]
+        items: Sequence[int | str] = [item for item in text.split(",") if item.strip()]
+    else:
+        items = text
+    devices = [Device("cuda", int(item)) if isinstance(item, int) or str(item).strip().isdigit() else parse_device(str(item)) for item in items]
+    if not devices or len(set(devices)) != len(devices):
+        raise InputError(f"give distinct devices, e.g. 'all' or '0,1' (got {text!r})", subject="device")
+    return devices
 
 
 def checked_isa_flags(flags: Iterable[str]) -> frozenset[str]:

@@ -32,7 +32,8 @@ from ..dtypes import dtype_name
 from ..errors import BundleError, ClosedError, InputError, ModelRuntimeError
 from ..format.manifest import LIBRARY_CHECKS_OPTION, MUTATED_BUFFERS_OPTION, MUTATED_INPUTS_OPTION, MethodSpec
 from ..format.source import ModelReader
-from ..validation import check_inputs
+from ..format.validation import validate_inputs
+from ..io.inputs import ResolvedInputs
 from .constants import ConstantMemory, bind_constants
 from .container import ConstantInfo, Container
 from .devices import Device
@@ -340,18 +341,24 @@ class Method:
             return used
         return None if self._lanes.closed else self._lanes.first.stream
 
-    def run(self, inputs: Inputs, *, phases: dict[str, float] | None = None) -> dict[str, np.ndarray]:
+    def run(self, inputs: Inputs | ResolvedInputs, *, phases: dict[str, float] | None = None) -> dict[str, np.ndarray]:
         """NumPy (or array-like) inputs by name or position; NumPy outputs by name.
 
         Pass a dict as `phases` to have it filled with the time of the input
-        copies, the model and the output copies (CUDA events on a GPU)."""
-        ordered = self._ordered(inputs)
-        screen = None
-        if all(type(array) is np.ndarray for array in ordered):
-            screen = self._host_arrays  # arrays as given: screened only when their signature is new
+        copies, the model and the output copies (CUDA events on a GPU).
+
+        Inputs resolved for this method (io.inputs.resolve_inputs) were checked
+        against its signature then, and are not checked again."""
+        if isinstance(inputs, ResolvedInputs) and inputs.method is self.spec:
+            ordered = [inputs.arrays[name] for name in self._names]
         else:
-            ordered = self._host_arrays(ordered)
-        self._accept(ordered, _host_dtype_name, self._accepted_host, screen)
+            ordered = self._ordered(inputs.arrays if isinstance(inputs, ResolvedInputs) else inputs)
+            screen = None
+            if all(type(array) is np.ndarray for array in ordered):
+                screen = self._host_arrays  # arrays as given: screened only when their signature is new
+            else:
+                ordered = self._host_arrays(ordered)
+            self._accept(ordered, _host_dtype_name, self._accepted_host, screen)
         if self._copies_inputs:
             ordered = self._private_copies(ordered, np.array)
         given = ordered
@@ -449,7 +456,7 @@ class Method:
         if screen is not None:
             screen(arrays)
         given = {spec.name: (dtype_of(array, spec.dtype), tuple(array.shape)) for spec, array in zip(self.spec.inputs, arrays)}
-        check_inputs(self.spec, given)
+        validate_inputs(self.spec, given)
         if len(accepted) < 256:
             accepted.add(key)
 
@@ -472,7 +479,7 @@ class Method:
                     return [inputs[name] for name in names]
                 except KeyError:
                     pass
-            check_inputs(self.spec, {name: ("", ()) for name in inputs})  # raises, naming the missing or unknown input
+            validate_inputs(self.spec, {name: ("", ()) for name in inputs})  # raises, naming the missing or unknown input
             raise InputError(f"method {self.spec.name!r} takes inputs {', '.join(names) or 'none'}")
         values = list(inputs)
         if len(values) != len(names):

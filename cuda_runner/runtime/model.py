@@ -23,7 +23,7 @@ from ..errors import ClosedError, InputError
 from ..format.manifest import Manifest, MethodSpec, choose_method
 from ..format.source import ModelReader, open_model
 from .constants import ConstantMemory
-from .devices import Device, choose_device
+from .devices import Device, choose_device, parse_devices
 from .method import Inputs, Method
 from .options import LoadOptions
 
@@ -162,25 +162,6 @@ class ModelPool:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
-
-
-def parse_devices(text: str | Sequence[int | str]) -> list[Device]:
-    """"all" (every CUDA device), "0,1", or a list of indexes or device names."""
-    from .devices import cuda_device_count, parse_device
-
-    if isinstance(text, str):
-        if text.strip() == "all":
-            count = cuda_device_count()
-            if count == 0:
-                raise InputError("no CUDA device is available for 'all'", subject="device")
-            return [Device("cuda", index) for index in range(count)]
-        items: Sequence[int | str] = [item for item in text.split(",") if item.strip()]
-    else:
-        items = text
-    devices = [Device("cuda", int(item)) if isinstance(item, int) or str(item).strip().isdigit() else parse_device(str(item)) for item in items]
-    if not devices or len(set(devices)) != len(devices):
-        raise InputError(f"give distinct devices, e.g. 'all' or '0,1' (got {text!r})", subject="device")
-    return devices
 
 
 def load_pool(source: str | os.PathLike[str], devices: str | Sequence[int | str] = "all", options: LoadOptions = _DEFAULTS, *,

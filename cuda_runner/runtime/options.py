@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..errors import InputError
-from ..signing import TrustedKey
+from ..format.signing import TrustedKey
 
 
 @dataclass(frozen=True)

@@ -9,11 +9,11 @@ import pytest
 
 import cuda_runner
 from cuda_runner import LoadOptions
-from cuda_runner.batch import BatchRequest, run_batch
-from cuda_runner.bench import BenchRequest, benchmark
+from cuda_runner.commands.batch import BatchRequest, run_batch
+from cuda_runner.commands.bench import BenchRequest, benchmark
+from cuda_runner.commands.running import RunRequest, run_bundle
 from cuda_runner.errors import InputError
 from cuda_runner.io.inputs import ArchiveFile, GivenInputs
-from cuda_runner.running import RunRequest, run_bundle
 
 
 def _sets(folder: Path) -> Path:

@@ -73,7 +73,7 @@ def test_a_manifest_that_lies_about_the_library_is_refused_with_input_checks(com
 
 
 def test_inspect_verify_runs_the_library_checks(dict_mlp_bundle, tmp_path):
-    from cuda_runner.inspection import inspect_bundle
+    from cuda_runner.commands.inspection import inspect_bundle
 
     honest = inspect_bundle(dict_mlp_bundle.path, verify=True)
     assert honest.verified and honest.methods["forward"].library_check == "passed"

@@ -19,19 +19,19 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from .errors import CudaRunnerError, ExitCode, InputError
-from .format.manifest import MethodSpec
-from .io.inputs import ArchiveFile, ArrayFile, GivenInputs, resolve_inputs
-from .io.outputs import OutputPlan, output_filenames, write_outputs
-from .names import safe_filename
-from .opening import require_folder
-from .report.schema import SCHEMAS
+from ..errors import CudaRunnerError, ExitCode, InputError
+from ..format.manifest import MethodSpec
+from ..io.inputs import ArchiveFile, ArrayFile, GivenInputs, resolve_inputs
+from ..io.outputs import OutputPlan, output_filenames, write_outputs
+from ..names import safe_filename
+from ..opening import require_folder
+from ..report.schema import SCHEMAS
+from ..runtime.model import load_model, load_pool
+from ..runtime.options import LoadOptions
+from ..verify.compare import Comparison, Tolerances, compare_outputs
+from ..verify.reference import load_reference
 from .running import open_for_run
-from .runtime.model import load_model, load_pool
-from .runtime.options import LoadOptions
 from .stacking import Stacker, batch_dim
-from .verify.compare import Comparison, Tolerances, compare_outputs
-from .verify.reference import load_reference
 
 Progress = Callable[[int, int], None]
 

@@ -11,12 +11,12 @@ from typing import Any
 
 import numpy as np
 
-from .io.inputs import InputPlan, RandomInputs
-from .report.schema import SCHEMAS
+from ..io.inputs import InputPlan, RandomInputs
+from ..report.schema import SCHEMAS
+from ..runtime.method import Method
+from ..runtime.model import Model, load_model
+from ..runtime.options import LoadOptions
 from .running import open_for_run, prepare_inputs
-from .runtime.method import Method
-from .runtime.model import Model, load_model
-from .runtime.options import LoadOptions
 
 # What each number includes; also in `bench --json` as "definitions".
 DEFINITIONS = """\

@@ -17,19 +17,19 @@ from typing import Any
 
 import numpy as np
 
-from .errors import InputError
-from .format.manifest import MethodSpec, choose_method
-from .format.source import ModelReader, open_model
-from .io.inputs import GivenInputs, InputPlan, ResolvedInputs, StoredSamples, resolve_inputs
-from .io.npy import NpzArchive, save_archive
-from .io.outputs import OutputPlan, write_outputs
-from .report.schema import SCHEMAS
-from .report.stats import ArrayStats, array_stats
-from .runtime.model import load_model
-from .runtime.options import LoadOptions
-from .signing import TrustedKey
-from .verify.compare import Comparison, Tolerances, compare_outputs
-from .verify.reference import load_reference, stored_sample_outputs
+from ..errors import InputError
+from ..format.manifest import MethodSpec, choose_method
+from ..format.signing import TrustedKey
+from ..format.source import ModelReader, open_model
+from ..io.inputs import GivenInputs, InputPlan, ResolvedInputs, StoredSamples, resolve_inputs
+from ..io.npy import NpzArchive, save_archive
+from ..io.outputs import OutputPlan, write_outputs
+from ..report.schema import SCHEMAS
+from ..report.stats import ArrayStats, array_stats
+from ..runtime.model import load_model
+from ..runtime.options import LoadOptions
+from ..verify.compare import Comparison, Tolerances, compare_outputs
+from ..verify.reference import load_reference, stored_sample_outputs
 
 Progress = Callable[[str], None]
 
@@ -181,7 +181,7 @@ def run_bundle(request: RunRequest, progress: Progress = lambda _: None) -> RunR
         load_timings = model.load_timings(method.name)
         progress(f"running {method.name!r} on {loaded.device}")
         started = time.perf_counter()
-        outputs = loaded.run(inputs.arrays)
+        outputs = loaded.run(inputs)  # checked against the signature when resolved: not again
         ran = time.perf_counter() - started
         device = str(loaded.device)
         provider = loaded.provider

@@ -25,8 +25,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from .errors import BundleError, InputError
-from .opening import read_small
+from ..errors import BundleError, InputError
+from ..opening import read_small
 
 SIGNATURE_SUFFIX = ".sig"
 DEFAULT_SHARD_SIZE = 16 << 20
@@ -180,7 +180,7 @@ def sign_file(path: str | os.PathLike[str], private_key: str | os.PathLike[str],
             "signatures": [{"sig": base64.b64encode(signature).decode(), "keyid": ""}],
         },
     }
-    from .files import write_file
+    from ..files import write_file
 
     def write(handle: Any) -> None:
         handle.write(json.dumps(document, indent=2).encode() + b"\n")

@@ -25,10 +25,10 @@ from typing import Any
 
 import numpy as np
 
-from .dtypes import dtype_name
-from .errors import ClosedError, InputError, ModelRuntimeError
-from .format.manifest import MethodSpec
-from .validation import check_inputs
+from ..dtypes import dtype_name
+from ..errors import ClosedError, InputError, ModelRuntimeError
+from ..format.manifest import MethodSpec
+from ..format.validation import validate_inputs
 
 LINGER_SECONDS = 0.002  # how long a dispatcher waits for more sets to stack
 
@@ -79,7 +79,7 @@ class Stacker:
         """Run one set (from any thread); returns its own outputs."""
         arrays = {name: np.asarray(value) for name, value in arrays.items()}
         # Each set must be valid on its own: stacked, a wrong size could pass unseen.
-        check_inputs(self._spec, {name: (dtype_name(array.dtype), array.shape) for name, array in arrays.items()})
+        validate_inputs(self._spec, {name: (dtype_name(array.dtype), array.shape) for name, array in arrays.items()})
         rows = int(arrays[self._batched[0]].shape[0])
         request = _Request(self._key(arrays), arrays, rows, Future())
         with self._lock:

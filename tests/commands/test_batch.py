@@ -264,8 +264,8 @@ def test_batch_size_stacks_sets_and_splits_outputs_back(compiled, tmp_path):
 
 
 def test_stacking_groups_and_bounds(compiled):
+    from cuda_runner.commands.stacking import Stacker
     from cuda_runner.runtime.model import load_model
-    from cuda_runner.stacking import Stacker
 
     calls = []
     with load_model(compiled("linear", "cpu").path) as model:
@@ -297,9 +297,9 @@ def test_batch_size_is_refused_where_outputs_do_not_lead_with_the_batch(dict_mlp
 
 
 def test_the_stacker_refuses_invalid_sets_and_calls_after_close(compiled):
+    from cuda_runner.commands.stacking import Stacker
     from cuda_runner.errors import ClosedError, InputError
     from cuda_runner.runtime.model import load_model
-    from cuda_runner.stacking import Stacker
 
     with load_model(compiled("linear", "cpu").path) as model:
         method = model.method()

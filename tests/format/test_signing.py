@@ -11,7 +11,7 @@ from helpers import ROOT, cli
 
 import cuda_runner
 from cuda_runner.errors import BundleError, InputError
-from cuda_runner.signing import sign_file, signature_path
+from cuda_runner.format.signing import sign_file, signature_path
 
 ec = pytest.importorskip("cryptography.hazmat.primitives.asymmetric.ec")
 serialization = pytest.importorskip("cryptography.hazmat.primitives.serialization")
@@ -58,7 +58,7 @@ def test_a_signed_bundle_runs_with_its_key(signed, memfds):
     result = cli("run", str(bundle), "--random-inputs", "--trusted-key", str(public))
     assert result.returncode == 0, result.stderr
     assert len(memfds) == 1
-    from cuda_runner.signing import load_public_key
+    from cuda_runner.format.signing import load_public_key
 
     fingerprint = load_public_key(public).fingerprint
     assert f"signature: verified before loading, by trusted key {fingerprint}" in result.stdout  # the run says what it checked
@@ -209,7 +209,7 @@ def test_whole_file_signatures_verify_too(signed, tmp_path):
 
 def test_a_signature_made_by_the_model_signing_tool_verifies():
     """tests/data/model-signing: a file signed by `model_signing sign key` (model-signing 1.1.1)."""
-    from cuda_runner.signing import load_public_key, read_signature
+    from cuda_runner.format.signing import load_public_key, read_signature
 
     folder = ROOT / "tests" / "data" / "model-signing"
     target = folder / "model.bin"
@@ -227,9 +227,9 @@ def test_a_signature_made_by_the_model_signing_tool_verifies():
 def test_library_bytes_changed_in_place_after_the_check_are_refused(signed, tmp_path, shard_size):
     """The library is checked on the private copy that gets loaded, not on the mapping checked earlier."""
     from cuda_runner.format import open_bundle
+    from cuda_runner.format.signing import load_public_key
     from cuda_runner.runtime.devices import Device
     from cuda_runner.runtime.method import Method
-    from cuda_runner.signing import load_public_key
 
     bundle, public, _ = signed
     sign_file(bundle, tmp_path / "builder.pem", shard_size=shard_size)
@@ -283,7 +283,7 @@ def test_closing_a_signed_model_unmaps_the_bundle(signed):
 def test_signed_ranges_must_tile_the_file_within_its_size():
     from pathlib import Path
 
-    from cuda_runner.signing import _signed_ranges
+    from cuda_runner.format.signing import _signed_ranges
 
     def payload(names):
         resources = [{"name": name, "algorithm": "sha256", "digest": "00" * 32} for name in names]

@@ -11,9 +11,9 @@ import ast
 import operator
 from collections.abc import Mapping
 
-from .errors import InputError
-from .format.manifest import DimSpec, MethodSpec, TensorSpec
-from .shapes import shape_text
+from ..errors import InputError
+from ..shapes import shape_text
+from .manifest import DimSpec, MethodSpec, TensorSpec
 
 _OPERATORS = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul, ast.FloorDiv: operator.floordiv}
 
@@ -40,7 +40,7 @@ def _evaluate(node: ast.AST, dims: Mapping[str, int]) -> int:
     raise ValueError("unsupported expression")
 
 
-def check_inputs(method: MethodSpec, given: Mapping[str, tuple[str, tuple[int, ...]]]) -> dict[str, int]:
+def validate_inputs(method: MethodSpec, given: Mapping[str, tuple[str, tuple[int, ...]]]) -> dict[str, int]:
     """`given` maps input names to (dtype name, shape). Returns the dynamic dim values."""
     _check_names(method, given)
     bindings: dict[str, tuple[int, str]] = {}  # dim -> (value, where it was bound)

@@ -16,14 +16,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from .errors import BundleError, CudaRunnerError
-from .format.bundle import BundleReader
-from .format.manifest import DimSpec, Manifest, MethodSpec, SegmentEntry, TensorSpec
-from .format.program import ProgramInfo, ProgramReader
-from .format.source import ModelReader, open_model
-from .report.schema import SCHEMAS
-from .runtime.devices import Device, incompatibility
-from .signing import TrustedKey, read_signature_file, signature_path
+from ..errors import BundleError, CudaRunnerError
+from ..format.bundle import BundleReader
+from ..format.manifest import DimSpec, Manifest, MethodSpec, SegmentEntry, TensorSpec
+from ..format.program import ProgramInfo, ProgramReader
+from ..format.signing import TrustedKey, read_signature_file, signature_path
+from ..format.source import ModelReader, open_model
+from ..report.schema import SCHEMAS
+from ..runtime.devices import Device, incompatibility
 
 # AOTI_CPU_ISA values, as people know them.
 _ISA_NAMES = {"INVALID_VEC_ISA": "none (scalar code)", "AVX512": "AVX-512", "AVX512 AVX512_VNNI": "AVX-512 VNNI",
@@ -212,8 +212,8 @@ def program_json(info: ProgramInfo, shim_check: dict[str, tuple[list[str] | None
 
 def _provider_needs(reader: Any, spec: MethodSpec) -> tuple[bool | None, str]:
     """Which shim provider the method's library would run on, read from its file (nothing is loaded)."""
-    from .format.elf import read_library_facts
-    from .runtime.providers import runs_on
+    from ..format.elf import read_library_facts
+    from ..runtime.providers import runs_on
 
     try:
         return runs_on(read_library_facts(reader.segment(spec.library_segment, verify=False)))
@@ -257,7 +257,7 @@ def inspect_bundle(
 
 
 def _shim_check(info: ProgramInfo) -> dict[str, tuple[list[str] | None, str | None]]:
-    from .runtime.shim import missing_symbols
+    from ..runtime.shim import missing_symbols
 
     return {
         name: missing_symbols(method.library.shim_symbols, "cuda" if method.library.uses_cuda else "cpu")
@@ -271,10 +271,10 @@ def _check_library(reader: ModelReader, report: MethodReport, digests_ok: bool) 
         return "skipped: digests do not match"
     if report.not_runnable_reason is not None:
         return "skipped: not runnable here"
-    from .io.inputs import RandomInputs, resolve_inputs
-    from .runtime.devices import choose_device
-    from .runtime.method import Method
-    from .runtime.options import LoadOptions
+    from ..io.inputs import RandomInputs, resolve_inputs
+    from ..runtime.devices import choose_device
+    from ..runtime.method import Method
+    from ..runtime.options import LoadOptions
 
     spec = report.spec
     try:

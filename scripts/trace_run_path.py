@@ -1,0 +1,130 @@
+"""The path a `cuda-runner run` request takes through the package's modules.
+
+Runs the CLI in this process on a CPU bundle (compiled here, or given) with a
+profiler hook that records every call into a cuda_runner function, then
+reports, for the sequence of modules entered (repeats in a row collapsed):
+
+- rooms: distinct modules entered;
+- doors: distinct (caller module, callee module) pairs;
+- returns: entries into a module the path had already left;
+- climbs: calls whose caller is in a lower layer than the callee (callbacks
+  and late imports the layer rule does not see), as distinct pairs;
+- the sequence itself, with `--show`.
+
+The CLI's own modules and the start-up import are left out: the path begins
+when the run command starts. Layers are those of tests/test_architecture.py.
+
+    python scripts/trace_run_path.py [--bundle B.bundle] [--show]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import tempfile
+from pathlib import Path
+
+LAYERS = [
+    {"errors", "names", "shapes", "dtypes", "files", "opening", "version"},
+    {"format"},
+    {"io", "verify", "report"},
+    {"runtime"},
+    {"compile"},
+    {"commands"},
+    {"cli", "ray", "__init__", "__main__"},
+]
+# Before the modules were put in layers (for tracing an older checkout side by side).
+OLD_UNITS = {"validation": "format", "signing": "format", "running": "commands", "bench": "commands", "batch": "commands",
+             "stacking": "commands", "inspection": "commands"}
+
+
+def layer_of(module: str) -> int:
+    parts = module.split(".")
+    unit = OLD_UNITS.get(parts[1], parts[1]) if len(parts) > 1 else "__init__"
+    return next((index for index, units in enumerate(LAYERS) if unit in units), len(LAYERS))
+
+
+def compile_bundle(folder: Path) -> Path:
+    import torch
+
+    import cuda_runner
+
+    class Model(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.linear = torch.nn.Linear(16, 8)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return torch.relu(self.linear(x))
+
+    path = folder / "traced.bundle"
+    cuda_runner.compile_module(Model().eval(), (torch.randn(2, 16),), path, device="cpu")
+    return path
+
+
+def trace(argv: list[str]) -> tuple[list[str], set[tuple[str, str]]]:
+    """The modules entered, in order, and the (caller, callee) module pairs, while the CLI runs `argv`."""
+    entered: list[str] = []
+    doors: set[tuple[str, str]] = set()
+
+    def hook(frame, event, _arg):  # type: ignore[no-untyped-def]
+        if event != "call":
+            return
+        module = frame.f_globals.get("__name__", "")
+        if not module.startswith("cuda_runner.") or module.startswith("cuda_runner.cli"):
+            return
+        caller = frame.f_back.f_globals.get("__name__", "") if frame.f_back is not None else ""
+        if caller.startswith("cuda_runner.") and caller != module:
+            doors.add((caller, module))
+        if not entered or entered[-1] != module:
+            entered.append(module)
+
+    from cuda_runner.cli.main import main
+
+    os.environ["CUDA_RUNNER_FULL_EXIT"] = "1"  # return from main() instead of ending the process at once
+    sys.argv = ["cuda-runner", *argv]
+    sys.setprofile(hook)
+    try:
+        main()
+    except SystemExit:
+        pass
+    finally:
+        sys.setprofile(None)
+    return entered, doors
+
+
+def summarise(path: list[str], doors: set[tuple[str, str]]) -> dict[str, int]:
+    seen: set[str] = set()
+    returns = 0
+    for module in path:
+        returns += module in seen
+        seen.add(module)
+    climbs = sum(1 for caller, callee in doors if layer_of(callee) > layer_of(caller))
+    return {"rooms": len(seen), "doors": len(doors), "entries": len(path), "returns": returns, "climbs": climbs}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--bundle", type=Path, help="a CPU bundle with one input x of [2, 16] float32 (default: compile one)")
+    parser.add_argument("--show", action="store_true", help="print the sequence of modules")
+    options = parser.parse_args()
+    import numpy as np
+
+    with tempfile.TemporaryDirectory() as scratch:
+        folder = Path(scratch)
+        bundle = options.bundle or compile_bundle(folder)
+        np.save(folder / "x.npy", np.ones((2, 16), np.float32))
+        path, doors = trace(["run", str(bundle), "--inputs", f"x={folder / 'x.npy'}", "--out-dir", str(folder / "out"), "--device", "cpu", "-q"])
+    figures = summarise(path, doors)
+    print(f"run: {figures['rooms']} rooms, {figures['doors']} doors, {figures['entries']} entries, "
+          f"{figures['returns']} returns to rooms already left, {figures['climbs']} climbs to a higher layer")
+    if options.show:
+        for module in path:
+            print(f"  {module}")
+        for caller, callee in sorted(doors):
+            print(f"  {caller} -> {callee}{'  (climb)' if layer_of(callee) > layer_of(caller) else ''}")
+
+
+if __name__ == "__main__":
+    main()
