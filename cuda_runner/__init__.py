@@ -110,6 +110,13 @@ def compile_programs(*args: Any, **kwargs: Any) -> Any:
     return _compile_programs(*args, **kwargs)
 
 
+def compile_methods(*args: Any, **kwargs: Any) -> Any:
+    """AOT-compile several methods of one nn.Module into a bundle, shared weights stored once; see cuda_runner.compile.compile_methods."""
+    from .compile import compile_methods as _compile_methods
+
+    return _compile_methods(*args, **kwargs)
+
+
 __all__ = [
     "BundleError",
     "ClosedError",
@@ -122,6 +129,7 @@ __all__ = [
     "ModelRuntimeError",
     "WriteError",
     "__version__",
+    "compile_methods",
     "compile_module",
     "compile_programs",
     "load",
