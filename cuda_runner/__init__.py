@@ -34,7 +34,7 @@ from .runtime.options import LoadOptions
 from .version import __version__
 
 if TYPE_CHECKING:
-    from .compile import compile_module, compile_programs
+    from .compile import compile_methods, compile_module, compile_programs
     from .runtime.model import Model, ModelPool
 
 
@@ -99,9 +99,9 @@ def _options(options: LoadOptions | None, trusted_keys: Iterable[str | os.PathLi
 
 
 def __getattr__(name: str) -> Any:
-    """compile_module and compile_programs, imported when first used (their
+    """compile_module, compile_programs and compile_methods, imported when first used (their
     module is light, but compiling is the only thing that needs it)."""
-    if name in ("compile_module", "compile_programs"):
+    if name in ("compile_module", "compile_programs", "compile_methods"):
         from . import compile as compiling
 
         return getattr(compiling, name)
@@ -121,6 +121,7 @@ __all__ = [
     "ModelRuntimeError",
     "WriteError",
     "__version__",
+    "compile_methods",
     "compile_module",
     "compile_programs",
     "load",

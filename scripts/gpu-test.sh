@@ -26,6 +26,15 @@ if ls .gpu-wheels/*.whl >/dev/null 2>&1; then
 fi
 python3 -X faulthandler -m pytest -m gpu tests -p no:cacheprovider -p no:logging -rA -s ${GPU_TEST_ARGS:-} 2>&1 | tee "$out/gpu-tests.log"
 status=${PIPESTATUS[0]}
+# The environment without torch, on a CPU that can run the ExecuTorch CPU
+# stand-ins (their libraries need AVX-512, which the CI machines lack).
+if [ "${GPU_NO_TORCH_ENV:-1}" = 1 ]; then
+  python3 -X faulthandler -m pytest tests/runtime/test_no_torch_env.py -p no:cacheprovider -rA 2>&1 | tee "$out/no-torch-env.log"
+  [ "${PIPESTATUS[0]}" = 0 ] || status=1
+fi
+if [ "${GPU_SHARED_WEIGHTS:-0}" = 1 ]; then
+  python3 -X faulthandler scripts/bench_shared_weights.py --device cuda --json "$out/shared-weights.json" 2>&1 | tee "$out/shared-weights.log"
+fi
 [ "${GPU_COLDSTART:-1}" = 1 ] && {
   echo "== import cost (s)"
   for module in numpy typer rich cupy cupy_backends.cuda.api.runtime; do

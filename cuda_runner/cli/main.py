@@ -301,6 +301,9 @@ def compile_command(
     standalone: Annotated[bool, typer.Option("--standalone", help=(
         "Compile so the library needs only cuda-runner's own shim, not libtorch, at run time (CUDA: Triton GEMMs and "
         "convolutions); refused, naming the kernels, where the model still needs libtorch."))] = False,
+    share_weights: Annotated[bool, typer.Option("--share-weights/--no-share-weights", help=(
+        "Store a weight that several methods hold alike (same FQN, dtype, shape, strides and bytes, as in programs exported "
+        "from one module) once; loaded together, the methods upload it once."))] = True,
 ) -> None:
     """Compile ExportedPrograms into a bundle with AOTInductor."""
     from ..runtime.devices import parse_device
@@ -337,7 +340,7 @@ def compile_command(
     with _native_stderr():
         methods = compile_in_process_group(report, programs=programs, output=output, device=device, metadata=metadata, sample_inputs=arrays,
                                            options=parse.option_values(option, autotune), call_helper=call_helper, cpu_target=cpu_target,
-                                           standalone=standalone)
+                                           standalone=standalone, share_weights=share_weights)
     signed = _sign(output, sign_key)
     if not _State.quiet:
         _out().line(printable(f"wrote {output}: {', '.join(methods)} for {device}{signed}"))

@@ -24,7 +24,7 @@ if TYPE_CHECKING:  # the results are typed; their modules load only when a comma
     from ..commands.bench import BenchResult
     from ..commands.inspection import InspectResult, MethodReport, SignatureReport
     from ..commands.running import RunResult
-    from ..format.manifest import MethodSpec
+    from ..format.manifest import Manifest, MethodSpec
     from ..format.program import ProgramMethodInfo
     from ..runtime.devices import DevicesResult
     from ..verify.compare import Comparison
@@ -123,7 +123,7 @@ def inspect_lines(result: InspectResult) -> list[str]:
         lines.append(clean(f"built with {build}"))
     lines += [clean(f"meta {key} = {value}") for key, value in manifest.metadata.items()]
     for name, report in result.methods.items():
-        lines += _method_lines(name, report)
+        lines += _method_lines(name, report, None if result.program is not None else manifest.shared_weights())
         if result.program is not None:
             lines += _program_method_lines(result.program.methods[name], result.shim_check[name])
     if result.program is not None:
@@ -139,6 +139,7 @@ def inspect_lines(result: InspectResult) -> list[str]:
             row.append("not checkable" if ok is None else "ok" if ok else "MISMATCH")
         rows.append(row)
     lines += table(headers, rows, "  ")
+    lines += _shared_weight_lines(manifest)
     lines += _signature_lines(result.signature, result.segment_digests_ok is not None)
     if result.verified is not None:
         skipped = any((report.library_check or "").startswith("skipped") for report in result.methods.values())
@@ -170,6 +171,20 @@ def _program_method_lines(method: ProgramMethodInfo, shim_check: tuple[list[str]
         verdict = f"{scope} has all of them"
     lines.append(clean(f"  shim functions: {len(facts.shim_symbols)} needed, {verdict}"))
     return lines
+
+
+def _shared_weight_lines(manifest: Manifest) -> list[str]:
+    """The weight storages several methods name: stored once, uploaded once when they load together."""
+    from ..commands.inspection import shared_weights_json
+
+    shared = shared_weights_json(manifest)
+    if not shared:
+        return []
+    total = sum(entry["size"] for entry in shared.values())
+    lines = ["", clean(f"shared weights: {len(shared)} storage(s), {human_bytes(total)}, stored once and uploaded once for the methods that name them")]
+    rows = [[clean(name), human_bytes(entry["size"]), clean(", ".join(entry["fqns"]) or "(weights blob)"), clean(", ".join(entry["methods"]))]
+            for name, entry in shared.items()]
+    return lines + table(["segment", "size", "constants", "methods"], rows, "  ")
 
 
 def _signature_lines(signature: SignatureReport | None, segments_checked: bool) -> list[str]:
@@ -210,7 +225,7 @@ def _wiring_lines(spec: MethodSpec) -> list[str]:
     return lines
 
 
-def _method_lines(name: str, report: MethodReport) -> list[str]:
+def _method_lines(name: str, report: MethodReport, shared: dict[str, list[str]] | None = None) -> list[str]:
     from ..commands.inspection import isa_name
 
     spec, device = report.spec, report.spec.device
@@ -229,6 +244,9 @@ def _method_lines(name: str, report: MethodReport) -> list[str]:
     for role, entry in (("library", report.library), ("weights", report.weights), ("call helper", report.call_helper)):
         if entry is not None:
             lines.append(f"  {role}: {human_bytes(entry.size)}  {entry.digest}")
+    if spec.constants and shared is not None:
+        own = [constant for constant in spec.constants if constant.segment not in shared]
+        lines.append(clean(f"  weights: {len(spec.constants)} constants by FQN, {len(spec.constants) - len(own)} in storages shared with other methods"))
     if device.type == "cpu" and device.cpu_flags:
         lines.append(clean(f"  needs CPU flags: {' '.join(device.cpu_flags)}"))
     if report.needs_libtorch is not None:

@@ -187,7 +187,7 @@ def _timed(function: Callable[[], Any]) -> tuple[Any, float]:
 
 
 def benchmark(request: BenchRequest, progress: Progress = lambda done, total: None) -> BenchResult:
-    opened = open_for_run(request.bundle, request.data, request.method, request.load.trusted_keys)
+    opened = open_for_run(request.bundle, request.data, request.method, request.load.trusted_keys, request.device)
     try:
         inputs, _ = prepare_inputs(opened.reader, opened.method, request.inputs)
     except BaseException:

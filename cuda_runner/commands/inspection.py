@@ -43,6 +43,16 @@ def dim_json(dim: DimSpec) -> dict[str, Any]:
     return {"min": dim.min, "max": dim.max, "example": dim.example}
 
 
+def shared_weights_json(manifest: Manifest) -> dict[str, Any]:
+    """Each weight segment several methods name: its size, the methods, and the FQNs bound to it."""
+    shared = {}
+    for name, methods in manifest.shared_weights().items():
+        entry = manifest.segment(name)
+        fqns = sorted({constant.fqn for method in manifest.methods.values() for constant in method.constants if constant.segment == name})
+        shared[name] = {"size": 0 if entry is None else entry.size, "methods": methods, "fqns": fqns}
+    return shared
+
+
 @dataclass
 class MethodReport:
     spec: MethodSpec
@@ -162,8 +172,10 @@ class InspectResult:
 
     def to_json(self) -> dict[str, Any]:
         segments = []
+        users = self.manifest.segment_users()
         for entry in self.manifest.segments:
-            segment: dict[str, Any] = {"name": entry.name, "offset": entry.offset, "size": entry.size, "digest": entry.digest}
+            segment: dict[str, Any] = {"name": entry.name, "offset": entry.offset, "size": entry.size, "digest": entry.digest,
+                                       "methods": users.get(entry.name, [])}
             if self.segment_digests_ok is not None:
                 segment["verified"] = self.segment_digests_ok.get(entry.name)
             segments.append(segment)
@@ -178,6 +190,7 @@ class InspectResult:
             "optional_features": list(self.manifest.optional_features),
             "methods": {name: report.to_json() for name, report in self.methods.items()},
             "segments": segments,
+            "shared_weights": shared_weights_json(self.manifest),
             "signature": None if self.signature is None else self.signature.to_json(),
             "runnable_here": self.runnable_here,
             "verified": self.verified,

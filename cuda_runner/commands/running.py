@@ -26,7 +26,7 @@ from ..io.npy import NpzArchive, save_archive
 from ..io.outputs import OutputPlan, write_outputs
 from ..report.schema import SCHEMAS
 from ..report.stats import ArrayStats, array_stats
-from ..runtime.model import load_model
+from ..runtime.model import load_model, prepare_device
 from ..runtime.options import LoadOptions
 from ..verify.compare import Comparison, Tolerances, compare_outputs
 from ..verify.reference import load_reference, stored_sample_outputs
@@ -127,10 +127,12 @@ class OpenedModel:
         self.reader.close()
 
 
-def open_for_run(path: Path, data: Path | None, method: str | None, trusted_keys: Sequence[TrustedKey] = ()) -> OpenedModel:
+def open_for_run(path: Path, data: Path | None, method: str | None, trusted_keys: Sequence[TrustedKey] = (),
+                 device: str | None = None) -> OpenedModel:
     """Open a bundle or program, check its signature against `trusted_keys`
     before anything in it is used, and choose the method (the only one, or
-    'forward', where `method` is None)."""
+    'forward', where `method` is None). The method's CUDA context (on
+    `device`, or the bundle's) starts being made meanwhile."""
     started = time.perf_counter()
     reader = open_model(path, data)
     try:
@@ -139,6 +141,7 @@ def open_for_run(path: Path, data: Path | None, method: str | None, trusted_keys
         seconds = time.perf_counter() - started
         methods = reader.manifest.methods
         spec = methods[choose_method(list(methods), method)]
+        prepare_device([spec], device)
     except BaseException:
         reader.close()
         raise
@@ -160,7 +163,7 @@ def prepare_inputs(reader: ModelReader, method: MethodSpec, plan: InputPlan) -> 
 
 def run_bundle(request: RunRequest, progress: Progress = lambda _: None) -> RunResult:
     request.outputs.check()
-    opened = open_for_run(request.bundle, request.data, request.method, request.load.trusted_keys)
+    opened = open_for_run(request.bundle, request.data, request.method, request.load.trusted_keys, request.device)
     method = opened.method
     try:
         started = time.perf_counter()

@@ -2,10 +2,12 @@
 
     compile_module(module, (x,), "model.bundle", device="cuda", dynamic_shapes={"x": {0: Dim("batch")}})
     compile_programs({"forward": "program.pt2"}, "model.bundle", device="cpu")
+    compile_methods(module, {"prefill": (tokens,), "decode": (token,)}, "model.bundle")  # weights shared by FQN stored once
 """
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import os
 import platform
@@ -21,10 +23,11 @@ from ..format import Manifest, MethodSpec, write_bundle
 from ..format.manifest import CALL_HELPER, MUTATED_BUFFERS_OPTION, MUTATED_INPUTS_OPTION, method_name_problem
 from ..opening import require_regular
 from ..version import __version__
+from . import sharing
 from .aot import DEFAULT_CPU_TARGET, Progress, check_cpu_target, check_device, check_options, compile_program, import_torch
 from .signature import dim_names_from_dynamic_shapes, program_signature
 
-__all__ = ["MethodSource", "check_programs", "compile_module", "compile_programs", "export_module"]
+__all__ = ["MethodSource", "check_programs", "compile_methods", "compile_module", "compile_programs", "export_method", "export_module"]
 
 
 @dataclass(frozen=True)
@@ -49,6 +52,57 @@ def export_module(module: Any, args: tuple, kwargs: Mapping[str, Any] | None = N
         raise CompileError(f"torch.export failed: {type(error).__name__}: {str(error).strip().splitlines()[0] if str(error).strip() else ''}") from error
     input_names = list(program.graph_signature.user_inputs)
     return MethodSource(program, dim_names_from_dynamic_shapes(input_names, dynamic_shapes))
+
+
+def export_method(module: Any, method: str, args: tuple, kwargs: Mapping[str, Any] | None = None, dynamic_shapes: Any = None) -> MethodSource:
+    """torch.export `module.<method>` (any method, not only forward) with the
+    module's own parameter names: a shallow copy of the module, whose
+    parameters and submodules are the module's, is exported with that method
+    as its forward (inside it, `self` is still the module)."""
+    if method == "forward":
+        return export_module(module, args, kwargs, dynamic_shapes)
+    bound = getattr(module, method, None)
+    if not callable(bound) or method.startswith("_"):
+        raise InputError(f"the module has no method {method!r} to export", subject="method")
+    module.eval()
+    view = copy.copy(module)
+    view.forward = bound
+    return export_module(view, args, kwargs, dynamic_shapes)
+
+
+def compile_methods(
+    module: Any,
+    methods: Mapping[str, tuple],
+    path: str | os.PathLike,
+    *,
+    device: str = "cpu",
+    dynamic_shapes: Mapping[str, Any] | None = None,
+    share_weights: bool = True,
+    metadata: Mapping[str, str] | None = None,
+    sample_inputs: Mapping[str, Mapping[str, Any]] | None = None,
+    progress: Progress = _quiet,
+    options: Mapping[str, Any] | None = None,
+    call_helper: bool = True,
+    cpu_target: str = DEFAULT_CPU_TARGET,
+    standalone: bool = False,
+) -> Manifest:
+    """Export several methods of one module (`{"prefill": (tokens,), "decode":
+    (token,)}`: method name to example args) and compile them into one bundle.
+    With `share_weights`, a parameter the methods hold alike is stored once and
+    uploaded once when they load together (docs/bundle-format.md, "Shared weights")."""
+    torch = import_torch()
+    target = check_device(torch, device)
+    check_destination(Path(path))
+    if target != "cpu":
+        module = module.to(target)
+    sources = {}
+    for method, args in methods.items():
+        progress(f"exporting {method}")
+        args = tuple(_to_device(arg, target) for arg in args) if target != "cpu" else tuple(args)
+        source = export_method(module, method, args, None, (dynamic_shapes or {}).get(method))
+        sources[method] = MethodSource(source.program, source.dim_names, (sample_inputs or {}).get(method))
+    return compile_sources(sources, path, device=target, metadata=metadata, progress=progress, options=options, call_helper=call_helper,
+                           cpu_target=cpu_target, standalone=standalone, share_weights=share_weights)
 
 
 def compile_module(
@@ -102,8 +156,11 @@ def compile_programs(
     call_helper: bool = True,
     cpu_target: str = DEFAULT_CPU_TARGET,
     standalone: bool = False,
+    share_weights: bool = True,
 ) -> Manifest:
-    """Compile saved ExportedPrograms (torch.export.save) into one bundle; keys are method names."""
+    """Compile saved ExportedPrograms (torch.export.save) into one bundle; keys
+    are method names. With `share_weights`, weights the programs hold alike by
+    FQN are stored once (programs exported from one module)."""
     check_destination(Path(path))
     torch = import_torch()
     target = check_device(torch, device)
@@ -114,7 +171,7 @@ def compile_programs(
         samples = (sample_inputs or {}).get(method)
         sources[method] = MethodSource(program, None, samples)
     return compile_sources(sources, path, device=target, metadata=metadata, progress=progress, options=options, call_helper=call_helper,
-                           cpu_target=cpu_target, standalone=standalone)
+                           cpu_target=cpu_target, standalone=standalone, share_weights=share_weights)
 
 
 def check_programs(programs: Mapping[str, str | os.PathLike], path: str | os.PathLike) -> None:
@@ -150,8 +207,11 @@ def compile_sources(
     call_helper: bool = True,
     cpu_target: str = DEFAULT_CPU_TARGET,
     standalone: bool = False,
+    share_weights: bool = True,
 ) -> Manifest:
-    """Compile each method and write the bundle atomically."""
+    """Compile each method and write the bundle atomically. With `share_weights`,
+    a weight that several methods hold alike (same FQN, dtype, shape, strides
+    and bytes) is stored once (compile/sharing.py)."""
     check_destination(Path(path))  # before minutes of compiling, not after
     torch = import_torch()
     user_options = check_options(torch, options or {})
@@ -160,14 +220,18 @@ def compile_sources(
     if not sources:
         raise InputError("nothing to compile: give at least one method")
     methods: dict[str, MethodSpec] = {}
-    segments: dict[str, bytes] = {}
-    for method, source in sources.items():
+    segments: dict[str, Any] = {}
+    programs: dict[str, Any] = {}
+    for method in sources:
         problem = method_name_problem(method)
         if problem:
             raise InputError(f"method name {method!r} {problem}")
-        spec, method_segments = _compile_method(torch, method, source, device, progress, user_options, cpu_target, standalone)
+    for method, source in sources.items():
+        spec, method_segments, programs[method] = _compile_method(torch, method, source, device, progress, user_options, cpu_target, standalone)
         methods[method] = spec
         segments.update(method_segments)
+    if share_weights and len(methods) > 1:
+        methods, segments = _shared(methods, segments, programs, device, progress)
     features = ["samples"] if any(spec.has_samples for spec in methods.values()) else []
     if call_helper:
         methods, helper_note = with_call_helper(methods, segments, progress)
@@ -177,11 +241,28 @@ def compile_sources(
         methods=methods,
         build={"cuda_runner": __version__, "torch": torch.__version__, "python": platform.python_version(), "machine": platform.machine()},
         metadata=dict(metadata or {}),
+        required_features=sharing.required_features(methods),
         optional_features=tuple(features),
     )
     progress(f"writing {path}")
     write_bundle(path, manifest, segments)
     return manifest
+
+
+def _shared(methods: dict[str, MethodSpec], segments: dict[str, Any], programs: Mapping[str, Any], device: str, progress: Progress,
+            ) -> tuple[dict[str, MethodSpec], dict[str, Any]]:
+    """Weights several methods hold alike, stored once (compile/sharing.py)."""
+    blobs = {name: (programs[name], segments[spec.library_segment], segments[spec.weights_segment], spec)
+             for name, spec in methods.items() if spec.weights_segment is not None}
+    result = sharing.share_weights(methods, segments, sharing.constant_tables(blobs, device, progress))
+    for note in result.notes:
+        progress(note)
+    if result.shared_segments:
+        size = sum(memoryview(result.segments[name]).nbytes for name in result.shared_segments)
+        progress(f"{len(result.shared_segments)} weight storage(s), {size} bytes, stored once for several methods")
+    else:
+        progress("no weight is held alike by several methods: each method keeps its weights blob")
+    return result.methods, result.segments
 
 
 def with_call_helper(methods: Mapping[str, MethodSpec], segments: dict[str, Any], progress: Callable[[str], None]) -> tuple[dict[str, MethodSpec], str | None]:
@@ -200,7 +281,8 @@ def with_call_helper(methods: Mapping[str, MethodSpec], segments: dict[str, Any]
 def _compile_method(
     torch: Any, method: str, source: MethodSource, device: str, progress: Progress, options: Mapping[str, Any],
     cpu_target: str = DEFAULT_CPU_TARGET, standalone: bool = False,
-) -> tuple[MethodSpec, dict[str, bytes]]:
+) -> tuple[MethodSpec, dict[str, Any], Any]:
+    """The method's spec and segments, and its program (on `device`)."""
     program = source.program
     if device != "cpu":
         from torch.export.passes import move_to_device_pass
@@ -211,7 +293,7 @@ def _compile_method(
     args, kwargs = _example_inputs(program, device)
     progress(f"compiling method {method!r} for {device}")
     compiled = compile_program(program, args, kwargs, device, progress, options, cpu_target, standalone)
-    segments = {f"{method}_so_blob": compiled.library, f"{method}_weights_blob": compiled.weights}
+    segments: dict[str, Any] = {f"{method}_so_blob": compiled.library, f"{method}_weights_blob": compiled.weights}
     spec = MethodSpec(
         name=method,
         device=compiled.device,
@@ -233,7 +315,7 @@ def _compile_method(
         progress(f"computing eager reference outputs for {method!r}'s samples")
         spec, sample_data = sample_segments(torch, program, spec, source.sample_inputs, device)
         segments.update(sample_data)
-    return spec, segments
+    return spec, segments, program
 
 
 def _example_inputs(program: Any, device: str) -> tuple[tuple, dict]:

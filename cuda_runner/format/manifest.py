@@ -187,13 +187,30 @@ class Manifest:
         return {entry.name: entry for entry in self.segments}
 
     def referenced_segments(self) -> list[str]:
-        names = []
+        return [name for method in self.methods.values() for name in self._method_segments(method)]
+
+    def segment_users(self) -> dict[str, list[str]]:
+        """The methods that name each segment, in method order."""
+        users: dict[str, list[str]] = {}
         for method in self.methods.values():
-            names.append(method.library_segment)
-            names += sorted({constant.segment for constant in method.constants})
-            for optional in (method.weights_segment, method.sample_inputs_segment, method.sample_outputs_segment, method.call_helper_segment):
-                if optional is not None:
-                    names.append(optional)
+            for name in dict.fromkeys(self._method_segments(method)):
+                users.setdefault(name, []).append(method.name)
+        return users
+
+    def shared_weights(self) -> dict[str, list[str]]:
+        """Weight storages (constant-table segments or weights blobs) that several
+        methods name: stored once, and one storage when the methods load together."""
+        weights = {constant.segment for method in self.methods.values() for constant in method.constants}
+        weights |= {method.weights_segment for method in self.methods.values() if method.weights_segment is not None}
+        return {name: methods for name, methods in self.segment_users().items() if name in weights and len(methods) > 1}
+
+    @staticmethod
+    def _method_segments(method: MethodSpec) -> list[str]:
+        names = [method.library_segment]
+        names += sorted({constant.segment for constant in method.constants})
+        for optional in (method.weights_segment, method.sample_inputs_segment, method.sample_outputs_segment, method.call_helper_segment):
+            if optional is not None:
+                names.append(optional)
         return names
 
     def to_json(self) -> dict[str, Any]:

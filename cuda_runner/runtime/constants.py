@@ -157,13 +157,31 @@ def _storage_address(memory: ConstantMemory, constant: ConstantSpec, device: Dev
     return address
 
 
+# Storages from this size on are copied from the mapping registered as pinned
+# memory, as a weights blob is (runtime/cuda.py, load_weights_on_cuda): a
+# shared 16 MB layer would otherwise go up at pageable speed.
+_PIN_FROM_BYTES = 4 << 20
+
+
 def _device_copy(memory: ConstantMemory, source: memoryview, index: int) -> int:
-    from .cuda import HOST_TO_DEVICE, cuda_runtime
+    from .cuda import HOST_REGISTER_READ_ONLY, HOST_TO_DEVICE, cuda_runtime
     from .host import buffer_address
 
     runtime = cuda_runtime()
     runtime.setDevice(index)
     pointer = memory.keep_device(index, runtime.malloc(max(1, source.nbytes)))
     if source.nbytes:
-        runtime.memcpy(pointer, buffer_address(source), source.nbytes, HOST_TO_DEVICE)
+        address = buffer_address(source)
+        registered = False
+        if source.nbytes >= _PIN_FROM_BYTES:
+            try:
+                runtime.hostRegister(address, source.nbytes, HOST_REGISTER_READ_ONLY)
+                registered = True
+            except runtime.CUDARuntimeError:
+                pass  # a pageable copy: slower but correct
+        try:
+            runtime.memcpy(pointer, address, source.nbytes, HOST_TO_DEVICE)
+        finally:
+            if registered:
+                runtime.hostUnregister(address)
     return pointer

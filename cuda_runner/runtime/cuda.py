@@ -33,7 +33,7 @@ from .tensors import OwnedHandles, TensorView, contiguous_strides, gather, span_
 # cudaMemcpyKind, cudaHostRegister and cudaStreamCreateWithFlags flag values.
 HOST_TO_DEVICE = 1
 DEVICE_TO_HOST = 2
-_HOST_REGISTER_READ_ONLY = 8
+HOST_REGISTER_READ_ONLY = 8
 _STREAM_NON_BLOCKING = 1
 _CUPY_MISSING = "running on CUDA needs CuPy; install it with: pip install 'cuda-runner[cuda12]' (or [cuda13])"
 
@@ -207,7 +207,7 @@ def load_weights_on_cuda(device_index: int, container: Container, weights: memor
     registered = False
     if size:
         try:
-            runtime.hostRegister(address, size, _HOST_REGISTER_READ_ONLY)
+            runtime.hostRegister(address, size, HOST_REGISTER_READ_ONLY)
             registered = True
         except runtime.CUDARuntimeError:
             pass  # a plain pageable copy: slower but correct

@@ -1,0 +1,47 @@
+"""Shared weights on the GPU machine: two methods of one module compiled for
+CUDA hold one device storage per shared weight, and both match eager."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import cuda_runner
+from cuda_runner.format.bundle import read_manifest
+
+pytestmark = pytest.mark.gpu
+
+
+def test_two_cuda_methods_share_their_weight_and_match_eager(tmp_path):
+    import torch
+
+    class PrefillDecode(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            torch.manual_seed(12)
+            self.shared = torch.nn.Linear(64, 64)
+            self.head = torch.nn.Linear(64, 8)
+
+        def forward(self, x):
+            return self.head(torch.relu(self.shared(x)))
+
+        def decode(self, x):
+            return torch.tanh(self.shared(x))
+
+    module = PrefillDecode().eval()
+    examples = {"forward": (torch.randn(5, 64),), "decode": (torch.randn(1, 64),)}
+    path = tmp_path / "two.bundle"
+    cuda_runner.compile_methods(module, examples, path, device="cuda")
+    manifest = read_manifest(path)
+    shared = manifest.shared_weights()
+    segment = next(constant.segment for constant in manifest.methods["decode"].constants if constant.fqn == "shared.weight")
+    assert shared[segment] == ["forward", "decode"]
+    assert all(constant.device == "cuda" for spec in manifest.methods.values() for constant in spec.constants)
+    with torch.no_grad():
+        expected = {name: getattr(module.to("cuda"), name)(args[0].to("cuda")).cpu().numpy() for name, args in examples.items()}
+    segments = {constant.segment for spec in manifest.methods.values() for constant in spec.constants}
+    with cuda_runner.load(path, "cuda") as model:
+        assert model.constant_storages == len(segments)
+        for name, args in examples.items():
+            result = model.run({"x": args[0].numpy()}, method=name)["output_0"]
+            np.testing.assert_allclose(result, expected[name], rtol=1e-4, atol=1e-5)
