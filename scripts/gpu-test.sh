@@ -11,18 +11,32 @@ export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 # cuda-runner's own shim, as pip would build it (the tree is not installed here).
 python3 setup.py build_ext --inplace -q > "$out/build-shim.log" 2>&1 || echo "building the shim failed (see build-shim.log)"
 python3 -c 'import torch, cupy, numpy, typer; print("torch", torch.__version__, "cupy", cupy.__version__, "numpy", numpy.__version__, "typer", typer.__version__, "gpu", torch.cuda.get_device_name(0))' | tee "$out/versions.txt"
-# Wheels carried to a machine without registry access (.gpu-wheels/: cryptography
-# for the signing tests, executorch and what its exporter imports), installed
-# into a private folder, then a real ExecuTorch program exported on this GPU.
+# Wheels carried to a machine without registry access, installed into private
+# folders: .gpu-wheels/ (cryptography, for the signing tests), .gpu-et/ (an
+# ExecuTorch wheel; a real program is then exported on this GPU) and
+# .gpu-et14/ (an older ExecuTorch, which exports a part of the zoo in its own
+# layout). The ExecuTorch wheels are large: carry them only when exporting.
+pkgs="${TMPDIR:-/tmp}/cuda-runner-gpu-pkgs"
 if ls .gpu-wheels/*.whl >/dev/null 2>&1; then
-  pkgs="${TMPDIR:-/tmp}/cuda-runner-gpu-pkgs"
   python3 -m pip install -q --no-deps --target "$pkgs" .gpu-wheels/*.whl 2>&1 | tail -2
   export PYTHONPATH="$PYTHONPATH:$pkgs" PATH="$pkgs/bin:$PATH"
-  if [ "${GPU_ET_EXPORT:-1}" = 1 ] && [ -d "$pkgs/executorch" ]; then
-    python3 scripts/make_et_program.py --out-dir "$out/et_two_io" > "$out/et-export.log" 2>&1
-    tail -1 "$out/et-export.log"
-    [ -f "$out/et_two_io/model.pte" ] && export CUDA_RUNNER_ET_EXTRA="$out/et_two_io"
-  fi
+fi
+if [ "${GPU_ET_EXPORT:-1}" = 1 ] && ls .gpu-et/*.whl >/dev/null 2>&1; then
+  et="${TMPDIR:-/tmp}/cuda-runner-et"
+  python3 -m pip install -q --no-deps --target "$et" .gpu-et/*.whl 2>&1 | tail -2
+  PYTHONPATH="$PYTHONPATH:$et" python3 scripts/make_et_program.py --out-dir "$out/et_two_io" > "$out/et-export.log" 2>&1
+  tail -1 "$out/et-export.log"
+  [ -f "$out/et_two_io/model.pte" ] && export CUDA_RUNNER_ET_EXTRA="$out/et_two_io"
+fi
+if [ -n "${GPU_ET14_ZOO:-}" ] && ls .gpu-et14/*.whl >/dev/null 2>&1; then
+  # GPU_ET14_ZOO: the zoo programs to export with it (make_et_zoo.py --only), packed as one archive.
+  et14="${TMPDIR:-/tmp}/cuda-runner-et14"
+  python3 -m pip install -q --no-deps --target "$et14" .gpu-et14/*.whl 2>&1 | tail -2
+  zoo="${TMPDIR:-/tmp}/zoo_et141_torch211"
+  PYTHONPATH="$PYTHONPATH:$et14" python3 scripts/make_et_zoo.py --out-dir "$zoo" --et-version-tag et141 --only "$GPU_ET14_ZOO" \
+    --jobs 4 > "$out/et14-zoo.log" 2>&1
+  tail -3 "$out/et14-zoo.log"
+  tar -czf "$out/zoo_et141.tar.gz" -C "$(dirname "$zoo")" "$(basename "$zoo")" && ls -la "$out/zoo_et141.tar.gz"
 fi
 python3 -X faulthandler -m pytest -m gpu tests -p no:cacheprovider -p no:logging -rA -s ${GPU_TEST_ARGS:-} 2>&1 | tee "$out/gpu-tests.log"
 status=${PIPESTATUS[0]}

@@ -278,6 +278,24 @@ def with_call_helper(methods: Mapping[str, MethodSpec], segments: dict[str, Any]
     return {name: dataclasses.replace(spec, call_helper_segment=SEGMENT_NAME) for name, spec in methods.items()}, None
 
 
+@dataclass(frozen=True)
+class _WrittenState:
+    buffers: list[str]  # buffers a run writes to (state the next run sees)
+    inputs: list[str]  # inputs a run writes into, in the signature's order
+
+
+def _written_state(program: Any) -> _WrittenState:
+    """What a run of `program` writes to. torch.export's default IR keeps
+    in-place ops as they are and leaves its signature's mutation tables empty
+    (a buffer's `add_` is recorded nowhere); only the functional form fills
+    them, so they are read from a decomposed copy (no decompositions applied
+    beyond functionalization), leaving the program itself as it is."""
+    functional = program.run_decompositions({})
+    signature = functional.graph_signature
+    written_inputs = set(signature.user_inputs_to_mutate.values())
+    return _WrittenState(sorted(set(signature.buffers_to_mutate.values())), [name for name in signature.user_inputs if name in written_inputs])
+
+
 def _compile_method(
     torch: Any, method: str, source: MethodSource, device: str, progress: Progress, options: Mapping[str, Any],
     cpu_target: str = DEFAULT_CPU_TARGET, standalone: bool = False,
@@ -289,7 +307,7 @@ def _compile_method(
 
         program = move_to_device_pass(program, device)
     signature = program_signature(program, source.dim_names)
-    mutated_inputs = set(program.graph_signature.user_inputs_to_mutate.values())
+    written = _written_state(program)
     args, kwargs = _example_inputs(program, device)
     progress(f"compiling method {method!r} for {device}")
     compiled = compile_program(program, args, kwargs, device, progress, options, cpu_target, standalone)
@@ -305,8 +323,8 @@ def _compile_method(
         torch_version=torch.__version__,
         compile_options={
             **compiled.options,
-            MUTATED_BUFFERS_OPTION: sorted(program.graph_signature.buffers_to_mutate.values()),
-            MUTATED_INPUTS_OPTION: [name for name in program.graph_signature.user_inputs if name in mutated_inputs],
+            MUTATED_BUFFERS_OPTION: written.buffers,
+            MUTATED_INPUTS_OPTION: written.inputs,
         },
     )
     if source.sample_inputs is not None:

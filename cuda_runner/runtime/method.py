@@ -64,15 +64,16 @@ class _Lanes:
     back, where a queue.Queue took several); a caller waits only when every
     lane is busy and no more may be made."""
 
-    def __init__(self, make: Callable[[], Executor], limit: int, first: Executor):
-        self._make = make
+    def __init__(self, make: Callable[[], Executor], limit: int, first: Executor, existing: list[Executor] | None = None):
+        self.make = make
         self.limit = limit
+        everything = existing if existing is not None else [first]
         # Last in, first out: one thread calling alone keeps getting the same lane.
-        self._idle = [first]
-        self._all = [first]
+        self._idle = list(everything)
+        self._all = list(everything)
         self._lock = threading.Lock()
         self._changed = threading.Condition(self._lock)  # a lane came back, or the last call ended
-        self._created = 1
+        self._created = len(everything)
         self._busy = 0
         self._waiting = 0  # callers waiting for a lane (or close waiting for the last call)
         self.closed = False
@@ -102,7 +103,7 @@ class _Lanes:
                 self._changed.notify_all()
                 raise
         try:
-            executor = self._make()
+            executor = self.make()
         except BaseException:
             with self._lock:
                 self._created -= 1
@@ -181,6 +182,8 @@ class Method:
         #: Whether a run may change state the next run sees (buffers such as a KV cache).
         self.stateful = False
         self._reset_source: tuple[ConstantMemory, Callable[[str], memoryview]] | None = None
+        # For a stateful method whose weights are one blob: a new container holding the stored values.
+        self._fresh_container: Callable[[], tuple[Container, Callable[[], Executor], Executor]] | None = None
         self._close_lock = threading.Lock()
         self.warm_up_note = "not done"
         self._helper: CallHelper | None = None
@@ -237,13 +240,7 @@ class Method:
                 helper, call_path = load_call_helper(reader, spec, chosen.prepare)
                 timings["load_call_helper"] = clock() - started
             started = clock()
-            if device.type == "cuda":
-                from .cuda import use_device
-
-                use_device(device.index)  # the container's model instances are made on the current device
-            container = Container(library.library, str(device), num_models=1 if options.cuda_graph else options.lanes)
-            container.capture_errors = check_inputs  # a refusal by the checks must be told apart
-            _check_counts(spec, container)
+            container = _create_container(library, spec, device, 1 if options.cuda_graph else options.lanes, check_inputs)
             timings["create_container"] = clock() - started
             make = _executor_factory(chosen.shim, device, container, spec, helper)
             executors.append(make())
@@ -278,6 +275,30 @@ class Method:
         method.stateful = stateful
         method._constants = constants if shared_constants is None else None  # shared memory is the model's to release
         method._reset_source = (constants, lambda name: reader.segment(name, verify=False)) if constants is not None else None
+        if constants is None and stateful and not options.cuda_graph:
+            lease, num_models, shim = library, container.num_models, chosen.shim
+
+            def fresh_container() -> tuple[Container, Callable[[], Executor], Executor]:
+                """A new container with the stored weights, and its first executor (resetting a method whose weights are one blob)."""
+                again = _create_container(lease, spec, device, num_models, check_inputs)
+                try:
+                    make_again = _executor_factory(shim, device, again, spec, helper)
+                    first = make_again()
+                except BaseException:
+                    again.delete()
+                    raise
+                blob = reader.segment(spec.weights_segment, verify=False) if spec.weights_segment else memoryview(b"")
+                try:
+                    _load_weights(device, again, blob)
+                except BaseException:
+                    first.close()
+                    again.delete()
+                    raise
+                finally:
+                    blob.release()
+                return again, make_again, first
+
+            method._fresh_container = fresh_container
         method._helper = helper
         method.call_path = call_path or "ctypes"
         method.provider = chosen.name
@@ -307,16 +328,41 @@ class Method:
 
     def reset_state(self) -> None:
         """Put the method's buffers (a KV cache, say) back to their stored
-        initial values, without reloading. Waits for no call: do not call it
-        while the method runs. Only methods with per-constant weights (ExecuTorch
-        1.5 programs, and bundles converted from them) can be reset; for others,
-        load the model again."""
-        if self._reset_source is None:
-            if not self.stateful:
-                return
-            raise InputError(f"method {self.spec.name!r} keeps its weights in one blob, which cannot be loaded twice; load the model again to reset its state")
-        memory, segment = self._reset_source
-        memory.reload(self.spec.constants, segment)
+        initial values, without reloading the model. Do not call it while the
+        method runs (a call in flight is waited for; one made meanwhile is
+        refused as closed).
+
+        Per-constant weights (ExecuTorch 1.5 programs, converted programs,
+        bundles with shared weights) are copied again in place. A library
+        whose weights are one blob cannot be given them twice, so it gets a
+        new container, fed from the stored blob, and the old one is deleted;
+        a method captured into a CUDA graph cannot be reset that way."""
+        if self._reset_source is not None:
+            memory, segment = self._reset_source
+            memory.reload(self.spec.constants, segment)
+            return
+        if not self.stateful:
+            return
+        if self._fresh_container is None:
+            raise InputError(f"method {self.spec.name!r} runs as a CUDA graph, which cannot be reset; load the model again to reset its state")
+        with self._close_lock:
+            if self._lanes.closed:
+                raise ClosedError(f"method {self.spec.name!r} is closed")
+            limit = self._lanes.limit
+            old_executors = self._lanes.close()  # waits for a call in flight; none can start
+            old_container = self._container
+            try:
+                container, make, first = self._fresh_container()
+            except BaseException:
+                self._lanes = _Lanes(self._lanes.make, limit, old_executors[0], old_executors)  # the old state stays usable
+                raise
+            self._container = container
+            self._lanes = _Lanes(make, limit, first)
+            self._last_stream = threading.local()  # the old lanes' streams go with them
+        for executor in old_executors:
+            executor.close()
+        if old_container is not None:
+            old_container.delete()
 
     def library_constants(self) -> list[ConstantInfo]:
         """What the loaded library says about each of its constants: internal
@@ -557,6 +603,21 @@ def _unhelped_call_path(spec: MethodSpec, wanted: bool, cuda_graph: bool) -> str
     if spec.call_helper_segment is None:
         return "ctypes: the bundle has no call helper"
     return None
+
+
+def _create_container(library: LibraryLease, spec: MethodSpec, device: Device, num_models: int, check_inputs: bool) -> Container:
+    if device.type == "cuda":
+        from .cuda import use_device
+
+        use_device(device.index)  # the container's model instances are made on the current device
+    container = Container(library.library, str(device), num_models=num_models)
+    container.capture_errors = check_inputs  # a refusal by the checks must be told apart
+    try:
+        _check_counts(spec, container)
+    except BaseException:
+        container.delete()
+        raise
+    return container
 
 
 def _executor_factory(shim: Shim, device: Device, container: Container, spec: MethodSpec, helper: CallHelper | None) -> Callable[[], Executor]:

@@ -1,0 +1,108 @@
+"""What a run writes to: buffers kept between calls (and reset_state), and
+inputs the library writes into, for a bundle whose weights are one blob."""
+
+from __future__ import annotations
+
+import threading
+
+import numpy as np
+import pytest
+
+import cuda_runner
+from cuda_runner.errors import ClosedError
+
+
+@pytest.fixture(scope="module")
+def writer_bundle(tmp_path_factory):
+    """A module whose buffer adds up every x it is given (a KV cache in
+    miniature), and which doubles its input y in place."""
+    import torch
+
+    class Writer(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.register_buffer("total", torch.full((4,), 0.5))
+            self.scale = torch.nn.Parameter(torch.tensor([1.0, 2.0, 3.0, 4.0]))
+
+        def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+            self.total.add_(x)
+            y.mul_(2.0)
+            return self.total * self.scale + y
+
+    path = tmp_path_factory.mktemp("written") / "writer.bundle"
+    cuda_runner.compile_module(Writer(), (torch.ones(4), torch.ones(4)), path, device="cpu")
+    return path, Writer
+
+
+INPUTS = [(np.full(4, value, np.float32), np.arange(4, dtype=np.float32)) for value in (1.0, 2.0, -0.5)]
+
+
+def _eager_steps(factory):
+    import torch
+
+    module = factory()
+    with torch.no_grad():
+        return [module(torch.from_numpy(x.copy()), torch.from_numpy(y.copy())).numpy() for x, y in INPUTS]
+
+
+def _steps(method, inputs=INPUTS):
+    return [next(iter(method.run([x, y]).values())) for x, y in inputs]
+
+
+def test_compile_records_the_buffer_and_the_input_a_run_writes(writer_bundle):
+    """torch.export's default IR leaves its mutation tables empty; they are read from its functional form."""
+    path, _ = writer_bundle
+    options = cuda_runner.read_manifest(path).methods["forward"].compile_options
+    assert options["mutated_buffers"] == ["total"]
+    assert options["mutated_inputs"] == ["y"]
+
+
+def test_state_is_kept_between_calls_and_reset_without_reloading(writer_bundle):
+    path, factory = writer_bundle
+    expected = _eager_steps(factory)
+    with cuda_runner.load(path, lanes=4) as model:
+        method = model.method()
+        assert method.stateful and method.lanes == 1  # calls with state run in order, on one lane
+        for got, want in zip(_steps(method), expected):
+            np.testing.assert_allclose(got, want, rtol=1e-6)
+        model.reset_state()
+        for got, want in zip(_steps(method), expected):  # from the stored values again, like eager's fresh module
+            np.testing.assert_allclose(got, want, rtol=1e-6)
+        model.reset_state(method.spec.name)
+        np.testing.assert_allclose(_steps(method, INPUTS[:1])[0], expected[0], rtol=1e-6)
+
+
+def test_an_input_the_library_writes_into_stays_as_the_caller_gave_it(writer_bundle):
+    path, factory = writer_bundle
+    expected = _eager_steps(factory)[0]
+    x, y = INPUTS[0]
+    frozen = y.copy()
+    frozen.setflags(write=False)  # as a memory-mapped .npy would be: writing into it would crash the process
+    with cuda_runner.load(path) as model:
+        got = next(iter(model.run([x, frozen]).values()))
+    np.testing.assert_allclose(got, expected, rtol=1e-6)
+    np.testing.assert_array_equal(frozen, INPUTS[0][1])
+
+
+def test_reset_state_of_a_closed_method_says_so(writer_bundle):
+    path, _ = writer_bundle
+    model = cuda_runner.load(path)
+    method = model.method()
+    model.close()
+    with pytest.raises(ClosedError):
+        method.reset_state()
+
+
+def test_calls_from_another_thread_after_a_reset_see_the_reset_state(writer_bundle):
+    path, factory = writer_bundle
+    expected = _eager_steps(factory)
+    with cuda_runner.load(path) as model:
+        method = model.method()
+        _steps(method)
+        model.reset_state()
+        seen: list[np.ndarray] = []
+        worker = threading.Thread(target=lambda: seen.extend(_steps(method)))
+        worker.start()
+        worker.join()
+        for got, want in zip(seen, expected):
+            np.testing.assert_allclose(got, want, rtol=1e-6)
