@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 import flatbuffers
 
 SEGMENT_ALIGNMENT = 128
-_TENSOR_TAG, _INT_TAG = 5, 2
+_TENSOR_TAG, _INT_TAG, _BOOL_TAG, _DOUBLE_TAG = 5, 2, 3, 4
 _KERNEL_CALL, _DELEGATE_CALL = 1, 2
 
 
@@ -63,6 +63,7 @@ class MethodPlan:
     copies: bool = True  # ExecuTorch >= 1.4 wraps the call in et_copy kernels
     extra_kernel: str | None = None  # an operator run outside the delegate (for refusal tests)
     delegate_calls: int = 1
+    constant_outputs: list[int | float | bool] = field(default_factory=list)  # Int/Double/Bool values returned after the tensors
 
 
 def fqn_manifest(library_key: str, weights: list[Weight]) -> bytes:
@@ -193,6 +194,21 @@ def _int_value(builder: flatbuffers.Builder, number: int) -> int:
     return _evalue(builder, _INT_TAG, builder.EndObject())
 
 
+def _scalar_value(builder: flatbuffers.Builder, value: int | float | bool) -> int:
+    """An Int, Bool or Double EValue, as ExecuTorch's emitter writes a returned Python scalar."""
+    builder.StartObject(1)
+    if isinstance(value, bool):
+        builder.PrependBoolSlot(0, value, False)
+        tag = _BOOL_TAG
+    elif isinstance(value, int):
+        builder.PrependInt64Slot(0, value, 0)
+        tag = _INT_TAG
+    else:
+        builder.PrependFloat64Slot(0, value, 0.0)
+        tag = _DOUBLE_TAG
+    return _evalue(builder, tag, builder.EndObject())
+
+
 def _instruction(builder: flatbuffers.Builder, tag: int, index: int, args: list[int]) -> int:
     arg_vector = _vector_of_i32(builder, args)
     builder.StartObject(2)
@@ -222,6 +238,8 @@ def _plan(builder: flatbuffers.Builder, method: MethodPlan, delegate_ref: tuple[
         values += host_out
     value_offsets = [_tensor_value(builder, tensor) for tensor in values]
     value_offsets.append(_int_value(builder, 0))
+    constants = list(range(len(value_offsets), len(value_offsets) + len(method.constant_outputs)))
+    value_offsets += [_scalar_value(builder, value) for value in method.constant_outputs]
     instructions = []
     operators = []
     if method.copies:
@@ -250,7 +268,7 @@ def _plan(builder: flatbuffers.Builder, method: MethodPlan, delegate_ref: tuple[
     name = builder.CreateString(method.name)
     values_vector = vector_of_offsets(builder, value_offsets)
     inputs_vector = _vector_of_i32(builder, list(range(len(host_in))))
-    outputs_vector = _vector_of_i32(builder, plan_out)
+    outputs_vector = _vector_of_i32(builder, plan_out + constants)
     chains = vector_of_offsets(builder, [chain])
     operators_vector = vector_of_offsets(builder, operator_tables)
     delegates = vector_of_offsets(builder, [delegate])

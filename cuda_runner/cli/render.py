@@ -24,7 +24,7 @@ if TYPE_CHECKING:  # the results are typed; their modules load only when a comma
     from ..commands.bench import BenchResult
     from ..commands.inspection import InspectResult, MethodReport, SignatureReport
     from ..commands.running import RunResult
-    from ..format.manifest import Manifest, MethodSpec
+    from ..format.manifest import Manifest, MethodSpec, OutputSource
     from ..format.program import ProgramMethodInfo
     from ..runtime.devices import DevicesResult
     from ..verify.compare import Comparison
@@ -212,9 +212,7 @@ def _wiring_lines(spec: MethodSpec) -> list[str]:
     lines = []
     if spec.wiring is not None:
         taken = ", ".join(spec.inputs[index].name for index in spec.wiring.library_inputs)
-        sources = ", ".join(
-            f"{output.name} = {spec.inputs[source.index].name if source.from_input else f'library output {source.index}'}"
-            for output, source in zip(spec.outputs, spec.wiring.outputs))
+        sources = ", ".join(f"{output.name} = {_source_text(spec, source)}" for output, source in zip(spec.outputs, spec.wiring.outputs))
         lines.append(clean(f"  wiring: the library takes ({taken}); {sources}"))
     written = written_inputs(spec)
     if written:
@@ -223,6 +221,12 @@ def _wiring_lines(spec: MethodSpec) -> list[str]:
     if mutated:
         lines.append(clean(f"  state: {', '.join(str(name) for name in mutated[:8])}{' ...' if len(mutated) > 8 else ''} change on every run (kept between calls; one lane)"))
     return lines
+
+
+def _source_text(spec: MethodSpec, source: OutputSource) -> str:
+    if source.constant is not None:
+        return f"the constant {source.constant!r}"
+    return spec.inputs[source.index].name if source.from_input else f"library output {source.index}"
 
 
 def _method_lines(name: str, report: MethodReport, shared: dict[str, list[str]] | None = None) -> list[str]:

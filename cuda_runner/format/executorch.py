@@ -305,7 +305,7 @@ def _scalar(table: Table) -> Any:
         return value.scalar(0, "i64")
     if tag == _BOOL:
         return bool(value.scalar(0, "u8"))
-    return value.scalar(0, "f64")
+    return value.double(0)
 
 
 def _value(table: Table) -> ValueTensor | None:

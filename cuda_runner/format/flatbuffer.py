@@ -55,9 +55,13 @@ class FlatBuffer:
         return BundleError(f"{self.what}: {message}")
 
     def _read(self, layout: struct.Struct, position: int, field: str) -> int:
+        return int(self._unpack(layout, position, field))
+
+    def _unpack(self, layout: struct.Struct, position: int, field: str) -> int | float:
         if position < 0 or position + layout.size > len(self.data):
             raise self.fail(f"{field} lies outside the data (offset {position})")
-        return int(layout.unpack_from(self.data, position)[0])
+        value: int | float = layout.unpack_from(self.data, position)[0]
+        return value
 
     def root(self, identifier: bytes | None = None) -> Table:
         if len(self.data) < 8:
@@ -119,10 +123,18 @@ class Table:
         return self._offset(slot) != 0
 
     def scalar(self, slot: int, kind: str, default: int = 0) -> int:
+        """An integer field (kind: u8 ... i64, bool)."""
         offset = self._offset(slot)
         if not offset:
             return default
         return self.buffer._read(_SCALARS[kind], self.position + offset, f"field {slot} of {self.field}")
+
+    def double(self, slot: int, default: float = 0.0) -> float:
+        """A double field, as it is (scalar() would make it an int)."""
+        offset = self._offset(slot)
+        if not offset:
+            return default
+        return float(self.buffer._unpack(_SCALARS["f64"], self.position + offset, f"field {slot} of {self.field}"))
 
     def _target(self, slot: int, name: str) -> int | None:
         offset = self._offset(slot)

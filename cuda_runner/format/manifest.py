@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -49,11 +50,12 @@ MUTATED_BUFFERS_OPTION = "mutated_buffers"
 MUTATED_INPUTS_OPTION = "mutated_inputs"
 CONSTANT_TABLE = "constant-table"  # weights as one tensor view per constant (format 1.1)
 WIRING = "wiring"  # a method's values mapped to its library's by position (format 1.3)
+CONSTANT_OUTPUTS = "constant-outputs"  # a wiring output that is a scalar stored in the file (format 1.4)
 CALL_HELPER = "call-helper"  # a native helper that makes each call one foreign call (format 1.2; optional)
 
 # Features a reader must understand to use a bundle that lists them as
 # required. A bundle that requires anything else is refused.
-KNOWN_FEATURES = frozenset({"samples", CONSTANT_TABLE, CALL_HELPER, WIRING})
+KNOWN_FEATURES = frozenset({"samples", CONSTANT_TABLE, CALL_HELPER, WIRING, CONSTANT_OUTPUTS})
 
 
 @dataclass(frozen=True)
@@ -119,10 +121,18 @@ class ConstantSpec:
 @dataclass(frozen=True)
 class OutputSource:
     """Where a method output comes from: the library's output `index`, or
-    (`from_input`) the method's own input `index`, returned as given."""
+    (`from_input`) the method's own input `index`, returned as given, or
+    (`constant` not None) a scalar stored in the file, returned as a 0-d array
+    of the output's dtype (ExecuTorch methods may return an Int, Double or
+    Bool beside their tensors)."""
 
     index: int
     from_input: bool = False
+    constant: int | float | bool | None = None
+
+    @property
+    def from_constant(self) -> bool:
+        return self.constant is not None
 
 
 @dataclass(frozen=True)
@@ -250,7 +260,7 @@ def _method_to_json(method: MethodSpec) -> dict[str, Any]:
         data["wiring"] = {
             "library_inputs": list(method.wiring.library_inputs),
             "library_outputs": [_tensor_to_json(spec) for spec in method.wiring.library_outputs],
-            "outputs": [{"from": "input" if source.from_input else "library", "index": source.index} for source in method.wiring.outputs],
+            "outputs": [_source_to_json(source) for source in method.wiring.outputs],
         }
     return data
 
@@ -307,6 +317,8 @@ def manifest_from_json(data: Any) -> Manifest:
         raise BundleError(f"manifest has constant tables but does not list {CONSTANT_TABLE!r} in required_features")
     if any(method.wiring for method in methods.values()) and WIRING not in manifest.required_features:
         raise BundleError(f"manifest wires methods to their libraries but does not list {WIRING!r} in required_features")
+    if any(uses_constant_outputs(method) for method in methods.values()) and CONSTANT_OUTPUTS not in manifest.required_features:
+        raise BundleError(f"manifest has constant outputs but does not list {CONSTANT_OUTPUTS!r} in required_features")
     return manifest
 
 
@@ -369,6 +381,8 @@ def _method(name: str, data: Any) -> MethodSpec:
     inputs = _signature(obj.get("inputs"), f"{where}.inputs", dims)
     outputs = _signature(obj.get("outputs"), f"{where}.outputs", dims)
     wiring = None if obj.get("wiring") is None else _wiring(obj["wiring"], f"{where}.wiring", len(inputs), len(outputs), dims)
+    if wiring is not None:
+        _check_constant_outputs(outputs, wiring, f"{where}.wiring")
     return MethodSpec(
         name=name,
         wiring=wiring,
@@ -397,8 +411,11 @@ def _wiring(data: Any, where: str, inputs: int, outputs: int, dims: Mapping[str,
     for i, item in enumerate(_list(obj.get("outputs"), f"{where}.outputs", MAX_TENSORS_PER_SIGNATURE)):
         entry = _object(item, f"{where}.outputs[{i}]")
         kind = entry.get("from")
+        if kind == "constant":
+            sources.append(OutputSource(0, constant=_scalar_constant(entry.get("value"), f"{where}.outputs[{i}].value")))
+            continue
         if kind not in ("input", "library"):
-            raise BundleError(f"{where}.outputs[{i}].from must be 'input' or 'library'")
+            raise BundleError(f"{where}.outputs[{i}].from must be 'input', 'library' or 'constant'")
         index = _int(entry.get("index"), f"{where}.outputs[{i}].index", 0)
         if index >= (inputs if kind == "input" else len(library_outputs)):
             raise BundleError(f"{where}.outputs[{i}] refers to a value that does not exist")
@@ -406,6 +423,41 @@ def _wiring(data: Any, where: str, inputs: int, outputs: int, dims: Mapping[str,
     if len(sources) != outputs:
         raise BundleError(f"{where}.outputs must give a source for each of the method's {outputs} outputs")
     return Wiring(library_inputs, library_outputs, tuple(sources))
+
+
+def _source_to_json(source: OutputSource) -> dict[str, Any]:
+    if source.from_constant:
+        return {"from": "constant", "value": source.constant}
+    return {"from": "input" if source.from_input else "library", "index": source.index}
+
+
+def _scalar_constant(value: Any, where: str) -> int | float | bool:
+    if isinstance(value, bool) or (isinstance(value, int) and -(1 << 63) <= value < (1 << 63)):
+        return value
+    if isinstance(value, float) and math.isfinite(value):
+        return value
+    raise BundleError(f"manifest field {where!r} must be a boolean, a 64-bit integer or a finite number")
+
+
+def constant_output_problem(spec: TensorSpec, value: int | float | bool) -> str | None:
+    """Why a constant cannot be output `spec` (a 0-d array of its dtype), or None."""
+    if spec.rank != 0:
+        return f"output {spec.name!r} is a constant, so it must have rank 0, not {spec.rank}"
+    # The dtypes of ExecuTorch's Bool, Int and Double values: every value of each fits.
+    wanted = "bool" if isinstance(value, bool) else "int64" if isinstance(value, int) else "float64"
+    if spec.dtype != wanted:
+        return f"output {spec.name!r} is a constant, so its dtype must be {wanted}, not {spec.dtype}"
+    return None
+
+
+def _check_constant_outputs(outputs: tuple[TensorSpec, ...], wiring: Wiring, where: str) -> None:
+    for spec, source in zip(outputs, wiring.outputs):
+        if source.constant is not None and (problem := constant_output_problem(spec, source.constant)) is not None:
+            raise BundleError(f"{where}: {problem}")
+
+
+def uses_constant_outputs(method: MethodSpec) -> bool:
+    return method.wiring is not None and any(source.from_constant for source in method.wiring.outputs)
 
 
 def _constant(data: Any, where: str) -> ConstantSpec:

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import mmap
 import os
 from collections.abc import Mapping, Sequence
@@ -35,6 +36,7 @@ from . import executorch as et
 from .digest import in_background
 from .elf import LibraryFacts, read_library_facts
 from .manifest import (
+    CONSTANT_OUTPUTS,
     CONSTANT_TABLE,
     MUTATED_INPUTS_OPTION,
     WIRING,
@@ -49,6 +51,7 @@ from .manifest import (
     TensorSpec,
     Wiring,
     method_name_problem,
+    uses_constant_outputs,
 )
 from .signing import SignedFile, TrustedKey
 
@@ -130,7 +133,8 @@ class ProgramReader:
             for name, stored in self._stored.items()
         )
         features = [name for name, used in ((CONSTANT_TABLE, any(method.constants for method in methods.values())),
-                                            (WIRING, any(method.wiring for method in methods.values()))) if used]
+                                            (WIRING, any(method.wiring for method in methods.values())),
+                                            (CONSTANT_OUTPUTS, any(uses_constant_outputs(method) for method in methods.values()))) if used]
         self.manifest = Manifest(methods=methods, segments=segments, build={"source": "executorch"}, required_features=tuple(features))
 
     def _map(self, role: str, path: Path) -> memoryview:
@@ -185,10 +189,7 @@ class ProgramReader:
         signature_in = tuple(_tensor_spec(f"input_{position}", tensor, dims) for position, tensor in enumerate(wired.inputs))
         label = "output" if wired.straight else "library_output"  # a straight method's outputs are the library's
         library_out = tuple(_tensor_spec(f"{label}_{index}", tensor, dims) for index, tensor in enumerate(wired.library_outputs))
-        signature_out = tuple(
-            _renamed(signature_in[source.index] if source.from_input else library_out[source.index], f"output_{position}")
-            for position, (source, _) in enumerate(wired.outputs)
-        )
+        signature_out = tuple(_output_spec(f"output_{position}", source, signature_in, library_out) for position, (source, _) in enumerate(wired.outputs))
         wiring = _wiring_if_needed(wired, library_out)
         specs = {key: value.decode("utf-8", "replace") for key, value in delegate.specs.items()}
         # The library's own input checks stay off, as in ExecuTorch: they
@@ -340,13 +341,14 @@ class _DelegateSignature:
     inputs: list[et.ValueTensor]  # the method's inputs, in its order
     library_inputs: list[int]  # the method input each library input takes
     library_outputs: list[et.ValueTensor]
-    outputs: list[tuple[OutputSource, et.ValueTensor]]  # each method output: its source, and its tensor
+    outputs: list[tuple[OutputSource, et.ValueTensor | None]]  # each method output: its source, and its tensor (None: a constant)
 
     @property
     def straight(self) -> bool:
         """The library takes every input and gives every output in the method's order."""
         return self.library_inputs == list(range(len(self.inputs))) and [
-            (source.index, source.from_input) for source, _ in self.outputs] == [(index, False) for index in range(len(self.library_outputs))]
+            (source.index, source.from_input, source.from_constant) for source, _ in self.outputs] == [
+            (index, False, False) for index in range(len(self.library_outputs))]
 
 
 def _delegate_signature(plan: et.Plan) -> _DelegateSignature:
@@ -389,15 +391,20 @@ def _delegate_signature(plan: et.Plan) -> _DelegateSignature:
             raise BundleError(f"program: method {plan.name!r} gives the delegate a non-tensor argument, which is not supported")
         produced.setdefault(to_host.get(value, value), len(library_outputs))
         library_outputs.append(tensor)
-    outputs = []
+    outputs: list[tuple[OutputSource, et.ValueTensor | None]] = []
     for position, value in enumerate(plan.outputs):
         tensor = plan.values[value]
         if value in produced:
             outputs.append((OutputSource(produced[value]), tensor or library_outputs[produced[value]]))
         elif value in input_position and tensor is not None:
             outputs.append((OutputSource(input_position[value], from_input=True), tensor))
+        elif tensor is None and plan.scalars.get(value) is not None:
+            constant = plan.scalars[value]
+            if isinstance(constant, float) and not math.isfinite(constant):
+                raise BundleError(f"program: method {plan.name!r} returns the constant {constant} as output {position}, which a bundle cannot hold")
+            outputs.append((OutputSource(0, constant=constant), None))
         else:
-            what = "a constant" if tensor is None else "a tensor the delegate does not produce"
+            what = "a None value" if tensor is None and value in plan.scalars else "a non-tensor value" if tensor is None else "a tensor the delegate does not produce"
             raise BundleError(f"program: method {plan.name!r} returns {what} as output {position}, which cannot run here")
     return _DelegateSignature(delegate, inputs, library_inputs, library_outputs, outputs)
 
@@ -423,6 +430,14 @@ def _copies(plan: et.Plan, call: et.Instruction) -> tuple[dict[int, int], dict[i
         else:
             to_host[source] = destination
     return to_device, to_host
+
+
+def _output_spec(name: str, source: OutputSource, inputs: tuple[TensorSpec, ...], library_outputs: tuple[TensorSpec, ...]) -> TensorSpec:
+    """A method output's spec: a constant is a 0-d array of ExecuTorch's dtype for its kind."""
+    if source.constant is not None:
+        constant = source.constant
+        return TensorSpec(name, "bool" if isinstance(constant, bool) else "int64" if isinstance(constant, int) else "float64", ())
+    return _renamed(inputs[source.index] if source.from_input else library_outputs[source.index], name)
 
 
 def _tensor_spec(name: str, tensor: et.ValueTensor, dims: dict[str, DimSpec]) -> TensorSpec:

@@ -30,7 +30,7 @@ import numpy as np
 
 from ..dtypes import dtype_name
 from ..errors import BundleError, ClosedError, InputError, ModelRuntimeError
-from ..format.manifest import LIBRARY_CHECKS_OPTION, MUTATED_BUFFERS_OPTION, MUTATED_INPUTS_OPTION, MethodSpec
+from ..format.manifest import LIBRARY_CHECKS_OPTION, MUTATED_BUFFERS_OPTION, MUTATED_INPUTS_OPTION, MethodSpec, OutputSource, TensorSpec
 from ..format.source import ModelReader
 from ..format.validation import validate_inputs
 from ..io.inputs import ResolvedInputs
@@ -554,10 +554,7 @@ class Method:
         wiring = self._wiring
         if wiring is None:
             return {output_spec.name: output for output_spec, output in zip(self.spec.outputs, outputs)}
-        return {
-            output_spec.name: copy(given[source.index]) if source.from_input else outputs[source.index]
-            for output_spec, source in zip(self.spec.outputs, wiring.outputs)
-        }
+        return {output_spec.name: _output_from(source, output_spec, outputs, given, copy) for output_spec, source in zip(self.spec.outputs, wiring.outputs)}
 
     def close(self) -> None:
         """Wait for calls in flight, then release in a safe order: executors, container, library.
@@ -726,6 +723,16 @@ def written_inputs(spec: MethodSpec) -> frozenset[int] | None:
     if not isinstance(names, list):
         return None
     return frozenset(position for position, tensor in enumerate(spec.inputs) if tensor.name in names)
+
+
+def _output_from(source: OutputSource, spec: TensorSpec, outputs: list[Any], given: list[Any], copy: Callable[[Any], Any]) -> Any:
+    """One method output from its wiring source: a library output, a copy of an
+    input, or a stored constant as a fresh 0-d array (a copy: callers may write it)."""
+    if source.constant is not None:
+        from ..dtypes import numpy_dtype
+
+        return copy(np.asarray(source.constant, numpy_dtype(spec.dtype)))
+    return copy(given[source.index]) if source.from_input else outputs[source.index]
 
 
 def _writeable(array: Any) -> bool:

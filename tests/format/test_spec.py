@@ -58,7 +58,7 @@ def test_documented_dtypes_and_features_match_the_code():
     documented = re.search(r"one of `([a-z0-9 ]+)`", SPEC).group(1).split()
     assert sorted(documented) == sorted(DTYPE_NAMES)
     assert sorted(SCHEMA["$defs"]["dtype"]["enum"]) == sorted(DTYPE_NAMES)
-    known = re.search(r"Known\s+features in 1\.3: ((?:`[\w-]+`(?:, )?)+)", SPEC).group(1)
+    known = re.search(rf"Known\s+features in 1\.{bundle.FORMAT_MINOR}: ((?:`[\w-]+`(?:,\s+)?)+)", SPEC).group(1)
     assert set(re.findall(r"`([\w-]+)`", known)) == manifest.KNOWN_FEATURES
 
 

@@ -210,3 +210,53 @@ def test_a_wired_method_runs_by_value(compiled, tmp_path):
     assert got["bias_back"] is not arrays["bias"]  # a copy: the caller's array is not handed back
     shown = cli("inspect", str(tmp_path / "wired.bundle"))
     assert "wiring: the library takes (x, bias)" in shown.stdout, shown.stdout
+
+
+def test_scalar_outputs_of_a_method_are_returned_and_survive_conversion(compiled, tmp_path):
+    """A method may return Int, Double and Bool values beside its tensors (ExecuTorch stores them in the plan)."""
+    model = compiled("dict_mlp", "cpu")
+    with open_bundle(model.path) as reader:
+        library = bytes(reader.read_verified("forward_so_blob"))
+        blob = bytes(reader.segment("forward_weights_blob"))
+    inputs = [TensorValue(FLOAT32, (64, 16), BOUND), TensorValue(FLOAT32, (8,))]
+    outputs = [TensorValue(FLOAT32, (64, 8), BOUND), TensorValue(FLOAT32, ()), TensorValue(FLOAT32, (64, 32), BOUND)]
+    method = MethodPlan("forward", library, inputs, outputs, weights_blob=blob, constant_outputs=[7, 0.25, True])
+    pte, ptd = write_program([method], "G2")
+    (tmp_path / "model.pte").write_bytes(pte)
+    (tmp_path / "aoti_cuda_blob.ptd").write_bytes(ptd)
+    arrays = _inputs()
+    expected = _reference(compiled, arrays)
+    converted = tmp_path / "converted.bundle"
+    assert cli("convert", str(tmp_path / "model.pte"), "-o", str(converted)).returncode == 0
+    for path in (tmp_path / "model.pte", converted):
+        with cuda_runner.load(path) as loaded:
+            got = loaded.run(arrays)
+            specs = {spec.name: (spec.dtype, spec.shape) for spec in loaded.method().spec.outputs}
+        for index, array in enumerate(expected):
+            np.testing.assert_array_equal(got[f"output_{index}"], array)
+        assert (got["output_3"].dtype, got["output_3"].shape, got["output_3"].item()) == (np.int64, (), 7)
+        assert (got["output_4"].dtype, got["output_4"].item()) == (np.float64, 0.25)
+        assert (got["output_5"].dtype, got["output_5"].item()) == (np.bool_, True)
+        assert specs["output_3"] == ("int64", ()) and specs["output_5"] == ("bool", ())
+    assert "constant-outputs" in cuda_runner.read_manifest(converted).required_features
+    written = tmp_path / "out"
+    result = cli("run", str(converted), "--random-inputs", "--out-dir", str(written))
+    assert result.returncode == 0, result.stderr
+    assert np.load(written / "output_3.npy").item() == 7
+    shown = cli("inspect", str(tmp_path / "model.pte"))
+    assert shown.returncode == 0 and "output_3 = the constant 7" in shown.stdout
+
+
+def test_a_none_output_is_refused_by_name(compiled, tmp_path):
+    model = compiled("dict_mlp", "cpu")
+    with open_bundle(model.path) as reader:
+        library = bytes(reader.read_verified("forward_so_blob"))
+        blob = bytes(reader.segment("forward_weights_blob"))
+    inputs = [TensorValue(FLOAT32, (64, 16), BOUND), TensorValue(FLOAT32, (8,))]
+    outputs = [TensorValue(FLOAT32, (64, 8), BOUND), TensorValue(FLOAT32, ()), TensorValue(FLOAT32, (64, 32), BOUND)]
+    method = MethodPlan("forward", library, inputs, outputs, weights_blob=blob, constant_outputs=[float("nan")])
+    pte, ptd = write_program([method], "G2")
+    (tmp_path / "model.pte").write_bytes(pte)
+    (tmp_path / "aoti_cuda_blob.ptd").write_bytes(ptd)
+    result = cli("inspect", str(tmp_path / "model.pte"))
+    assert result.returncode == 3 and "returns the constant nan as output 3" in result.stderr
