@@ -44,3 +44,4 @@ for typer_version in 0.21.1 0.27.2; do
   check 0 devices --json
   echo "minimum versions with typer $typer_version: ok"
 done
+echo "minimum versions: done in $SECONDS s"

@@ -19,6 +19,7 @@ trap 'kill $(jobs -p) 2>/dev/null || true' EXIT
 bash scripts/min_versions.sh > .venv-min.log 2>&1 &
 minimum=$!
 .venv/bin/python -m pip install --quiet --no-compile "torch==2.13.0" -e ".[test,ray]"
+installed=$SECONDS
 .venv/bin/ruff check cuda_runner tests scripts examples
 # The type check beside the suite (one core for about 30 s), judged at the end.
 .venv/bin/mypy > .venv/mypy.log 2>&1 &
@@ -27,12 +28,15 @@ set +e
 # Two workers: the 2-core CI machine compiles fixtures and runs subprocesses side by side.
 .venv/bin/python -m pytest -n "${PYTEST_WORKERS:-2}" --dist loadgroup "$@"
 status=$?
+tested=$SECONDS
 wait "$types"
 types_status=$?
 wait "$minimum"
 minimum_status=$?
 cat .venv/mypy.log
 tail -n 3 .venv-min.log
+# Where the time went (the minimum-versions check's own time is in its last line).
+echo "test.sh: install $installed s, suite $((tested - installed)) s, all $SECONDS s"
 set -e
 if [ "$types_status" -ne 0 ]; then
   echo "type check failed (mypy)" >&2
