@@ -8,6 +8,9 @@ NumPy writes ml_dtypes' bfloat16 as an anonymous 2-byte void ('<V2') and
 reads it back as such. We write the descriptor 'bfloat16' instead, which
 np.load resolves to ml_dtypes' bfloat16 once ml_dtypes is imported, and we
 read a bare 2-byte void (what np.save/np.savez wrote) as bfloat16.
+
+ml_dtypes is imported only when a file holds bfloat16: importing it costs
+about 1 s of CPU (it registers NumPy loops), which every run would pay.
 """
 
 from __future__ import annotations
@@ -15,13 +18,13 @@ from __future__ import annotations
 import errno
 import io
 import os
+import sys
 import zipfile
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import BinaryIO
 
-import ml_dtypes  # registers 'bfloat16' with NumPy for np.load
 import numpy as np
 
 from ..errors import DeviceError, InputError
@@ -49,7 +52,27 @@ class ArrayHeader:
         return count * self.dtype.itemsize
 
 
+def _bfloat16() -> np.dtype:
+    """ml_dtypes' bfloat16 (importing ml_dtypes registers 'bfloat16' with NumPy, for np.load too)."""
+    from ..dtypes import numpy_dtype
+
+    return numpy_dtype("bfloat16")
+
+
 def _parse_header(handle: BinaryIO, where: str) -> ArrayHeader:
+    start = handle.tell()
+    try:
+        return _parse_header_once(handle, where)
+    except InputError as error:
+        # A 'bfloat16' descriptor is known to NumPy only once ml_dtypes is imported.
+        if "bfloat16" not in str(error) or "ml_dtypes" in sys.modules:
+            raise
+    _bfloat16()
+    handle.seek(start)
+    return _parse_header_once(handle, where)
+
+
+def _parse_header_once(handle: BinaryIO, where: str) -> ArrayHeader:
     try:
         version = np.lib.format.read_magic(handle)
         if version == (1, 0):
@@ -66,7 +89,7 @@ def _parse_header(handle: BinaryIO, where: str) -> ArrayHeader:
         raise InputError(f"{where} is not a valid .npy file: its header declares the shape {shape}")
     dtype = np.dtype(dtype)
     if dtype == _SAVED_BFLOAT16 and dtype.fields is None:
-        dtype = np.dtype(ml_dtypes.bfloat16)
+        dtype = _bfloat16()
     return ArrayHeader(dtype, tuple(shape), bool(fortran_order))
 
 
@@ -77,7 +100,7 @@ _SAVED_BFLOAT16 = np.dtype("V2")
 
 def _bfloat16_if_saved_by_numpy(array: np.ndarray) -> np.ndarray:
     if array.dtype == _SAVED_BFLOAT16 and array.dtype.fields is None:
-        return array.view(ml_dtypes.bfloat16)
+        return array.view(_bfloat16())
     return array
 
 
@@ -189,7 +212,7 @@ def write_npy(handle: BinaryIO, array: np.ndarray) -> None:
     array = np.asarray(array)
     if not array.flags.c_contiguous:
         array = array.copy(order="C")  # not ascontiguousarray: it turns 0-d arrays into 1-d
-    if array.dtype == np.dtype(ml_dtypes.bfloat16):
+    if array.dtype.name == "bfloat16":  # made by ml_dtypes, so it is imported
         header = {"descr": "bfloat16", "fortran_order": False, "shape": array.shape}
         np.lib.format.write_array_header_1_0(handle, header)
         handle.write(array.tobytes())

@@ -30,3 +30,28 @@ def test_a_bfloat16_model_runs_and_verifies_with_files_numpy_wrote(bf16_bundle, 
     again = cli("run", str(bf16_bundle.path), "--inputs", str(tmp_path / "in.npz"), "--expected", str(tmp_path / "ref.npz"))
     assert again.returncode == 0, again.stdout + again.stderr
     assert "VERDICT: PASSED" in again.stdout
+
+
+def test_ml_dtypes_is_imported_only_for_files_that_hold_bfloat16(tmp_path):
+    """Importing ml_dtypes costs about a second of CPU: a float32 file does not
+    pay it, and a file with the 'bfloat16' descriptor is still read in a process
+    that had not imported it (NumPy knows the name only once it is)."""
+    import subprocess
+    import sys
+
+    from cuda_runner.io.npy import write_npy
+
+    with open(tmp_path / "b.npy", "wb") as handle:
+        write_npy(handle, np.array([1.5, -2.0], dtype=ml_dtypes.bfloat16))
+    np.save(tmp_path / "f.npy", np.ones(3, np.float32))
+    code = (
+        "import sys\n"
+        "from cuda_runner.io.npy import load_array, read_array_header\n"
+        f"assert read_array_header({str(tmp_path / 'f.npy')!r}).dtype.name == 'float32'\n"
+        "assert 'ml_dtypes' not in sys.modules\n"
+        f"header = read_array_header({str(tmp_path / 'b.npy')!r})\n"
+        f"print(header.dtype.name, load_array({str(tmp_path / 'b.npy')!r}).astype('float32').tolist())\n"
+    )
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.split(None, 1) == ["bfloat16", "[1.5, -2.0]\n"]
