@@ -17,9 +17,14 @@ from cuda_runner.format.program import ProgramReader
 ZOO = ROOT / "tests" / "data" / "executorch" / "zoo_et151_torch211"
 INDEX = json.loads((ZOO / "zoo.json").read_text())
 PROGRAMS = sorted(INDEX["programs"])
+# Three of them exported by ExecuTorch 1.4.1: the same wiring, in layout G2 (one weights blob per method).
+OLDER = ROOT / "tests" / "data" / "executorch" / "zoo_et141_torch211"
+OLDER_INDEX = json.loads((OLDER / "zoo.json").read_text())
 
 
-def _folder(name: str):
+def _folder(name: str, zoo: str = "et151"):
+    if zoo == "et141":
+        return OLDER / OLDER_INDEX["programs"][name]["folder"]
     return ZOO / INDEX["programs"][name]["folder"]
 
 
@@ -28,10 +33,10 @@ def test_the_zoo_has_the_shapes_people_ship():
     assert all(entry["status"] == "ok" for entry in INDEX["programs"].values())
 
 
-@pytest.mark.parametrize("name", PROGRAMS)
-def test_every_zoo_program_is_read_inspected_and_converted(tmp_path, name):
-    folder = _folder(name)
-    calls = INDEX["programs"][name]["calls"]
+@pytest.mark.parametrize(("zoo", "name"), [("et151", name) for name in PROGRAMS] + [("et141", name) for name in sorted(OLDER_INDEX["programs"])])
+def test_every_zoo_program_is_read_inspected_and_converted(tmp_path, zoo, name):
+    folder = _folder(name, zoo)
+    calls = (OLDER_INDEX if zoo == "et141" else INDEX)["programs"][name]["calls"]
     with ProgramReader(folder / "model.pte") as reader:
         methods = reader.manifest.methods
         for call in calls:  # every method the reference drives, with its dtypes and ranks
@@ -81,3 +86,13 @@ def test_methods_sharing_weights_by_name_share_segments():
         shared = {constant.fqn: constant.segment for constant in prefill.constants}
         common = [constant for constant in decode.constants if constant.fqn in shared]
         assert common and all(shared[constant.fqn] == constant.segment for constant in common)
+
+
+def test_the_older_exports_keep_one_weights_blob_per_method_and_the_same_wiring():
+    """ExecuTorch 1.4 wrote each method's weights as one SHA-keyed blob (layout G2)."""
+    for name, method_name in (("a_llm_kv", "text_decoder"), ("b_enc_dec", "decoder"), ("f_dtypes", "forward")):
+        with ProgramReader(_folder(name, "et141") / "model.pte") as older, ProgramReader(_folder(name) / "model.pte") as newer:
+            old, new = older.manifest.methods[method_name], newer.manifest.methods[method_name]
+            assert old.compile_options["executorch_payload_layout"] == "G2" and old.weights_segment is not None and not old.constants
+            assert new.compile_options["executorch_payload_layout"] == "G3" and new.weights_segment is None  # per-FQN constants, where it has weights
+            assert old.wiring == new.wiring and old.inputs == new.inputs and old.outputs == new.outputs

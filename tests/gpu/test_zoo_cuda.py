@@ -1,8 +1,9 @@
-"""The zoo of real ExecuTorch 1.5.1 exports on the GPU: every program's
-reference calls (zoo.json) run in order on one loaded program, directly and
-converted, each output against eager PyTorch's; the decoder's KV cache keeps
-its state from the prefill through every decode step, and reset_state puts it
-back; methods sharing weights upload them once."""
+"""The zoos of real ExecuTorch exports on the GPU (1.5.1, layout G3, and
+1.4.1, layout G2): every program's reference calls (zoo.json) run in order
+on one loaded program, directly and converted, each output against eager
+PyTorch's; the decoder's KV cache keeps its state from the prefill through
+every decode step, and reset_state puts it back (per-FQN weights in 1.5, one
+weights blob in 1.4); methods sharing weights upload them once."""
 
 from __future__ import annotations
 
@@ -16,14 +17,16 @@ import cuda_runner
 
 pytestmark = pytest.mark.gpu
 
-ZOO = ROOT / "tests" / "data" / "executorch" / "zoo_et151_torch211"
-INDEX = json.loads((ZOO / "zoo.json").read_text())
+ZOOS = {zoo: ROOT / "tests" / "data" / "executorch" / f"zoo_{zoo}_torch211" for zoo in ("et151", "et141")}
+INDEXES = {zoo: json.loads((folder / "zoo.json").read_text()) for zoo, folder in ZOOS.items()}
+ZOO, INDEX = ZOOS["et151"], INDEXES["et151"]
+PROGRAMS = [(zoo, name) for zoo, index in INDEXES.items() for name in sorted(index["programs"])]
 
 
-def _run_calls(model, name):
+def _run_calls(model, name, zoo="et151"):
     """Every reference call of program `name`, in order; the worst error of each."""
-    entry = INDEX["programs"][name]
-    io = np.load(ZOO / entry["folder"] / "io.npz")
+    entry = INDEXES[zoo]["programs"][name]
+    io = np.load(ZOOS[zoo] / entry["folder"] / "io.npz")
     errors = []
     for step, call in enumerate(entry["calls"]):
         outputs = model.run([io[key] for key in call["inputs"]], call["method"])
@@ -38,36 +41,37 @@ def _run_calls(model, name):
     return errors
 
 
-@pytest.mark.parametrize("name", sorted(INDEX["programs"]))
-def test_zoo_programs_match_eager_step_by_step(tmp_path, name):
-    program = ZOO / INDEX["programs"][name]["folder"] / "model.pte"
+@pytest.mark.parametrize(("zoo", "name"), PROGRAMS)
+def test_zoo_programs_match_eager_step_by_step(tmp_path, zoo, name):
+    program = ZOOS[zoo] / INDEXES[zoo]["programs"][name]["folder"] / "model.pte"
     with cuda_runner.load(program) as model:
-        direct = _run_calls(model, name)
+        direct = _run_calls(model, name, zoo)
     converted = tmp_path / "zoo.bundle"
     assert cli("convert", str(program), "-o", str(converted)).returncode == 0
     with cuda_runner.load(converted) as model:
-        through_bundle = _run_calls(model, name)
-    print(f"{name}: max abs error per output, direct {max(direct):.3g}, converted {max(through_bundle):.3g} ({len(direct)} outputs)")
+        through_bundle = _run_calls(model, name, zoo)
+    print(f"{zoo} {name}: max abs error per output, direct {max(direct):.3g}, converted {max(through_bundle):.3g} ({len(direct)} outputs)")
     assert max(direct) <= 1e-4 and max(through_bundle) <= 1e-4
 
 
-def test_the_kv_cache_keeps_its_state_and_resets():
-    entry = INDEX["programs"]["a_llm_kv"]
-    io = np.load(ZOO / entry["folder"] / "io.npz")
+@pytest.mark.parametrize("zoo", sorted(ZOOS))
+def test_the_kv_cache_keeps_its_state_and_resets(zoo):
+    entry = INDEXES[zoo]["programs"]["a_llm_kv"]
+    io = np.load(ZOOS[zoo] / entry["folder"] / "io.npz")
     prefill, decode = [call for call in entry["calls"] if call["method"] == "text_decoder"][:2]
 
     def error(call):
         got = model.run([io[key] for key in call["inputs"]], "text_decoder")["output_0"]
         return float(np.abs(got - io[call["outputs"][0]]).max())
 
-    with cuda_runner.load(ZOO / entry["folder"] / "model.pte") as model:
+    with cuda_runner.load(ZOOS[zoo] / entry["folder"] / "model.pte") as model:
         decoder = model.method("text_decoder")
         assert decoder.stateful and decoder.lanes == 1 and decoder.warm_up_note.startswith("skipped")
-        errors = _run_calls(model, "a_llm_kv")
-        print(f"a_llm_kv: logits within {max(errors):.3g} of eager at every step (prefill, then decodes)")
+        errors = _run_calls(model, "a_llm_kv", zoo)
+        print(f"{zoo} a_llm_kv: logits within {max(errors):.3g} of eager at every step (prefill, then decodes)")
         model.reset_state("text_decoder")
         without_prefill = error(decode)  # an empty cache: the first decode no longer sees the prompt
-        print(f"a_llm_kv: first decode after reset_state, without the prefill: {without_prefill:.3g} from eager")
+        print(f"{zoo} a_llm_kv: first decode after reset_state, without the prefill: {without_prefill:.3g} from eager")
         assert without_prefill > 1e-3
         model.reset_state()
         assert error(prefill) <= 1e-4 and error(decode) <= 1e-4
