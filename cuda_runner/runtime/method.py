@@ -394,9 +394,11 @@ class Method:
         copies, the model and the output copies (CUDA events on a GPU).
 
         Inputs resolved for this method (io.inputs.resolve_inputs) were checked
-        against its signature then, and are not checked again."""
-        if isinstance(inputs, ResolvedInputs) and inputs.method is self.spec:
-            ordered = [inputs.arrays[name] for name in self._names]
+        against its signature then, and are not checked again while each array
+        is still the one of the dtype and shape that was checked."""
+        trusted = inputs.unchanged_arrays(self._names) if isinstance(inputs, ResolvedInputs) and inputs.method is self.spec else None
+        if trusted is not None:
+            ordered = trusted
         else:
             ordered = self._ordered(inputs.arrays if isinstance(inputs, ResolvedInputs) else inputs)
             screen = None
