@@ -53,6 +53,10 @@ class Executor(abc.ABC):
         """A page-locked staging array for input `index`."""
         raise InputError("pinned inputs need a method loaded on a CUDA device")
 
+    def take_over(self, old: Executor) -> None:
+        """Keep what `old` (the lane this one replaces, to be closed next) handed
+        out to callers and promised to keep (pinned_input's arrays)."""
+
     @abc.abstractmethod
     def close(self) -> None:
         """Finish queued work and free everything this executor owns."""
