@@ -363,7 +363,12 @@ class CudaExecutor(Executor):
         return [_as_cupy(cupy, name, array) for name, array in zip(names, arrays)]
 
     def copy_device(self, array: Any) -> Any:
-        return self.cupy.array(array)
+        # On this lane's stream, as the run that reads it (or the caller, after
+        # synchronizing `stream`, for an output that is an input): CuPy's current
+        # stream is the legacy default one, which a non-blocking stream does not
+        # wait for, nor it for that stream's pending writes of the array.
+        with self.stream.as_cupy():
+            return self.cupy.array(array)
 
     def run_device(self, arrays: list[Any]) -> list[Any]:
         """CuPy in, CuPy out, no copies. Outputs own their handles: releasing the
