@@ -105,7 +105,7 @@ class ResolvedInputs:
     _checked: dict[str, tuple[np.dtype, tuple[int, ...]]] | None = field(default=None, init=False, repr=False, compare=False)
 
     def unchanged_arrays(self, names: list[str]) -> list[np.ndarray] | None:
-        """The arrays in `names` order if each is still the NumPy array of the
+        """The arrays in `names` order if each is still a NumPy array of the
         dtype and shape it was checked with; None if any is not (check them again)."""
         checked = self._checked
         if checked is None or len(self.arrays) != len(checked):
@@ -113,7 +113,7 @@ class ResolvedInputs:
         ordered = []
         for name in names:
             array = self.arrays.get(name)
-            if type(array) is not np.ndarray or (array.dtype, array.shape) != checked.get(name):
+            if not isinstance(array, np.ndarray) or (array.dtype, array.shape) != checked.get(name):  # np.load's memmaps too
                 return None
             ordered.append(array)
         return ordered

@@ -7,7 +7,7 @@ import numpy as np
 import cuda_runner.io.inputs
 import cuda_runner.runtime.method
 from cuda_runner.commands.running import RunRequest, run_bundle
-from cuda_runner.io.inputs import ArchiveFile, GivenInputs
+from cuda_runner.io.inputs import ArchiveFile, ArrayFile, GivenInputs
 
 
 def test_inputs_are_checked_against_the_signature_once(dict_mlp_bundle, tmp_path, monkeypatch):
@@ -22,6 +22,12 @@ def test_inputs_are_checked_against_the_signature_once(dict_mlp_bundle, tmp_path
     np.savez(inputs, x=np.ones((2, 16), np.float32), bias=np.zeros(8, np.float32))
     result = run_bundle(RunRequest(dict_mlp_bundle.path, GivenInputs((ArchiveFile(inputs),))))
     assert result.verdict == "PASSED" and result.outputs["logits"].shape == (2, 8)
+    assert calls == ["cuda_runner.io.inputs"]
+    calls.clear()  # .npy files are read as memory maps, which are NumPy arrays too
+    np.save(tmp_path / "x.npy", np.ones((2, 16), np.float32))
+    np.save(tmp_path / "bias.npy", np.zeros(8, np.float32))
+    files = GivenInputs((ArrayFile(tmp_path / "x.npy", "x"), ArrayFile(tmp_path / "bias.npy", "bias")))
+    assert run_bundle(RunRequest(dict_mlp_bundle.path, files)).verdict == "PASSED"
     assert calls == ["cuda_runner.io.inputs"]
 
 
