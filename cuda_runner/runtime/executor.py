@@ -55,7 +55,8 @@ class Executor(abc.ABC):
 
     def take_over(self, old: Executor) -> None:
         """Keep what `old` (the lane this one replaces, to be closed next) handed
-        out to callers and promised to keep (pinned_input's arrays)."""
+        out to callers and promised to keep (pinned_input's arrays). Nothing, by default."""
+        return None  # optional: only the CUDA executor hands such memory out
 
     @abc.abstractmethod
     def close(self) -> None:

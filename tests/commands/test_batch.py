@@ -321,7 +321,9 @@ def test_a_batch_over_several_devices_starts_no_context_on_the_default_one(dict_
 
     prepared = []
     monkeypatch.setattr(running, "prepare_device", lambda specs, device: prepared.append(device))
-    with pytest.raises(Exception):  # no GPU is needed: what matters happens before any load
+    from cuda_runner.errors import CudaRunnerError
+
+    with pytest.raises(CudaRunnerError):  # no GPU is needed: what matters happens before any load
         run_batch(BatchRequest(dict_mlp_bundle.path, sets, out_dir=tmp_path / "out", devices="1,2"))
     assert prepared == []
     run_batch(BatchRequest(dict_mlp_bundle.path, sets, out_dir=tmp_path / "one"))
