@@ -235,7 +235,8 @@ def run_batch(request: BatchRequest, progress: Progress = lambda done, total: No
     if request.devices is not None and request.device is not None:
         raise InputError("give either one device or several devices, not both", subject="device")
     started = time.perf_counter()
-    opened = open_for_run(request.bundle, request.data, request.method, request.load.trusted_keys, request.device)
+    # With several devices, none of them is the bundle's default one: no context is started on GPU 0 for nothing.
+    opened = open_for_run(request.bundle, request.data, request.method, request.load.trusted_keys, request.device, prepare=request.devices is None)
     name = opened.method.name  # load only the method that runs
     try:
         if request.batch_size > 1:

@@ -128,11 +128,11 @@ class OpenedModel:
 
 
 def open_for_run(path: Path, data: Path | None, method: str | None, trusted_keys: Sequence[TrustedKey] = (),
-                 device: str | None = None) -> OpenedModel:
+                 device: str | None = None, *, prepare: bool = True) -> OpenedModel:
     """Open a bundle or program, check its signature against `trusted_keys`
     before anything in it is used, and choose the method (the only one, or
-    'forward', where `method` is None). The method's CUDA context (on
-    `device`, or the bundle's) starts being made meanwhile."""
+    'forward', where `method` is None). With `prepare`, the method's CUDA
+    context (on `device`, or the bundle's) starts being made meanwhile."""
     started = time.perf_counter()
     reader = open_model(path, data)
     try:
@@ -141,7 +141,8 @@ def open_for_run(path: Path, data: Path | None, method: str | None, trusted_keys
         seconds = time.perf_counter() - started
         methods = reader.manifest.methods
         spec = methods[choose_method(list(methods), method)]
-        prepare_device([spec], device)
+        if prepare:
+            prepare_device([spec], device)
     except BaseException:
         reader.close()
         raise

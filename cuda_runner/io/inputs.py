@@ -100,6 +100,23 @@ class ResolvedInputs:
     sources: list[InputSource] = field(default_factory=list)
     dims: dict[str, int] = field(default_factory=dict)
     method: MethodSpec | None = None  # the signature they were checked against
+    # The (dtype, shape) of each array when it was checked (set by resolving, never by hand):
+    # an array replaced or reshaped since then is checked again.
+    _checked: dict[str, tuple[np.dtype, tuple[int, ...]]] | None = field(default=None, init=False, repr=False, compare=False)
+
+    def unchanged_arrays(self, names: list[str]) -> list[np.ndarray] | None:
+        """The arrays in `names` order if each is still a NumPy array of the
+        dtype and shape it was checked with; None if any is not (check them again)."""
+        checked = self._checked
+        if checked is None or len(self.arrays) != len(checked):
+            return None
+        ordered = []
+        for name in names:
+            array = self.arrays.get(name)
+            if not isinstance(array, np.ndarray) or (array.dtype, array.shape) != checked.get(name):  # np.load's memmaps too
+                return None
+            ordered.append(array)
+        return ordered
 
 
 @dataclass
@@ -147,7 +164,9 @@ def _resolved(method: MethodSpec, pending: list[_Pending]) -> ResolvedInputs:
             if problem is not None:
                 raise item.too_large(problem)  # before anything is allocated: not NumPy's "array is too big" later
     arrays = {item.source.name: item.load() for item in pending}
-    return ResolvedInputs(arrays, [item.source for item in pending], dims, method)
+    resolved = ResolvedInputs(arrays, [item.source for item in pending], dims, method)
+    resolved._checked = {name: (array.dtype, array.shape) for name, array in arrays.items()}
+    return resolved
 
 
 def check_arrays(method: MethodSpec, arrays: Mapping[str, np.ndarray], sources: list[InputSource], *, cast: bool = False) -> ResolvedInputs:

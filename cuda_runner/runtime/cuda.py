@@ -158,6 +158,21 @@ class PinnedBuffers:
             self._buffers[slot] = entry
         return entry[1][:nbytes]
 
+    def adopt_user_buffers(self, other: PinnedBuffers) -> None:
+        """Take over the buffers `other` handed out through pinned_input() (and
+        its outgrown ones, which such arrays may still view): they stay
+        allocated, and their slots the same, until this one's clear(). Its own
+        staging buffers are left to `other` to free."""
+        for slot, entry in list(other._buffers.items()):
+            if isinstance(slot, tuple) and slot and slot[0] == "user":
+                del other._buffers[slot]
+                if slot in self._buffers:
+                    self._retired.append(entry)
+                else:
+                    self._buffers[slot] = entry
+        self._retired.extend(other._retired)
+        other._retired.clear()
+
     def owns(self, array: np.ndarray) -> bool:
         """Whether `array` lies inside one of these buffers (then no staging copy is needed)."""
         start = array.ctypes.data
@@ -348,7 +363,12 @@ class CudaExecutor(Executor):
         return [_as_cupy(cupy, name, array) for name, array in zip(names, arrays)]
 
     def copy_device(self, array: Any) -> Any:
-        return self.cupy.array(array)
+        # On this lane's stream, as the run that reads it (or the caller, after
+        # synchronizing `stream`, for an output that is an input): CuPy's current
+        # stream is the legacy default one, which a non-blocking stream does not
+        # wait for, nor it for that stream's pending writes of the array.
+        with self.stream.as_cupy():
+            return self.cupy.array(array)
 
     def run_device(self, arrays: list[Any]) -> list[Any]:
         """CuPy in, CuPy out, no copies. Outputs own their handles: releasing the
@@ -364,6 +384,10 @@ class CudaExecutor(Executor):
     def _contiguous(self, array: Any) -> Any:
         with self.stream.as_cupy():
             return self.cupy.ascontiguousarray(array)
+
+    def take_over(self, old: Executor) -> None:
+        if isinstance(old, CudaExecutor):
+            self.pinned.adopt_user_buffers(old.pinned)
 
     def close(self) -> None:
         with contextlib.suppress(Exception):

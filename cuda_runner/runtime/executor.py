@@ -53,6 +53,11 @@ class Executor(abc.ABC):
         """A page-locked staging array for input `index`."""
         raise InputError("pinned inputs need a method loaded on a CUDA device")
 
+    def take_over(self, old: Executor) -> None:
+        """Keep what `old` (the lane this one replaces, to be closed next) handed
+        out to callers and promised to keep (pinned_input's arrays). Nothing, by default."""
+        return None  # optional: only the CUDA executor hands such memory out
+
     @abc.abstractmethod
     def close(self) -> None:
         """Finish queued work and free everything this executor owns."""

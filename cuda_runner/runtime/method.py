@@ -338,8 +338,11 @@ class Method:
         new container, fed from the stored blob, and the old one is deleted;
         a method captured into a CUDA graph cannot be reset that way."""
         if self._reset_source is not None:
+            if self._lanes.closed:  # (its lanes are never replaced: closed is closed)
+                raise ClosedError(f"method {self.spec.name!r} is closed")
             memory, segment = self._reset_source
-            memory.reload(self.spec.constants, segment)
+            with self._lanes.borrow():  # after the call in flight (a stateful method has one lane), before the next
+                memory.reload(self.spec.constants, segment)
             return
         if not self.stateful:
             return
@@ -356,6 +359,7 @@ class Method:
             except BaseException:
                 self._lanes = _Lanes(self._lanes.make, limit, old_executors[0], old_executors)  # the old state stays usable
                 raise
+            first.take_over(old_executors[0])  # pinned_input's arrays stay valid until the method is closed
             self._container = container
             self._lanes = _Lanes(make, limit, first)
             self._last_stream = threading.local()  # the old lanes' streams go with them
@@ -394,9 +398,11 @@ class Method:
         copies, the model and the output copies (CUDA events on a GPU).
 
         Inputs resolved for this method (io.inputs.resolve_inputs) were checked
-        against its signature then, and are not checked again."""
-        if isinstance(inputs, ResolvedInputs) and inputs.method is self.spec:
-            ordered = [inputs.arrays[name] for name in self._names]
+        against its signature then, and are not checked again while each array
+        is still the one of the dtype and shape that was checked."""
+        trusted = inputs.unchanged_arrays(self._names) if isinstance(inputs, ResolvedInputs) and inputs.method is self.spec else None
+        if trusted is not None:
+            ordered = trusted
         else:
             ordered = self._ordered(inputs.arrays if isinstance(inputs, ResolvedInputs) else inputs)
             screen = None

@@ -310,3 +310,21 @@ def test_the_stacker_refuses_invalid_sets_and_calls_after_close(compiled):
         stacker.close()
         with pytest.raises(ClosedError):
             stacker.run({"input": np.ones((2, 16), np.float32)})
+
+
+def test_a_batch_over_several_devices_starts_no_context_on_the_default_one(dict_mlp_bundle, sets, tmp_path, monkeypatch):
+    """run_batch with `devices` loads one model per listed device: opening the
+    bundle must not start the bundle's default device's context (GPU 0 for a
+    CUDA bundle, which `--devices 1,2` leaves out), as one run does."""
+    import cuda_runner.commands.running as running
+    from cuda_runner.commands.batch import BatchRequest, run_batch
+
+    prepared = []
+    monkeypatch.setattr(running, "prepare_device", lambda specs, device: prepared.append(device))
+    from cuda_runner.errors import CudaRunnerError
+
+    with pytest.raises(CudaRunnerError):  # no GPU is needed: what matters happens before any load
+        run_batch(BatchRequest(dict_mlp_bundle.path, sets, out_dir=tmp_path / "out", devices="1,2"))
+    assert prepared == []
+    run_batch(BatchRequest(dict_mlp_bundle.path, sets, out_dir=tmp_path / "one"))
+    assert prepared == [None]

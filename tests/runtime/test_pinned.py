@@ -69,3 +69,23 @@ def test_staged_upload_copies_every_chunk_in_order(monkeypatch):
     device = np.zeros(50_000, np.uint8)
     pinned.staged_upload(runtime, 0, device.ctypes.data, source, staging, 1)
     np.testing.assert_array_equal(device, source)
+
+
+def test_a_new_lane_keeps_the_pinned_inputs_its_predecessor_handed_out():
+    """reset_state replaces a blob method's lane and closes the old one:
+    pinned_input arrays (valid until the method closes) must not be freed with it."""
+    from cuda_runner.runtime.cuda import PinnedBuffers
+
+    runtime = HostRuntime()
+    old, new = PinnedBuffers(runtime), PinnedBuffers(runtime)
+    handed = old.get(("user", 0), 64).view(np.float32)
+    staging = old.get(("in", 0), 64)
+    handed[...] = 3
+    new.adopt_user_buffers(old)
+    old.clear()  # the old lane closes
+    assert runtime.freed == [staging.ctypes.data]
+    assert (handed == 3).all() and handed.ctypes.data in runtime.live
+    assert new.get(("user", 0), 64).ctypes.data == handed.ctypes.data  # the same buffer again, still recognised as pinned
+    assert new.owns(handed)
+    new.clear()
+    assert not runtime.live
