@@ -93,6 +93,8 @@ def _options(options: LoadOptions | None, trusted_keys: Iterable[str | os.PathLi
              fields: dict[str, Any]) -> LoadOptions:
     from .format.signing import keys_for_loading
 
+    if options is not None and not isinstance(options, LoadOptions):
+        raise InputError(f"options must be a cuda_runner.LoadOptions, not {type(options).__name__}; or give its fields as keywords")
     chosen = (options or LoadOptions()).with_fields(**fields)
     keys = keys_for_loading(trusted_keys or (), require_signature and not chosen.trusted_keys)
     return chosen.with_fields(trusted_keys=(*chosen.trusted_keys, *keys)) if keys else chosen

@@ -250,7 +250,8 @@ def _method_lines(name: str, report: MethodReport, shared: dict[str, list[str]] 
             lines.append(f"  {role}: {human_bytes(entry.size)}  {entry.digest}")
     if spec.constants and shared is not None:
         own = [constant for constant in spec.constants if constant.segment not in shared]
-        lines.append(clean(f"  weights: {len(spec.constants)} constants by FQN, {len(spec.constants) - len(own)} in storages shared with other methods"))
+        count = len(spec.constants)
+        lines.append(clean(f"  weights: {count} constant{'s' if count != 1 else ''} by FQN, {count - len(own)} in storages shared with other methods"))
     if device.type == "cpu" and device.cpu_flags:
         lines.append(clean(f"  needs CPU flags: {' '.join(device.cpu_flags)}"))
     if report.needs_libtorch is not None:

@@ -284,13 +284,19 @@ class _WrittenState:
     inputs: list[str]  # inputs a run writes into, in the signature's order
 
 
-def _written_state(program: Any) -> _WrittenState:
+def _written_state(program: Any) -> _WrittenState | None:
     """What a run of `program` writes to. torch.export's default IR keeps
     in-place ops as they are and leaves its signature's mutation tables empty
     (a buffer's `add_` is recorded nowhere); only the functional form fills
     them, so they are read from a decomposed copy (no decompositions applied
-    beyond functionalization), leaving the program itself as it is."""
-    functional = program.run_decompositions({})
+    beyond functionalization), leaving the program itself as it is. None where
+    that fails: the bundle then says nothing, and the runtime assumes what it
+    does for older bundles (state wherever the library has buffers, read-only
+    inputs copied)."""
+    try:
+        functional = program.run_decompositions({})
+    except Exception:
+        return None
     signature = functional.graph_signature
     written_inputs = set(signature.user_inputs_to_mutate.values())
     return _WrittenState(sorted(set(signature.buffers_to_mutate.values())), [name for name in signature.user_inputs if name in written_inputs])
@@ -323,8 +329,7 @@ def _compile_method(
         torch_version=torch.__version__,
         compile_options={
             **compiled.options,
-            MUTATED_BUFFERS_OPTION: written.buffers,
-            MUTATED_INPUTS_OPTION: written.inputs,
+            **({} if written is None else {MUTATED_BUFFERS_OPTION: written.buffers, MUTATED_INPUTS_OPTION: written.inputs}),
         },
     )
     if source.sample_inputs is not None:

@@ -172,6 +172,7 @@ class Method:
         self._wiring = spec.wiring
         self._names = [input_spec.name for input_spec in spec.inputs]
         self._written_inputs = written_inputs(spec)
+        self._bfloat16_inputs = [position for position, tensor in enumerate(spec.inputs) if tensor.dtype == "bfloat16"]
         self._copies_inputs = self._written_inputs is None or bool(self._written_inputs)
         # (dtype, shape) of each input, already validated; apart for device
         # arrays, where uint16 can stand for bfloat16.
@@ -337,14 +338,14 @@ class Method:
         whose weights are one blob cannot be given them twice, so it gets a
         new container, fed from the stored blob, and the old one is deleted;
         a method captured into a CUDA graph cannot be reset that way."""
+        if not self.stateful:
+            return  # nothing a run changes
         if self._reset_source is not None:
             if self._lanes.closed:  # (its lanes are never replaced: closed is closed)
                 raise ClosedError(f"method {self.spec.name!r} is closed")
             memory, segment = self._reset_source
             with self._lanes.borrow():  # after the call in flight (a stateful method has one lane), before the next
                 memory.reload(self.spec.constants, segment)
-            return
-        if not self.stateful:
             return
         if self._fresh_container is None:
             raise InputError(f"method {self.spec.name!r} runs as a CUDA graph, which cannot be reset; load the model again to reset its state")
@@ -405,6 +406,8 @@ class Method:
             ordered = trusted
         else:
             ordered = self._ordered(inputs.arrays if isinstance(inputs, ResolvedInputs) else inputs)
+            if self._bfloat16_inputs:
+                ordered = _bfloat16_views(ordered, self._bfloat16_inputs)
             screen = None
             if all(type(array) is np.ndarray for array in ordered):
                 screen = self._host_arrays  # arrays as given: screened only when their signature is new
@@ -739,6 +742,24 @@ def _output_from(source: OutputSource, spec: TensorSpec, outputs: list[Any], giv
 
         return copy(np.asarray(source.constant, numpy_dtype(spec.dtype)))
     return copy(given[source.index]) if source.from_input else outputs[source.index]
+
+
+_BARE_VOID2 = np.dtype("V2")
+
+
+def _bfloat16_views(arrays: list[Any], positions: list[int]) -> list[Any]:
+    """bfloat16 arrays that went through np.save/np.savez come back from np.load
+    as a bare 2-byte void (NumPy has no name for ml_dtypes' type): for a
+    bfloat16 input, such an array is read as the bfloat16 it holds, as the
+    runner's own file reader does."""
+    for position in positions:
+        array = arrays[position]
+        if type(array) is np.ndarray and array.dtype == _BARE_VOID2 and array.dtype.fields is None:
+            from ..dtypes import numpy_dtype
+
+            arrays = list(arrays)
+            arrays[position] = array.view(numpy_dtype("bfloat16"))
+    return arrays
 
 
 def _writeable(array: Any) -> bool:

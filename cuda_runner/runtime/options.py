@@ -14,6 +14,9 @@ from typing import Any
 from ..errors import InputError
 from ..format.signing import TrustedKey
 
+# Each lane holds a stream, staging buffers and a model instance: thousands would only exhaust the device.
+MAX_LANES = 256
+
 
 @dataclass(frozen=True)
 class LoadOptions:
@@ -44,8 +47,13 @@ class LoadOptions:
     trusted_keys: tuple[TrustedKey, ...] = ()
 
     def __post_init__(self) -> None:
-        if not isinstance(self.lanes, int) or self.lanes < 1:
-            raise InputError("a method needs at least one lane", subject="lanes")
+        for name in ("verify_weights", "cuda_graph", "check_inputs", "warm_up", "call_helper"):
+            if not isinstance(getattr(self, name), bool):
+                raise InputError(f"load option {name} must be True or False, not {getattr(self, name)!r}")
+        if isinstance(self.lanes, bool) or not isinstance(self.lanes, int) or not 1 <= self.lanes <= MAX_LANES:
+            raise InputError(f"lanes must be a whole number from 1 to {MAX_LANES}, not {self.lanes!r}", subject="lanes")
+        if not isinstance(self.trusted_keys, tuple) or not all(isinstance(key, TrustedKey) for key in self.trusted_keys):
+            raise InputError("trusted_keys must be a tuple of keys read with keys_for_loading (cuda_runner.load takes key file paths)")
         if self.provider is not None:
             from .providers import check_provider
 

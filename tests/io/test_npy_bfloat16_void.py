@@ -55,3 +55,18 @@ def test_ml_dtypes_is_imported_only_for_files_that_hold_bfloat16(tmp_path):
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stderr
     assert result.stdout.split(None, 1) == ["bfloat16", "[1.5, -2.0]\n"]
+
+
+def test_arrays_np_load_gives_as_bare_voids_run_as_bfloat16(bf16_bundle, tmp_path):
+    """np.savez then np.load of a bfloat16 array gives a bare 2-byte void: passed
+    to a bfloat16 input it runs as the bfloat16 it holds."""
+    import cuda_runner
+
+    x = bf16_bundle.args[0].float().numpy().astype(ml_dtypes.bfloat16)
+    np.savez(tmp_path / "in.npz", x=x)
+    void = np.load(tmp_path / "in.npz")["x"]
+    assert void.dtype == np.dtype("V2")
+    with cuda_runner.load(bf16_bundle.path) as model:
+        expected, got = model.run([x]), model.run([void])
+    for name in expected:
+        np.testing.assert_array_equal(got[name].astype(np.float32), expected[name].astype(np.float32))

@@ -29,7 +29,7 @@ def test_an_unknown_option_is_refused_by_name_before_anything_opens(tmp_path):
         cuda_runner.load(tmp_path / "missing.bundle", lane=2)
 
 
-@pytest.mark.parametrize(("fields", "message"), [({"lanes": 0}, "at least one lane"), ({"provider": "cuda"}, "unknown provider 'cuda'")])
+@pytest.mark.parametrize(("fields", "message"), [({"lanes": 0}, "lanes must be a whole number from 1"), ({"provider": "cuda"}, "unknown provider 'cuda'")])
 def test_bad_values_are_refused_when_the_options_are_made(fields, message):
     with pytest.raises(InputError, match=message):
         LoadOptions(**fields)
@@ -67,3 +67,19 @@ def test_run_and_bench_take_the_options_they_are_given(dict_mlp_bundle, tmp_path
     measured = benchmark(BenchRequest(dict_mlp_bundle.path, plan, load=LoadOptions(call_helper=False), warmup_runs=1, iterations=3))
     assert measured.call_path == "ctypes: the call helper is turned off"
     assert measured.load["open"] > 0
+
+
+@pytest.mark.parametrize(("fields", "message"), [
+    ({"check_inputs": "no"}, "check_inputs must be True or False"),
+    ({"lanes": True}, "lanes must be a whole number"),
+    ({"lanes": 10**6}, "lanes must be a whole number from 1 to 256"),
+    ({"trusted_keys": "key.pem"}, "trusted_keys must be a tuple of keys"),
+])
+def test_values_of_the_wrong_kind_are_refused(fields, message):
+    with pytest.raises(InputError, match=message):
+        LoadOptions(**fields)
+
+
+def test_options_must_be_a_load_options_value(tmp_path):
+    with pytest.raises(InputError, match=r"options must be a cuda_runner\.LoadOptions, not dict"):
+        cuda_runner.load(tmp_path / "missing.bundle", options={"lanes": 2})
