@@ -64,18 +64,18 @@ class _Lanes:
     back, where a queue.Queue took several); a caller waits only when every
     lane is busy and no more may be made."""
 
-    def __init__(self, make: Callable[[], Executor], limit: int, first: Executor, existing: list[Executor] | None = None):
+    def __init__(self, make: Callable[[], Executor], limit: int, first: Executor):
         self.make = make
         self.limit = limit
-        everything = existing if existing is not None else [first]
         # Last in, first out: one thread calling alone keeps getting the same lane.
-        self._idle = list(everything)
-        self._all = list(everything)
+        self._idle = [first]
+        self._all = [first]
         self._lock = threading.Lock()
         self._changed = threading.Condition(self._lock)  # a lane came back, or the last call ended
-        self._created = len(everything)
+        self._created = 1
         self._busy = 0
         self._waiting = 0  # callers waiting for a lane (or close waiting for the last call)
+        self._replacing = False  # reset_state is swapping the executors: callers wait for the new ones
         self.closed = False
 
     @property
@@ -87,6 +87,8 @@ class _Lanes:
 
     def take(self) -> Executor:
         with self._lock:
+            while self._replacing:
+                self._wait()
             if self.closed:
                 raise ClosedError("the method is closed")
             self._busy += 1
@@ -127,6 +129,26 @@ class _Lanes:
             self._busy -= 1
             if self._waiting:  # notifying nobody still costs a Python-level call per run
                 self._changed.notify_all()
+
+    def replace(self, make: Callable[[], Executor], first: Executor, hand_over: Callable[[list[Executor]], None]) -> list[Executor]:
+        """Swap every executor for `first` (made by `make`, for a new container).
+        Waits for the calls in flight; calls made meanwhile wait, then get the
+        new executor. `hand_over(old)` runs before any of them does. Returns the
+        old executors, which no call uses any more."""
+        with self._lock:
+            if self.closed:
+                raise ClosedError("the method is closed")
+            self._replacing = True
+            try:
+                while self._busy:
+                    self._wait()
+                old, self._all, self._idle = self._all, [first], [first]
+                self.make, self._created = make, 1
+                hand_over(old)
+            finally:
+                self._replacing = False
+                self._changed.notify_all()
+        return old
 
     def close(self) -> list[Executor]:
         """Refuse new calls, wait for those in flight, and hand back every executor."""
@@ -329,9 +351,9 @@ class Method:
 
     def reset_state(self) -> None:
         """Put the method's buffers (a KV cache, say) back to their stored
-        initial values, without reloading the model. Do not call it while the
-        method runs (a call in flight is waited for; one made meanwhile is
-        refused as closed).
+        initial values, without reloading the model. A call in flight finishes
+        first, on the old state; calls made meanwhile wait and see the reset
+        state.
 
         Per-constant weights (ExecuTorch 1.5 programs, converted programs,
         bundles with shared weights) are copied again in place. A library
@@ -349,20 +371,19 @@ class Method:
             return
         if self._fresh_container is None:
             raise InputError(f"method {self.spec.name!r} runs as a CUDA graph, which cannot be reset; load the model again to reset its state")
-        with self._close_lock:
+        with self._close_lock:  # not beside close() or another reset
             if self._lanes.closed:
                 raise ClosedError(f"method {self.spec.name!r} is closed")
-            limit = self._lanes.limit
-            old_executors = self._lanes.close()  # waits for a call in flight; none can start
-            old_container = self._container
+            # Made beside a call in flight: the old container keeps its state until the swap.
+            container, make, first = self._fresh_container()
             try:
-                container, make, first = self._fresh_container()
+                # pinned_input's arrays stay valid until the method is closed.
+                old_executors = self._lanes.replace(make, first, lambda old: first.take_over(old[0]))
             except BaseException:
-                self._lanes = _Lanes(self._lanes.make, limit, old_executors[0], old_executors)  # the old state stays usable
+                first.close()
+                container.delete()
                 raise
-            first.take_over(old_executors[0])  # pinned_input's arrays stay valid until the method is closed
-            self._container = container
-            self._lanes = _Lanes(make, limit, first)
+            old_container, self._container = self._container, container
             self._last_stream = threading.local()  # the old lanes' streams go with them
         for executor in old_executors:
             executor.close()

@@ -106,3 +106,32 @@ def test_calls_from_another_thread_after_a_reset_see_the_reset_state(writer_bund
         worker.join()
         for got, want in zip(seen, expected):
             np.testing.assert_allclose(got, want, rtol=1e-6)
+
+
+def test_calls_made_while_a_reset_runs_wait_for_it_instead_of_failing(writer_bundle):
+    path, factory = writer_bundle
+    expected = _eager_steps(factory)
+    failures: list[BaseException] = []
+    stop = threading.Event()
+
+    def call_until_stopped():
+        while not stop.is_set():
+            try:
+                _steps(method, INPUTS[:1])
+            except BaseException as error:
+                failures.append(error)
+                return
+
+    with cuda_runner.load(path) as model:
+        method = model.method()
+        callers = [threading.Thread(target=call_until_stopped) for _ in range(3)]
+        for caller in callers:
+            caller.start()
+        for _ in range(20):
+            model.reset_state()
+        stop.set()
+        for caller in callers:
+            caller.join()
+        model.reset_state()
+        np.testing.assert_allclose(_steps(method, INPUTS[:1])[0], expected[0], rtol=1e-6)
+    assert failures == []
