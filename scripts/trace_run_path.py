@@ -14,7 +14,11 @@ reports, for the sequence of modules entered (repeats in a row collapsed):
 The CLI's own modules and the start-up import are left out: the path begins
 when the run command starts. Layers are those of tests/test_architecture.py.
 
-    python scripts/trace_run_path.py [--bundle B.bundle] [--show]
+With `--by unit`, modules are grouped into the units the layer rule knows
+(errors, format, io, runtime, commands, ...), as the older layout's root
+modules are mapped to where they live now, so that two checkouts compare.
+
+    python scripts/trace_run_path.py [--bundle B.bundle] [--by module|unit] [--show]
 """
 
 from __future__ import annotations
@@ -39,9 +43,14 @@ OLD_UNITS = {"validation": "format", "signing": "format", "running": "commands",
              "stacking": "commands", "inspection": "commands"}
 
 
-def layer_of(module: str) -> int:
+def unit_of(module: str) -> str:
     parts = module.split(".")
-    unit = OLD_UNITS.get(parts[1], parts[1]) if len(parts) > 1 else "__init__"
+    return OLD_UNITS.get(parts[1], parts[1]) if len(parts) > 1 else "__init__"
+
+
+def layer_of(name: str) -> int:
+    """The layer of a module name, or of a unit name (--by unit)."""
+    unit = unit_of(name) if name.startswith("cuda_runner") else name
     return next((index for index, units in enumerate(LAYERS) if unit in units), len(LAYERS))
 
 
@@ -108,6 +117,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--bundle", type=Path, help="a CPU bundle with one input x of [2, 16] float32 (default: compile one)")
     parser.add_argument("--show", action="store_true", help="print the sequence of modules")
+    parser.add_argument("--by", choices=("module", "unit"), default="module", help="count modules, or the units of the layer rule")
     options = parser.parse_args()
     import numpy as np
 
@@ -116,8 +126,15 @@ def main() -> None:
         bundle = options.bundle or compile_bundle(folder)
         np.save(folder / "x.npy", np.ones((2, 16), np.float32))
         path, doors = trace(["run", str(bundle), "--inputs", f"x={folder / 'x.npy'}", "--out-dir", str(folder / "out"), "--device", "cpu", "-q"])
+    if options.by == "unit":
+        collapsed: list[str] = []
+        for module in (unit_of(module) for module in path):
+            if not collapsed or collapsed[-1] != module:
+                collapsed.append(module)
+        path = collapsed
+        doors = {(unit_of(caller), unit_of(callee)) for caller, callee in doors if unit_of(caller) != unit_of(callee)}
     figures = summarise(path, doors)
-    print(f"run: {figures['rooms']} rooms, {figures['doors']} doors, {figures['entries']} entries, "
+    print(f"run, by {options.by}: {figures['rooms']} rooms, {figures['doors']} doors, {figures['entries']} entries, "
           f"{figures['returns']} returns to rooms already left, {figures['climbs']} climbs to a higher layer")
     if options.show:
         for module in path:

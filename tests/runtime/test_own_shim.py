@@ -262,14 +262,26 @@ def test_interrupts_at_any_moment_of_a_run_leave_no_tensor_behind(lib, dict_mlp_
     """Ctrl-C lands between Python bytecodes, anywhere in Model.run: every handle
     the run made must still be freed. The shim counts live tensors, so a leak of
     one output handle shows."""
-    import _thread
     import random
+    import signal
+
+    rng = random.Random(0)
+    inputs = [arg.numpy() for arg in dict_mlp_bundle.args]
+    # Python's own SIGINT handler, whatever an earlier test in this worker left
+    # (Ray, for one, replaces it): interrupt_main does nothing under SIG_IGN.
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        _interrupt_runs(lib, dict_mlp_bundle, call_helper, rng, inputs)
+    finally:
+        signal.signal(signal.SIGINT, previous)
+
+
+def _interrupt_runs(lib, dict_mlp_bundle, call_helper, rng, inputs):
+    import _thread
     import threading
 
     import cuda_runner
 
-    rng = random.Random(0)
-    inputs = [arg.numpy() for arg in dict_mlp_bundle.args]
     with cuda_runner.load(dict_mlp_bundle.path, provider="shim", call_helper=call_helper) as model:
         model.run(inputs)
         baseline = live(lib)
