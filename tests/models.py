@@ -72,3 +72,25 @@ def linear():
 
 
 BUILDERS["linear"] = linear
+
+
+class Writer(torch.nn.Module):
+    """Writes what a run changes: its buffer adds up every x it is given (a KV
+    cache in miniature), and it doubles its input y in place."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.register_buffer("total", torch.full((4,), 0.5))
+        self.scale = torch.nn.Parameter(torch.tensor([1.0, 2.0, 3.0, 4.0]))
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        self.total.add_(x)
+        y.mul_(2.0)
+        return self.total * self.scale + y
+
+
+def writer():
+    return Writer(), (torch.ones(4), torch.ones(4)), None
+
+
+BUILDERS["writer"] = writer

@@ -12,26 +12,12 @@ import cuda_runner
 from cuda_runner.errors import ClosedError
 
 
-@pytest.fixture(scope="module")
-def writer_bundle(tmp_path_factory):
-    """A module whose buffer adds up every x it is given (a KV cache in
-    miniature), and which doubles its input y in place."""
-    import torch
+@pytest.fixture
+def writer_bundle(compiled):
+    """tests/models.py's Writer, compiled once per session (whichever worker asks first)."""
+    import models
 
-    class Writer(torch.nn.Module):
-        def __init__(self) -> None:
-            super().__init__()
-            self.register_buffer("total", torch.full((4,), 0.5))
-            self.scale = torch.nn.Parameter(torch.tensor([1.0, 2.0, 3.0, 4.0]))
-
-        def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-            self.total.add_(x)
-            y.mul_(2.0)
-            return self.total * self.scale + y
-
-    path = tmp_path_factory.mktemp("written") / "writer.bundle"
-    cuda_runner.compile_module(Writer(), (torch.ones(4), torch.ones(4)), path, device="cpu")
-    return path, Writer
+    return compiled("writer", "cpu").path, models.Writer
 
 
 INPUTS = [(np.full(4, value, np.float32), np.arange(4, dtype=np.float32)) for value in (1.0, 2.0, -0.5)]
