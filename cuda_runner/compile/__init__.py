@@ -293,13 +293,32 @@ def _written_state(program: Any) -> _WrittenState | None:
     that fails: the bundle then says nothing, and the runtime assumes what it
     does for older bundles (state wherever the library has buffers, read-only
     inputs copied)."""
+    if not _may_write(program):
+        return _WrittenState([], [])  # no op that writes: the retrace (seconds on a large model) is not needed
     try:
         functional = program.run_decompositions({})
-    except Exception:
+    except Exception:  # torch raises anything here; what is written is then not recorded
         return None
     signature = functional.graph_signature
     written_inputs = set(signature.user_inputs_to_mutate.values())
     return _WrittenState(sorted(set(signature.buffers_to_mutate.values())), [name for name in signature.user_inputs if name in written_inputs])
+
+
+def _may_write(program: Any) -> bool:
+    """Whether any op of the program (its subgraphs included) may write to a
+    tensor: an ATen op whose schema says so, or anything this cannot tell
+    (a higher-order op, a Python callable)."""
+    import torch
+
+    for module in program.graph_module.modules():
+        graph = getattr(module, "graph", None)
+        for node in graph.nodes if graph is not None else ():
+            # operator.getitem and the like (module _operator) pick values; they write nothing.
+            if node.op != "call_function" or getattr(node.target, "__module__", None) in ("_operator", "operator"):
+                continue
+            if not isinstance(node.target, torch._ops.OpOverload) or node.target._schema.is_mutable:
+                return True
+    return False
 
 
 def _compile_method(

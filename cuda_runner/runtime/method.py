@@ -263,7 +263,9 @@ class Method:
                 helper, call_path = load_call_helper(reader, spec, chosen.prepare)
                 timings["load_call_helper"] = clock() - started
             started = clock()
-            container = _create_container(library, spec, device, 1 if options.cuda_graph else options.lanes, check_inputs)
+            # One model instance where a run is known to change state: such a method gets one lane.
+            one_lane = options.cuda_graph or bool(spec.compile_options.get(MUTATED_BUFFERS_OPTION))
+            container = _create_container(library, spec, device, 1 if one_lane else options.lanes, check_inputs)
             timings["create_container"] = clock() - started
             make = _executor_factory(chosen.shim, device, container, spec, helper)
             executors.append(make())

@@ -121,3 +121,11 @@ def test_calls_made_while_a_reset_runs_wait_for_it_instead_of_failing(writer_bun
         model.reset_state()
         np.testing.assert_allclose(_steps(method, INPUTS[:1])[0], expected[0], rtol=1e-6)
     assert failures == []
+
+
+def test_a_module_that_writes_nothing_records_so(dict_mlp_bundle):
+    """No op of dict_mlp writes a tensor: compile says so without retracing it."""
+    options = cuda_runner.read_manifest(dict_mlp_bundle.path).methods["forward"].compile_options
+    assert options["mutated_buffers"] == [] and options["mutated_inputs"] == []
+    with cuda_runner.load(dict_mlp_bundle.path, lanes=2) as model:
+        assert not model.method().stateful and model.method().lanes == 2
