@@ -37,6 +37,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -405,7 +406,7 @@ def _per_call_row(key: str, row: dict) -> str:
     return f"| {key} | {row['median_us']} | {row['p10_us']}-{row['p90_us']} |"
 
 
-def floor_only(device: str, iterations: int) -> None:
+def floor_only(device: str, iterations: int, profile_calls: int = 0) -> None:
     """Compile the MLP with --standalone for `device`; cuda-runner's per call on
     the shim beside the C program calling Run on the shim, on one library."""
     import torch
@@ -431,25 +432,48 @@ def floor_only(device: str, iterations: int) -> None:
             import cupy
 
             device_inputs = {key: cupy.asarray(value) for key, value in host.items()}
-            label = "cuda-runner (shim), device arrays + sync"
-            call = lambda: (model.run_device(device_inputs), cupy.cuda.runtime.deviceSynchronize())  # noqa: E731
+            method = model.method()
+            stream = method.stream
+            calls = {
+                "cuda-runner (shim), device arrays + sync": lambda: (model.run_device(device_inputs), cupy.cuda.runtime.deviceSynchronize()),
+                # The C program synchronizes its stream: the same here, through Method.run_device directly.
+                "cuda-runner (shim), Method.run_device + stream sync": lambda: (method.run_device(device_inputs), stream.synchronize()),
+            }
         else:
-            label = "cuda-runner (shim), host arrays"
-            call = lambda: model.run(host)  # noqa: E731
-        for _ in range(50):
-            call()
-        times = []
-        for _ in range(iterations):
-            started = time.perf_counter()
-            call()
-            times.append(time.perf_counter() - started)
-        rows[label] = summary(times)
+            calls = {"cuda-runner (shim), host arrays": lambda: model.run(host)}
+        for label, call in calls.items():
+            for _ in range(50):
+                call()
+            times = []
+            for _ in range(iterations):
+                started = time.perf_counter()
+                call()
+                times.append(time.perf_counter() - started)
+            rows[label] = summary(times)
+        if profile_calls:
+            _profile(list(calls.values())[-1], profile_calls)
     rows["C program calling Run (shim)"] = c_floor(bundle, device, host, work, 5 * iterations)
     if device == "cuda":
         rows["C program calling Run (shim), one sync at the end"] = c_floor(bundle, device, host, work, 5 * iterations, sync_each_call=False)
     print(json.dumps({"device": device, "max_abs_diff_vs_eager": max_diff, "per_call": rows}, indent=2))
     print("\n".join(["", f"per call, mlp --standalone on {device} | median µs | p10-p90 µs", "|---|---|---|",
                      *(_per_call_row(key, row) for key, row in rows.items())]))
+
+
+def _profile(call: Any, count: int) -> None:
+    """Where the Python layer spends a call: cProfile's busiest functions (own time) over `count` calls."""
+    import cProfile
+    import io
+    import pstats
+
+    profiler = cProfile.Profile()
+    profiler.enable()
+    for _ in range(count):
+        call()
+    profiler.disable()
+    text = io.StringIO()
+    pstats.Stats(profiler, stream=text).sort_stats("tottime").print_stats(25)
+    print(text.getvalue(), file=sys.stderr)
 
 
 def main() -> None:
@@ -460,9 +484,10 @@ def main() -> None:
     parser.add_argument("--markdown", type=Path)
     parser.add_argument("--iterations", type=int, default=300)
     parser.add_argument("--cold-rounds", type=int, default=5)
+    parser.add_argument("--profile", type=int, default=0, metavar="CALLS", help="with --floor-only: cProfile this many calls (to stderr)")
     options = parser.parse_args()
     if options.floor_only:
-        floor_only(options.device, options.iterations)
+        floor_only(options.device, options.iterations, options.profile)
         return
     if options.output is None:
         parser.error("--output is required (but with --floor-only)")
