@@ -170,6 +170,8 @@ def _program_method_lines(method: ProgramMethodInfo, shim_check: tuple[list[str]
     else:
         verdict = f"{scope} has all of them"
     lines.append(clean(f"  shim functions: {len(facts.shim_symbols)} needed, {verdict}"))
+    # ExecuTorch moves mutated buffers (a KV cache) into the library without marking them in the program.
+    lines.append("  state: not recorded in the program; a method whose library holds buffers keeps them between calls (one lane, no warm-up)")
     return lines
 
 

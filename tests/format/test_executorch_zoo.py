@@ -76,6 +76,8 @@ def test_constant_methods_are_shown_not_run():
     assert result.returncode == 0, result.stderr
     assert "constant method get_max_seq_len: returns 32" in result.stdout
     assert "constant method use_kv_cache: returns True" in result.stdout
+    # The program does not mark the decoder's KV cache: inspect says where state is found.
+    assert "state: not recorded in the program" in result.stdout
     run = cli("run", str(_folder("a_llm_kv") / "model.pte"), "--method", "get_max_seq_len", "--random-inputs")
     assert run.returncode == 2 and "get_max_seq_len" in run.stderr
 
