@@ -215,9 +215,8 @@ def load_weights_on_cuda(device_index: int, container: Container, weights: memor
     """Feed the blob straight from the bundle mapping, registered read-only as
     pinned memory when the driver allows it (about 2.4x faster on the H200
     machine than passing the pageable mapping; docs/benchmarks.md)."""
+    use_device(device_index)
     runtime = cuda_runtime()
-    if runtime.getDevice() != device_index:
-        runtime.setDevice(device_index)
     address, size = buffer_address(weights), weights.nbytes
     registered = False
     if size:

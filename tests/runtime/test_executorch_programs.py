@@ -40,24 +40,33 @@ def _weights(module, keep: set[str]) -> list[Weight]:
     return weights
 
 
-@pytest.fixture(scope="module")
-def programs(compiled, tmp_path_factory) -> dict[str, Path]:
-    """layout -> model.pte, with its aoti_cuda_blob.ptd beside it."""
+def _dict_mlp_plan(compiled, **fields) -> MethodPlan:
+    """The `forward` of a program around the session's dict_mlp library: two
+    inputs, three outputs, a batch bounded at 64 (MethodPlan fields to add)."""
     model = compiled("dict_mlp", "cpu")
     with open_bundle(model.path) as reader:
         library = bytes(reader.read_verified("forward_so_blob"))
         blob = bytes(reader.segment("forward_weights_blob"))
     inputs = [TensorValue(FLOAT32, (64, 16), BOUND), TensorValue(FLOAT32, (8,))]
     outputs = [TensorValue(FLOAT32, (64, 8), BOUND), TensorValue(FLOAT32, ()), TensorValue(FLOAT32, (64, 32), BOUND)]
-    paths = {}
-    for layout in ("G1", "G2", "G3"):
-        method = MethodPlan("forward", library, inputs, outputs, weights_blob=blob, weights=_weights(model.module, _library_constants(model.path)), copies=layout != "G1")
-        folder = tmp_path_factory.mktemp(f"et_{layout}")
-        pte, ptd = write_program([method], layout)
-        (folder / "model.pte").write_bytes(pte)
-        (folder / "aoti_cuda_blob.ptd").write_bytes(ptd)
-        paths[layout] = folder / "model.pte"
-    return paths
+    return MethodPlan("forward", library, inputs, outputs, weights_blob=blob, **fields)
+
+
+def _write(folder: Path, method: MethodPlan, layout: str) -> Path:
+    """model.pte, with its aoti_cuda_blob.ptd beside it, in `folder`."""
+    pte, ptd = write_program([method], layout)
+    (folder / "model.pte").write_bytes(pte)
+    (folder / "aoti_cuda_blob.ptd").write_bytes(ptd)
+    return folder / "model.pte"
+
+
+@pytest.fixture(scope="module")
+def programs(compiled, tmp_path_factory) -> dict[str, Path]:
+    """layout -> model.pte, with its aoti_cuda_blob.ptd beside it."""
+    model = compiled("dict_mlp", "cpu")
+    weights = _weights(model.module, _library_constants(model.path))
+    return {layout: _write(tmp_path_factory.mktemp(f"et_{layout}"), _dict_mlp_plan(compiled, weights=weights, copies=layout != "G1"), layout)
+            for layout in ("G1", "G2", "G3")}
 
 
 def _inputs(batch: int = 5) -> dict[str, np.ndarray]:
@@ -214,16 +223,7 @@ def test_a_wired_method_runs_by_value(compiled, tmp_path):
 
 def test_scalar_outputs_of_a_method_are_returned_and_survive_conversion(compiled, tmp_path):
     """A method may return Int, Double and Bool values beside its tensors (ExecuTorch stores them in the plan)."""
-    model = compiled("dict_mlp", "cpu")
-    with open_bundle(model.path) as reader:
-        library = bytes(reader.read_verified("forward_so_blob"))
-        blob = bytes(reader.segment("forward_weights_blob"))
-    inputs = [TensorValue(FLOAT32, (64, 16), BOUND), TensorValue(FLOAT32, (8,))]
-    outputs = [TensorValue(FLOAT32, (64, 8), BOUND), TensorValue(FLOAT32, ()), TensorValue(FLOAT32, (64, 32), BOUND)]
-    method = MethodPlan("forward", library, inputs, outputs, weights_blob=blob, constant_outputs=[7, 0.25, True])
-    pte, ptd = write_program([method], "G2")
-    (tmp_path / "model.pte").write_bytes(pte)
-    (tmp_path / "aoti_cuda_blob.ptd").write_bytes(ptd)
+    _write(tmp_path, _dict_mlp_plan(compiled, constant_outputs=[7, 0.25, True]), "G2")
     arrays = _inputs()
     expected = _reference(compiled, arrays)
     converted = tmp_path / "converted.bundle"
@@ -248,15 +248,6 @@ def test_scalar_outputs_of_a_method_are_returned_and_survive_conversion(compiled
 
 
 def test_a_none_output_is_refused_by_name(compiled, tmp_path):
-    model = compiled("dict_mlp", "cpu")
-    with open_bundle(model.path) as reader:
-        library = bytes(reader.read_verified("forward_so_blob"))
-        blob = bytes(reader.segment("forward_weights_blob"))
-    inputs = [TensorValue(FLOAT32, (64, 16), BOUND), TensorValue(FLOAT32, (8,))]
-    outputs = [TensorValue(FLOAT32, (64, 8), BOUND), TensorValue(FLOAT32, ()), TensorValue(FLOAT32, (64, 32), BOUND)]
-    method = MethodPlan("forward", library, inputs, outputs, weights_blob=blob, constant_outputs=[float("nan")])
-    pte, ptd = write_program([method], "G2")
-    (tmp_path / "model.pte").write_bytes(pte)
-    (tmp_path / "aoti_cuda_blob.ptd").write_bytes(ptd)
+    _write(tmp_path, _dict_mlp_plan(compiled, constant_outputs=[float("nan")]), "G2")
     result = cli("inspect", str(tmp_path / "model.pte"))
     assert result.returncode == 3 and "returns the constant nan as output 3" in result.stderr
