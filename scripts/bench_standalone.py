@@ -406,7 +406,7 @@ def _per_call_row(key: str, row: dict) -> str:
     return f"| {key} | {row['median_us']} | {row['p10_us']}-{row['p90_us']} |"
 
 
-def floor_only(device: str, iterations: int, profile_calls: int = 0) -> None:
+def floor_only(device: str, iterations: int, profile_calls: int = 0, cold_rounds: int = 0) -> None:
     """Compile the MLP with --standalone for `device`; cuda-runner's per call on
     the shim beside the C program calling Run on the shim, on one library."""
     import torch
@@ -453,11 +453,52 @@ def floor_only(device: str, iterations: int, profile_calls: int = 0) -> None:
         if profile_calls:
             _profile(list(calls.values())[-1], profile_calls)
     rows["C program calling Run (shim)"] = c_floor(bundle, device, host, work, 5 * iterations)
+    if cold_rounds:
+        np.savez(work / "mlp-in.npz", **host)
+        _cold_breakdown(bundle, work, cold_rounds)
     if device == "cuda":
         rows["C program calling Run (shim), one sync at the end"] = c_floor(bundle, device, host, work, 5 * iterations, sync_each_call=False)
     print(json.dumps({"device": device, "max_abs_diff_vs_eager": max_diff, "per_call": rows}, indent=2))
     print("\n".join(["", f"per call, mlp --standalone on {device} | median µs | p10-p90 µs", "|---|---|---|",
                      *(_per_call_row(key, row) for key, row in rows.items())]))
+
+
+def _cold_breakdown(bundle: Path, work: Path, rounds: int) -> None:
+    """Where a cold no-torch CLI run of `bundle` goes (to stderr): wall time,
+    the run's own --json phases, and the slowest imports of one more run."""
+    env = no_torch_env(work)
+    command = [sys.executable, "-m", "cuda_runner", "run", str(bundle), "-i", str(work / "mlp-in.npz"), "--json"]
+    walls, phases = [], []
+    for _ in range(rounds):
+        started = time.perf_counter()
+        done = subprocess.run(command, capture_output=True, text=True, env=env, timeout=120)
+        walls.append(time.perf_counter() - started)
+        if done.returncode != 0:
+            print(f"cold run failed: {done.stderr.strip()[-400:]}", file=sys.stderr)
+            return
+        report = json.loads(done.stdout)
+        phases.append({**report.get("timings_s", {}), **{f"load.{key}": value for key, value in report.get("load_s", {}).items()}})
+    numpy_walls = []
+    for _ in range(rounds):
+        started = time.perf_counter()
+        subprocess.run([sys.executable, "-c", "import numpy"], check=True, env=env)
+        numpy_walls.append(time.perf_counter() - started)
+    print(f"cold CLI run (no torch): median {statistics.median(walls):.3f} s ({min(walls):.3f}-{max(walls):.3f}); "
+          f"import numpy: median {statistics.median(numpy_walls):.3f} s", file=sys.stderr)
+    for key in phases[0]:
+        values = [row[key] for row in phases if isinstance(row.get(key), (int, float))]
+        if values:
+            print(f"  {key:<28} median {statistics.median(values) * 1e3:8.1f} ms", file=sys.stderr)
+    done = subprocess.run([sys.executable, "-X", "importtime", *command[1:]], capture_output=True, text=True, env=env, timeout=120)
+    rows = [line.split("|") for line in done.stderr.splitlines() if line.startswith("import time:") and "|" in line][1:]
+    own = sorted(((int(row[0].split(":")[1]), row[2].rstrip()) for row in rows), reverse=True)[:20]
+    cumulative = sorted(((int(row[1]), row[2].rstrip()) for row in rows), reverse=True)[:25]
+    print("slowest imports, own time (µs):", file=sys.stderr)
+    for micros, name in own:
+        print(f"  {micros:>8} {name}", file=sys.stderr)
+    print("slowest imports, cumulative (µs):", file=sys.stderr)
+    for micros, name in cumulative:
+        print(f"  {micros:>8} {name}", file=sys.stderr)
 
 
 def _profile(call: Any, count: int) -> None:
@@ -484,10 +525,11 @@ def main() -> None:
     parser.add_argument("--markdown", type=Path)
     parser.add_argument("--iterations", type=int, default=300)
     parser.add_argument("--cold-rounds", type=int, default=5)
+    parser.add_argument("--cold", action="store_true", help="with --floor-only: also break down a cold no-torch CLI run (to stderr)")
     parser.add_argument("--profile", type=int, default=0, metavar="CALLS", help="with --floor-only: cProfile this many calls (to stderr)")
     options = parser.parse_args()
     if options.floor_only:
-        floor_only(options.device, options.iterations, options.profile)
+        floor_only(options.device, options.iterations, options.profile, options.cold_rounds if options.cold else 0)
         return
     if options.output is None:
         parser.error("--output is required (but with --floor-only)")
