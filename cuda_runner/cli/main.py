@@ -445,6 +445,14 @@ ProviderOption = Annotated[Optional[str], typer.Option("--provider", metavar="au
     "kernel is wanted), shim (no libtorch in the process), libtorch (default: CUDA_RUNNER_PROVIDER, else auto)."))]
 
 
+def _start_context_early(bundle: str, device: str | None) -> None:
+    """A cold run spends as long making the CUDA context as importing what it
+    runs with (NumPy above all): start the context first, so the two overlap."""
+    from ..runtime.context import start_context_for
+
+    start_context_for(bundle, device)
+
+
 def _load_options(trusted_key: list[str], require_signature: bool, **fields: Any) -> Any:
     """The LoadOptions of a command: its fields, and the trusted keys read from their files."""
     from ..format.signing import keys_for_loading
@@ -516,6 +524,8 @@ def run_command(
         "With --batch: stack up to N sets into one call along the method's dynamic batch dim."))] = 1,
 ) -> None:
     """Run a method of a bundle on inputs, write its outputs, and optionally compare them with a reference (exit 1 if they differ)."""
+    if devices is None:
+        _start_context_early(bundle, device)
     from ..commands.running import RunRequest, run_bundle
     from ..io.inputs import StoredSamples
     from ..io.outputs import OutputPlan

@@ -16,7 +16,7 @@ from typing import Protocol
 
 from ..errors import CudaRunnerError, InputError
 from ..opening import open_regular
-from .bundle import open_bundle
+from .bundle import open_bundle, read_manifest
 from .manifest import Manifest
 from .signing import SignedFile, TrustedKey
 
@@ -71,6 +71,19 @@ def is_program(path: str | os.PathLike[str]) -> bool:
     except (CudaRunnerError, OSError):
         return False
     return len(head) == 8 and head[4:6] == b"ET" and head[6:8].isalnum()
+
+
+def device_types(path: str | os.PathLike[str]) -> frozenset[str]:
+    """The devices a model file's methods target, as a hint read before the
+    file is opened for running: from a bundle's manifest; an ExecuTorch program
+    is taken to be CUDA (its libraries may be in the data file, which is not
+    read here). Empty when the file cannot be read: opening it says why."""
+    if is_program(path):
+        return frozenset({"cuda"})
+    try:
+        return frozenset(method.device.type for method in read_manifest(path).methods.values())
+    except (CudaRunnerError, OSError):
+        return frozenset()
 
 
 def open_model(path: str | os.PathLike[str], data: str | os.PathLike[str] | None = None) -> ModelReader:

@@ -46,41 +46,11 @@ def cuda_runtime() -> Any:
     return runtime
 
 
-_contexts: dict[int, threading.Thread] = {}
-_contexts_lock = threading.Lock()
-
-
-def start_context(device_index: int) -> None:
-    """Create the device's primary CUDA context on a thread of its own, so that
-    it overlaps loading libtorch: 0.96 s against 1.12 s for the two one after
-    the other in a cold process on the H200 machine (scripts/profile_cold_start.py)."""
-    with _contexts_lock:
-        if device_index not in _contexts:
-            thread = threading.Thread(target=_create_context, args=(device_index,), name="cuda-runner-context", daemon=True)
-            _contexts[device_index] = thread
-            thread.start()
-
-
-def wait_for_context(device_index: int) -> None:
-    thread = _contexts.get(device_index)
-    if thread is not None:
-        thread.join()
-
-
 def use_device(device_index: int) -> None:
     """Make `device_index` this thread's current device (CUDA calls that name no device use it)."""
     runtime = cuda_runtime()
     if runtime.getDevice() != device_index:
         runtime.setDevice(device_index)
-
-
-def _create_context(device_index: int) -> None:
-    try:
-        runtime = cuda_runtime()
-        runtime.setDevice(device_index)
-        runtime.free(0)
-    except Exception:  # the load that follows meets the same failure and reports it
-        pass
 
 
 def _cupy() -> Any:

@@ -225,7 +225,7 @@ class Method:
         timings: dict[str, float] = {}
         clock = time.perf_counter
         if device.type == "cuda":
-            from .cuda import start_context, wait_for_context
+            from .context import start_context, wait_for_context
 
             start_context(device.index)  # while the library is checked and its provider loads
         started = clock()

@@ -174,7 +174,7 @@ def prepare_device(specs: Sequence[MethodSpec], device: str | Device | None) -> 
     except CudaRunnerError:
         return
     if target.type == "cuda":
-        from .cuda import start_context
+        from .context import start_context
 
         start_context(target.index)
 

@@ -1,0 +1,80 @@
+"""Starting the CUDA context early: which device a run will use, guessed
+before the file is opened, and the CLI starting it before the run's imports."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+from forge import forge, method
+from helpers import cli
+
+from cuda_runner.format.source import device_types
+from cuda_runner.runtime import context
+
+G3_PROGRAM = "tests/data/executorch/g3_et151_torch211/model.pte"
+
+
+@pytest.fixture
+def started(monkeypatch) -> list[int]:
+    """The device indexes start_context was asked for (no thread is made)."""
+    calls: list[int] = []
+    monkeypatch.setattr(context, "start_context", calls.append)
+    return calls
+
+
+def _bundle(tmp_path, device_type: str):
+    path = tmp_path / f"{device_type}.bundle"
+    path.write_bytes(forge({"methods": {"forward": method(device={"type": device_type})}}))
+    return path
+
+
+def test_device_types_reads_a_bundles_manifest_and_takes_a_program_for_cuda(tmp_path):
+    assert device_types(_bundle(tmp_path, "cuda")) == {"cuda"}
+    assert device_types(_bundle(tmp_path, "cpu")) == {"cpu"}
+    assert device_types(G3_PROGRAM) == {"cuda"}
+
+
+def test_device_types_is_empty_for_what_cannot_be_read(tmp_path):
+    (tmp_path / "junk.bundle").write_bytes(b"not a bundle at all")
+    fifo = tmp_path / "pipe"
+    os.mkfifo(fifo)
+    assert device_types(tmp_path / "missing.bundle") == frozenset()
+    assert device_types(tmp_path / "junk.bundle") == frozenset()
+    assert device_types(fifo) == frozenset()  # and it returns: a FIFO is never opened for reading
+    assert device_types(tmp_path) == frozenset()
+
+
+@pytest.mark.parametrize(("requested", "expected"), [("cuda", [0]), ("cuda:3", [3]), ("cpu", []), ("gpu7", [])])
+def test_a_requested_device_decides_whatever_the_file_says(tmp_path, started, requested, expected):
+    context.start_context_for(str(_bundle(tmp_path, "cpu")), requested)
+    assert started == expected
+
+
+def test_without_a_request_the_files_own_device_decides(tmp_path, started):
+    context.start_context_for(str(_bundle(tmp_path, "cpu")), None)
+    context.start_context_for(str(tmp_path / "missing.bundle"), None)
+    assert started == []
+    context.start_context_for(str(_bundle(tmp_path, "cuda")), None)
+    assert started == [0]
+
+
+def test_the_run_command_starts_the_context_of_a_cuda_bundle(tmp_path, started):
+    bundle = _bundle(tmp_path, "cuda")
+    result = cli("run", str(bundle), "--random-inputs")
+    assert result.returncode != 0  # a forged library: the run itself fails, after the context was started
+    assert started == [0]
+    started.clear()
+    cli("run", str(bundle), "--random-inputs", "--device", "cpu")
+    assert started == []
+
+
+def test_a_batch_over_several_devices_leaves_the_contexts_to_its_workers(tmp_path, started):
+    cli("run", str(_bundle(tmp_path, "cuda")), "--batch", str(tmp_path), "--out-dir", str(tmp_path / "out"), "--devices", "0,1")
+    assert started == []
+
+
+def test_a_real_context_thread_on_a_machine_without_a_gpu_ends_quietly():
+    context.start_context(97)  # no such device here (or no driver at all): the thread gives up
+    context.wait_for_context(97)
+    context.wait_for_context(98)  # never started: returns at once
