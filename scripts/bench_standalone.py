@@ -438,18 +438,11 @@ def floor_only(device: str, iterations: int, profile_calls: int = 0, cold_rounds
                 "cuda-runner (shim), device arrays + sync": lambda: (model.run_device(device_inputs), cupy.cuda.runtime.deviceSynchronize()),
                 # The C program synchronizes its stream: the same here, through Method.run_device directly.
                 "cuda-runner (shim), Method.run_device + stream sync": lambda: (method.run_device(device_inputs), stream.synchronize()),
+                **_layers_below(method, device_inputs, stream),
             }
         else:
             calls = {"cuda-runner (shim), host arrays": lambda: model.run(host)}
-        for label, call in calls.items():
-            for _ in range(50):
-                call()
-            times = []
-            for _ in range(iterations):
-                started = time.perf_counter()
-                call()
-                times.append(time.perf_counter() - started)
-            rows[label] = summary(times)
+        rows.update(_interleaved(calls, iterations))
         if profile_calls:
             _profile(list(calls.values())[-1], profile_calls)
     rows["C program calling Run (shim)"] = c_floor(bundle, device, host, work, 5 * iterations)
@@ -461,6 +454,43 @@ def floor_only(device: str, iterations: int, profile_calls: int = 0, cold_rounds
     print(json.dumps({"device": device, "max_abs_diff_vs_eager": max_diff, "per_call": rows}, indent=2))
     print("\n".join(["", f"per call, mlp --standalone on {device} | median µs | p10-p90 µs", "|---|---|---|",
                      *(_per_call_row(key, row) for key, row in rows.items())]))
+
+
+def _layers_below(method: Any, device_inputs: dict, stream: Any) -> dict[str, Any]:
+    """The same call with the layers above each level peeled off, to show where
+    the time above the C program goes: the executor (no Method bookkeeping), then
+    the invoker alone (no CuPy outputs: the handles are freed at once).
+    These reach into the runtime's internals on purpose."""
+    executor = method._lanes.first
+    ordered = [device_inputs[spec.name] for spec in method.spec.inputs]
+    layouts = [(array.data.ptr, array.shape, tuple(stride // array.itemsize for stride in array.strides)) for array in ordered]
+    invoker = executor._invoker
+
+    def invoke_only() -> None:
+        owned, _ = invoker(layouts)
+        stream.synchronize()
+        owned.release()
+
+    return {
+        "executor.run_device + stream sync": lambda: (executor.run_device(ordered), stream.synchronize()),
+        "invoker only (no CuPy outputs) + stream sync": invoke_only,
+    }
+
+
+def _interleaved(calls: dict[str, Any], iterations: int) -> dict[str, dict]:
+    """Each variant timed one call at a time, in turn, so that drift (clocks,
+    other load) touches every variant alike."""
+    for call in calls.values():
+        for _ in range(50):
+            call()
+    times: dict[str, list[float]] = {label: [] for label in calls}
+    clock = time.perf_counter
+    for _ in range(iterations):
+        for label, call in calls.items():
+            started = clock()
+            call()
+            times[label].append(clock() - started)
+    return {label: summary(values) for label, values in times.items()}
 
 
 def _cold_breakdown(bundle: Path, work: Path, rounds: int) -> None:

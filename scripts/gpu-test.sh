@@ -10,6 +10,9 @@ mkdir -p "$out"
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 # cuda-runner's own shim, as pip would build it (the tree is not installed here).
 python3 setup.py build_ext --inplace -q > "$out/build-shim.log" 2>&1 || echo "building the shim failed (see build-shim.log)"
+# Bytecode for the package, as pip install leaves it: the GPU machines set
+# PYTHONDONTWRITEBYTECODE, so otherwise every cold process compiles every module.
+python3 -m compileall -q cuda_runner > /dev/null
 python3 -c 'import torch, cupy, numpy, typer; print("torch", torch.__version__, "cupy", cupy.__version__, "numpy", numpy.__version__, "typer", typer.__version__, "gpu", torch.cuda.get_device_name(0))' | tee "$out/versions.txt"
 # Wheels carried to a machine without registry access, installed into private
 # folders: .gpu-wheels/ (cryptography, for the signing tests), .gpu-et/ (an
@@ -79,6 +82,12 @@ if [ "${GPU_CHECKS:-1}" = 1 ]; then
 fi
 if [ "${GPU_STANDALONE:-0}" = 1 ]; then
   python3 -X faulthandler scripts/bench_standalone.py --output "$out/standalone.json" --markdown "$out/standalone.md" 2>&1 | tee "$out/standalone.log"
+fi
+if [ "${GPU_FLOOR:-0}" = 1 ]; then
+  # The MLP --standalone: per call beside the C program, layer by layer, and a cold no-torch CLI run broken down.
+  python3 -X faulthandler scripts/bench_standalone.py --floor-only --device cuda --iterations 2000 --cold --cold-rounds 7 \
+    > "$out/floor.out" 2> "$out/floor.err"
+  tail -12 "$out/floor.out"; grep -A16 "cold CLI" "$out/floor.err"
 fi
 if [ "${GPU_BENCH:-1}" = 1 ]; then
   python3 -X faulthandler scripts/bench_per_call.py --output "$out/per-call.json" 2>&1 | tee "$out/per-call.log"

@@ -217,12 +217,17 @@ class CudaExecutor(Executor):
         self.device_buffers = DeviceBuffers(self.runtime)
         self._invoker: Invoker = make_invoker(helper, shim, container, dtypes, shim.device_cuda, device_index, self.stream.ptr)
         self._cupy_module: Any = None
-        self._cupy_dtypes: dict[str, np.dtype] = {}
+        self._cupy_cuda: Any = None
+        self._cupy_ndarray: Any = None
+        self._cupy_dtypes: dict[str, tuple[np.dtype, int]] = {}
 
     @property
     def cupy(self) -> Any:
         if self._cupy_module is None:
-            self._cupy_module = _cupy()
+            cupy = _cupy()
+            # Looked up once: run_device makes a CuPy array per output per call.
+            self._cupy_cuda, self._cupy_ndarray = cupy.cuda, cupy.ndarray
+            self._cupy_module = cupy
         return self._cupy_module
 
     def use_device(self) -> None:
@@ -316,14 +321,17 @@ class CudaExecutor(Executor):
 
     def _device_array(self, view: TensorView, owner: Any) -> Any:
         """A CuPy array over an output's memory (bfloat16 as its uint16 bits)."""
-        cupy = self.cupy
-        dtype = self._cupy_dtypes.get(view.dtype)
-        if dtype is None:
-            dtype = self._cupy_dtypes[view.dtype] = _cupy_dtype(view.dtype)
-        itemsize = dtype.itemsize
-        memory = cupy.cuda.UnownedMemory(view.address, view.span * itemsize, owner, self.device_index)
-        strides = tuple(stride * itemsize for stride in view.strides)
-        return cupy.ndarray(view.shape, dtype=dtype, memptr=cupy.cuda.MemoryPointer(memory, 0), strides=strides)
+        known = self._cupy_dtypes.get(view.dtype)
+        if known is None:
+            dtype = _cupy_dtype(view.dtype)
+            known = self._cupy_dtypes[view.dtype] = (dtype, dtype.itemsize)
+        dtype, itemsize = known
+        cuda = self._cupy_cuda
+        if cuda is None:
+            cuda = self.cupy.cuda
+        memory = cuda.UnownedMemory(view.address, view.span * itemsize, owner, self.device_index)
+        strides = tuple([stride * itemsize for stride in view.strides])
+        return self._cupy_ndarray(view.shape, dtype, cuda.MemoryPointer(memory, 0), strides)
 
     def device_inputs(self, arrays: Sequence[Any], names: Sequence[str]) -> list[Any]:
         cupy = self.cupy
@@ -346,9 +354,11 @@ class CudaExecutor(Executor):
         self.use_device()
         inputs = [array if array.flags.c_contiguous else self._contiguous(array) for array in arrays]
         owned, views = self._run([(array.data.ptr, array.shape) for array in inputs])
-        handles = owned.handles
-        keepers = {handle: _HandleKeeper(self.shim, handle, inputs, self.stream) for handle in owned.transfer()}
-        return [self._device_array(view, keepers[handle]) for handle, view in zip(handles, views)]
+        handles = owned.transfer()
+        # One keeper per distinct handle (aliased outputs share theirs).
+        keepers = {handle: _HandleKeeper(self.shim, handle, inputs, self.stream) for handle in set(handles) if handle}
+        device_array = self._device_array
+        return [device_array(view, keepers[handle]) for handle, view in zip(handles, views)]
 
     def _contiguous(self, array: Any) -> Any:
         with self.stream.as_cupy():

@@ -78,6 +78,7 @@ def wrap_memory(
 
 
 @functools.lru_cache(maxsize=1024)  # the same shapes recur on every call
+@functools.lru_cache(maxsize=1024)  # every call of a method asks again for the same few shapes
 def contiguous_strides(shape: tuple[int, ...]) -> tuple[int, ...]:
     """Row-major strides in elements."""
     strides, running = [], 1
@@ -128,6 +129,11 @@ class Describer:
         )
 
 
+@functools.cache
+def _slots_type(count: int) -> type[ctypes.Array]:
+    return Handle * count
+
+
 class OwnedHandles:
     """Output handles of one Run: each distinct handle deleted exactly once.
 
@@ -142,17 +148,18 @@ class OwnedHandles:
         self._shim = shim
         values = handles if handles is not None else []
         self._count = len(values) if handles is not None else count
-        self.slots = (Handle * max(1, self._count))(*values)
+        self.slots = _slots_type(max(1, self._count))(*values)
 
     @property
     def handles(self) -> list[int]:
-        return [self.slots[index] or 0 for index in range(self._count)]
+        return [handle or 0 for handle in self.slots[:self._count]]
 
-    def transfer(self) -> set[int]:
-        """Hand the distinct handles to a new owner; this object frees nothing after."""
-        pending = {handle for handle in self.handles if handle}
+    def transfer(self) -> list[int]:
+        """Hand the handles, in output order (0 where there is none), to a new
+        owner; this object frees nothing after. Aliased outputs repeat a handle."""
+        handles = self.handles
         ctypes.memset(self.slots, 0, ctypes.sizeof(self.slots))
-        return pending
+        return handles
 
     def release(self) -> None:
         for index in range(self._count):
