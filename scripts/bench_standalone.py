@@ -456,6 +456,36 @@ def floor_only(device: str, iterations: int, profile_calls: int = 0, cold_rounds
                      *(_per_call_row(key, row) for key, row in rows.items())]))
 
 
+# The steps of Method.load's "shim" phase on CUDA, timed one by one in a cold
+# process that starts the context first, as the CLI does.
+LOAD_STEPS = r"""
+import sys, time
+clock = time.perf_counter
+marks = [("start", clock())]
+def mark(name):
+    marks.append((name, clock()))
+from cuda_runner.runtime.context import start_context, wait_for_context
+start_context(0); mark("start the context thread")
+import numpy; mark("import numpy")
+import cuda_runner; from cuda_runner.runtime import providers; from cuda_runner.format.elf import read_library_facts, rename_imports
+mark("import cuda_runner's runtime")
+from cuda_runner.format.source import open_model
+reader = open_model(sys.argv[1]); spec = next(iter(reader.manifest.methods.values())); mark("open the bundle")
+library = reader.read_verified(spec.library_segment); mark("read and check the library")
+facts = read_library_facts(library); mark("read the library's ELF facts")
+providers.own_exports(); mark("read the shim's exports (ELF)")
+providers.load_cuda_runtime(); mark("load the CUDA runtime")
+providers.load_own_provider("cuda"); mark("load the shim")
+rename_imports(library, providers.RENAMES); mark("rename the library's imports")
+wait_for_context(0); mark("wait for the context")
+from cupy_backends.cuda.api import runtime; mark("import cupy_backends' runtime")
+runtime.getDevice(); runtime.free(0); mark("first CUDA runtime calls")
+model = cuda_runner.load(sys.argv[1]); mark("cuda_runner.load (the rest)")
+for (_, before), (name, after) in zip(marks, marks[1:]):
+    print(f"  {name:<34} {(after - before) * 1e3:8.1f}")
+"""
+
+
 def _layers_below(method: Any, device_inputs: dict, stream: Any) -> dict[str, Any]:
     """The same call with the layers above each level peeled off, to show where
     the time above the C program goes: the executor (no Method bookkeeping), then
@@ -519,6 +549,9 @@ def _cold_breakdown(bundle: Path, work: Path, rounds: int) -> None:
         values = [row[key] for row in phases if isinstance(row.get(key), (int, float))]
         if values:
             print(f"  {key:<28} median {statistics.median(values) * 1e3:8.1f} ms", file=sys.stderr)
+    steps = subprocess.run([sys.executable, "-c", LOAD_STEPS, str(bundle)], capture_output=True, text=True, env=env, timeout=120)
+    print("the load of a cold process, step by step (ms):", file=sys.stderr)
+    print(steps.stdout.rstrip() or steps.stderr.strip()[-600:], file=sys.stderr)
     done = subprocess.run([sys.executable, "-X", "importtime", *command[1:]], capture_output=True, text=True, env=env, timeout=120)
     rows = [line.split("|") for line in done.stderr.splitlines() if line.startswith("import time:") and "|" in line][1:]
     own = sorted(((int(row[0].split(":")[1]), row[2].rstrip()) for row in rows), reverse=True)[:20]
