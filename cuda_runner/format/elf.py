@@ -14,7 +14,6 @@ the same length, so that they bind to cuda-runner's own shim (runtime/providers.
 
 from __future__ import annotations
 
-import bisect
 import struct
 from dataclasses import dataclass
 
@@ -43,7 +42,9 @@ class LibraryFacts:
     needed: tuple[str, ...]  # DT_NEEDED entries
     undefined: tuple[str, ...]  # undefined dynamic symbols, sorted
     kernels: tuple[str, ...]  # "sm_90 (sass)", "sm_90 (ptx)": the fatbin entries' architectures
-    defined: tuple[str, ...] = ()  # exported (defined, global or weak) dynamic symbols, sorted
+    # Exported (defined, global or weak) dynamic symbols, sorted; read only on
+    # request (exports=True): a model library exports thousands (its static C++ runtime).
+    defined: tuple[str, ...] = ()
 
     @property
     def uses_cuda(self) -> bool:
@@ -66,8 +67,16 @@ def _fail(message: str) -> BundleError:
     return BundleError(f"model library: {message}")
 
 
-def read_library_facts(data: bytes | memoryview) -> LibraryFacts:
+def read_library_facts(data: bytes | memoryview, *, exports: bool = False) -> LibraryFacts:
     view = memoryview(data).cast("B")
+    needed, undefined, defined = _dynamic_symbols(view, exports)
+    raw = data if isinstance(data, bytes) else bytes(view)  # the fatbin search needs bytes.find: copy only a view
+    return LibraryFacts(tuple(needed), tuple(sorted(undefined)), _fatbin_kernels(raw), tuple(sorted(defined)))
+
+
+def _dynamic_symbols(view: memoryview, exports: bool = False) -> tuple[dict[str, None], set[str], set[str]]:
+    """The checks every reader of a library makes, and its needed libraries
+    (ordered, without repeats), undefined and (with `exports`) defined dynamic symbol names."""
     if len(view) < 64 or bytes(view[:4]) != b"\x7fELF":
         raise _fail("not an ELF shared object")
     if view[4] != 2 or view[5] != 1:
@@ -88,7 +97,7 @@ def read_library_facts(data: bytes | memoryview) -> LibraryFacts:
         seen.add((kind, offset, size))
         if offset + size > len(view) or link >= len(sections):
             raise _fail("a dynamic section lies outside the file")
-        strings = _span(view, sections[link])
+        strings = bytes(_span(view, sections[link]))  # once: names are found in it by bytes.find
         if kind == _SHT_DYNAMIC:
             for tag, value in _DYNAMIC.iter_unpack(view[offset:offset + size - size % _DYNAMIC.size]):
                 if tag == _DT_NEEDED and len(needed) < _MAX_NEEDED:
@@ -97,9 +106,9 @@ def read_library_facts(data: bytes | memoryview) -> LibraryFacts:
             for name, info, _other, section_index, _value, _size in _SYMBOL.iter_unpack(view[offset:offset + size - size % _SYMBOL.size]):
                 if name and section_index == 0:
                     undefined.add(_string(strings, name))
-                elif name and info >> 4 in (_STB_GLOBAL, _STB_WEAK):
+                elif exports and name and info >> 4 in (_STB_GLOBAL, _STB_WEAK):
                     defined.add(_string(strings, name))
-    return LibraryFacts(tuple(needed), tuple(sorted(undefined)), fatbin_kernels(view), tuple(sorted(defined)))
+    return needed, undefined, defined
 
 
 _MAX_NEEDED = 256
@@ -112,17 +121,20 @@ def _span(view: memoryview, section: tuple[int, ...]) -> memoryview:
     return view[offset:offset + size]
 
 
-def _string(table: memoryview, offset: int) -> str:
+def _string(table: bytes, offset: int) -> str:
     if offset >= len(table):
         raise _fail("a symbol name lies outside its string table")
-    end = bytes(table[offset:offset + 4096]).find(b"\0")
-    raw = bytes(table[offset:offset + end if end >= 0 else offset + 4096])
-    return raw.decode("utf-8", "replace")
+    return table[offset:_string_end(table, offset)].decode("utf-8", "replace")
 
 
-def fatbin_kernels(view: memoryview) -> tuple[str, ...]:
+def _string_end(table: bytes, offset: int) -> int:
+    """Where the name at `offset` ends: its NUL, or 4096 bytes on (names are capped there)."""
+    end = table.find(b"\0", offset, offset + 4096)
+    return end if end >= 0 else min(len(table), offset + 4096)
+
+
+def _fatbin_kernels(raw: bytes) -> tuple[str, ...]:
     """Architectures of every fatbin entry embedded anywhere in the file, e.g. ("sm_90 (sass)",)."""
-    raw = bytes(view)
     found: set[str] = set()
     budget = [_MAX_FATBIN_ENTRIES]  # entries read over the whole file, not per fatbin
     position = raw.find(FATBIN_MAGIC)
@@ -164,8 +176,7 @@ def rename_imports(data: bytes | memoryview, renames: dict[str, str]) -> bytes:
     if any(len(old) != len(new) or not old for old, new in renames.items()):
         raise ValueError("a renamed prefix must keep its length")
     view = memoryview(data).cast("B")
-    facts = read_library_facts(view)  # the same checks as for reading
-    del facts
+    _dynamic_symbols(view)  # the same checks as for reading
     out = bytearray(view)
     section_offset = int(struct.unpack_from("<Q", view, 0x28)[0])
     if section_offset == 0:
@@ -176,7 +187,7 @@ def rename_imports(data: bytes | memoryview, renames: dict[str, str]) -> bytes:
         if section[1] != _SHT_DYNSYM:
             continue
         strings = sections[section[6]]
-        base, table = strings[4], _span(view, strings)
+        base, table = strings[4], bytes(_span(view, strings))
         versions = _symbol_versions(view, sections, index)
         changes: list[tuple[int, bytes]] = []
         references: list[int] = []
@@ -186,9 +197,12 @@ def rename_imports(data: bytes | memoryview, renames: dict[str, str]) -> bytes:
                 continue
             if name >= len(table):
                 raise _fail("a symbol name lies outside its string table")
-            raw = bytes(table[name:name + 64])  # bytes, never decoded: the new name must have the old one's length exactly
+            if section_index != 0:  # defined here: only imports are renamed
+                references.append(name)
+                continue
+            raw = table[name:name + 64]  # bytes, never decoded: the new name must have the old one's length exactly
             prefix = next((old for old in raw_renames if raw.startswith(old)), None)
-            if prefix is None or section_index != 0:
+            if prefix is None:
                 references.append(name)
                 continue
             if versions is not None and number < len(versions) and versions[number] > 1:
@@ -303,11 +317,14 @@ def _verneed_strings(span: memoryview) -> list[int]:
     return found
 
 
-def _check_no_overlap(changes: list[tuple[int, bytes]], references: list[int], table: memoryview) -> None:
-    changed = sorted((start, start + len(new)) for start, new in changes)
-    for reference in references:
-        end = bytes(table[reference:reference + 4096]).find(b"\0")
-        stop = reference + (end if end >= 0 else 4096)
-        position = bisect.bisect_right(changed, (stop, stop)) - 1
-        if position >= 0 and changed[position][1] > reference and changed[position][0] < stop:
-            raise _fail("a renamed import shares its name's bytes with another name, so it cannot be bound to another provider")
+def _check_no_overlap(changes: list[tuple[int, bytes]], references: list[int], table: bytes) -> None:
+    """Refuse where a name any other reference reads includes renamed bytes.
+    A name read at `reference` runs to the next NUL, so it includes the bytes
+    renamed at `start` exactly when it starts inside the string holding them,
+    at or before their end: between that string's first byte and start + len."""
+    covered: set[int] = set()
+    for start, new in changes:
+        first = table.rfind(b"\0", 0, start) + 1
+        covered.update(range(first, start + len(new)))
+    if not covered.isdisjoint(references):
+        raise _fail("a renamed import shares its name's bytes with another name, so it cannot be bound to another provider")

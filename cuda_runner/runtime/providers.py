@@ -99,7 +99,7 @@ def own_exports() -> frozenset[str]:
         return frozenset()
     back = {new: old for old, new in RENAMES.items()}
     names = set()
-    for name in read_library_facts(path.read_bytes()).defined:
+    for name in read_library_facts(path.read_bytes(), exports=True).defined:
         for new, old in back.items():
             if name.startswith(new):
                 names.add(old + name[len(new):])

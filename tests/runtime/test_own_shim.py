@@ -233,11 +233,16 @@ def test_a_gemm_dtype_our_shim_lacks_is_one_clear_error(bf16_bundle):
 def test_a_rename_that_would_change_another_name_is_refused():
     from cuda_runner.format.elf import _check_no_overlap
 
-    table = memoryview(b"\0aoti_torch_get_sizes\0other\0")
+    table = b"\0aoti_torch_get_sizes\0other\0"
     _check_no_overlap([(1, b"cudarunner_get_sizes")], [0, 22], table)  # names before and after it
     for inside in (1, 12):  # a defined symbol spelled alike, or "get_sizes" sharing its tail
         with pytest.raises(BundleError):
             _check_no_overlap([(1, b"cudarunner_get_sizes")], [inside], table)
+    # The import is the tail of another name, "x" + its name: that name would change too.
+    tail_shared = b"\0xaoti_torch_f\0"
+    _check_no_overlap([(2, b"cudarunner_")], [13], tail_shared)  # "f" alone is past the renamed bytes
+    with pytest.raises(BundleError):
+        _check_no_overlap([(2, b"cudarunner_")], [1], tail_shared)
 
 
 def test_a_library_without_a_section_table_is_refused(dict_mlp_bundle):
