@@ -243,6 +243,10 @@ def test_a_rename_that_would_change_another_name_is_refused():
     _check_no_overlap([(2, b"cudarunner_")], [13], tail_shared)  # "f" alone is past the renamed bytes
     with pytest.raises(BundleError):
         _check_no_overlap([(2, b"cudarunner_")], [1], tail_shared)
+    # Two renamed ranges in one name: a name starting inside the first is refused
+    # even where the second begins before it (the check once looked only at the later one).
+    with pytest.raises(BundleError):
+        _check_no_overlap([(1, b"xxxxx"), (3, b"x")], [4], b"\0cc__abcb\0")
 
 
 def test_a_library_without_a_section_table_is_refused(dict_mlp_bundle):
