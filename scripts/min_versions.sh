@@ -6,10 +6,10 @@
 # the install and the suite.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-venv=.venv-min
+venv="$PWD/.venv-min"
 python3 -m venv "$venv"
 "$venv/bin/python" -m pip install --quiet "numpy==1.24.0" "ml_dtypes==0.3.0" "xxhash==3.2.0" "rich==13.0.0" "typer==0.21.1"
-program=tests/data/executorch/standin_g3/model.pte
+program="$PWD/tests/data/executorch/standin_g3/model.pte"
 work=$(mktemp -d)
 trap 'rm -rf "$work"' EXIT
 # cuda-runner itself runs from a copy of this tree's sources, without its
@@ -18,6 +18,8 @@ trap 'rm -rf "$work"' EXIT
 # meanwhile must not be read half-written. Nothing here needs it.
 "$venv/bin/python" -c "import shutil, sys; shutil.copytree('cuda_runner', sys.argv[1], ignore=shutil.ignore_patterns('*.so', '__pycache__'))" "$work/src/cuda_runner"
 export PYTHONPATH="$work/src${PYTHONPATH:+:$PYTHONPATH}"
+cd "$work"  # `python -m` puts the working directory first on the path: not the tree's cuda_runner
+"$venv/bin/python" -c "import cuda_runner, sys; assert cuda_runner.__file__.startswith(sys.argv[1]), cuda_runner.__file__" "$work/src"
 check() {  # check EXPECTED_EXIT COMMAND...
   local expected=$1; shift
   set +e

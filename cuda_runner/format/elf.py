@@ -14,6 +14,7 @@ the same length, so that they bind to cuda-runner's own shim (runtime/providers.
 
 from __future__ import annotations
 
+import bisect
 import struct
 from dataclasses import dataclass
 
@@ -90,6 +91,7 @@ def _dynamic_symbols(view: memoryview, exports: bool = False) -> tuple[dict[str,
     undefined: set[str] = set()
     defined: set[str] = set()
     seen: set[tuple[int, int, int]] = set()  # several headers may describe one section: read it once
+    tables: dict[int, bytes] = {}  # each string table copied once, however many sections link to it
     for section in sections:
         kind, offset, size, link, entsize = section[1], section[4], section[5], section[6], section[9]
         if kind not in (_SHT_DYNAMIC, _SHT_DYNSYM) or (kind, offset, size) in seen:
@@ -97,7 +99,11 @@ def _dynamic_symbols(view: memoryview, exports: bool = False) -> tuple[dict[str,
         seen.add((kind, offset, size))
         if offset + size > len(view) or link >= len(sections):
             raise _fail("a dynamic section lies outside the file")
-        strings = bytes(_span(view, sections[link]))  # once: names are found in it by bytes.find
+        if size == 0:
+            continue
+        strings = tables.get(link)
+        if strings is None:
+            strings = tables[link] = bytes(_span(view, sections[link]))  # names are found in it by bytes.find
         if kind == _SHT_DYNAMIC:
             for tag, value in _DYNAMIC.iter_unpack(view[offset:offset + size - size % _DYNAMIC.size]):
                 if tag == _DT_NEEDED and len(needed) < _MAX_NEEDED:
@@ -183,6 +189,7 @@ def rename_imports(data: bytes | memoryview, renames: dict[str, str]) -> bytes:
         raise _fail("it has no section table, so its imports cannot be read before loading it")
     _entry_size, count = struct.unpack_from("<HH", view, 0x3A)
     sections = [_SECTION.unpack_from(view, section_offset + index * _SECTION.size) for index in range(count)]
+    _check_dynamic_agrees(view, sections)  # first: it also refuses more than one dynamic symbol table
     for index, section in enumerate(sections):
         if section[1] != _SHT_DYNSYM:
             continue
@@ -212,7 +219,6 @@ def rename_imports(data: bytes | memoryview, renames: dict[str, str]) -> bytes:
         _check_no_overlap(changes, references, table)
         for name, new_prefix in changes:
             out[base + name:base + name + len(new_prefix)] = new_prefix
-    _check_dynamic_agrees(view, sections)
     return bytes(out)
 
 
@@ -321,10 +327,21 @@ def _check_no_overlap(changes: list[tuple[int, bytes]], references: list[int], t
     """Refuse where a name any other reference reads includes renamed bytes.
     A name read at `reference` runs to the next NUL, so it includes the bytes
     renamed at `start` exactly when it starts inside the string holding them,
-    at or before their end: between that string's first byte and start + len."""
-    covered: set[int] = set()
-    for start, new in changes:
-        first = table.rfind(b"\0", 0, start) + 1
-        covered.update(range(first, start + len(new)))
-    if not covered.isdisjoint(references):
-        raise _fail("a renamed import shares its name's bytes with another name, so it cannot be bound to another provider")
+    at or before their end: between that string's first byte and start + len.
+    Those spans are merged and each reference is looked up by bisection, and
+    the table is scanned once, so no table or name size makes this slow."""
+    spans: list[list[int]] = []
+    previous_start = previous_first = 0
+    for start, new in sorted(changes):
+        nul = table.rfind(b"\0", previous_start, start)  # only the bytes since the last change
+        first = previous_first if nul < 0 else nul + 1
+        previous_start, previous_first = start, first
+        if spans and first <= spans[-1][1]:
+            spans[-1][1] = max(spans[-1][1], start + len(new))
+        else:
+            spans.append([first, start + len(new)])
+    firsts = [span[0] for span in spans]
+    for reference in references:
+        position = bisect.bisect_right(firsts, reference) - 1
+        if position >= 0 and reference < spans[position][1]:
+            raise _fail("a renamed import shares its name's bytes with another name, so it cannot be bound to another provider")

@@ -58,10 +58,10 @@ def wait_for_context(device_index: int) -> None:
 def _retain_primary_context(device_index: int) -> None:
     try:
         driver = ctypes.CDLL("libcuda.so.1")
-    except OSError:
+        device, context = ctypes.c_int(), ctypes.c_void_p()
+        if driver.cuInit(0) != 0 or driver.cuDeviceGet(ctypes.byref(device), device_index) != 0:
+            return
+        # Retained for the life of the process, as the runtime's own use retains it.
+        driver.cuDevicePrimaryCtxRetain(ctypes.byref(context), device)
+    except Exception:  # an odd driver (a symbol missing): the load meets it and says so in one line
         return
-    device, context = ctypes.c_int(), ctypes.c_void_p()
-    if driver.cuInit(0) != 0 or driver.cuDeviceGet(ctypes.byref(device), device_index) != 0:
-        return
-    # Retained for the life of the process, as the runtime's own use retains it.
-    driver.cuDevicePrimaryCtxRetain(ctypes.byref(context), device)

@@ -78,7 +78,6 @@ def wrap_memory(
 
 
 @functools.lru_cache(maxsize=1024)  # the same shapes recur on every call
-@functools.lru_cache(maxsize=1024)  # every call of a method asks again for the same few shapes
 def contiguous_strides(shape: tuple[int, ...]) -> tuple[int, ...]:
     """Row-major strides in elements."""
     strides, running = [], 1
