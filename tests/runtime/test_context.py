@@ -78,3 +78,22 @@ def test_a_real_context_thread_on_a_machine_without_a_gpu_ends_quietly():
     context.start_context(97)  # no such device here (or no driver at all): the thread gives up
     context.wait_for_context(97)
     context.wait_for_context(98)  # never started: returns at once
+
+
+def test_the_hint_imports_nothing_heavy(tmp_path):
+    """The context is started before the run's imports so that the two overlap:
+    the CLI and the hint that starts it must not pull NumPy (or torch, CuPy) in first."""
+    import subprocess
+    import sys
+
+    probe = (
+        "import sys\n"
+        "import cuda_runner.cli.main\n"
+        "from cuda_runner.runtime import context\n"
+        "context.start_context = lambda index: None\n"
+        "context.start_context_for(sys.argv[1], None)\n"
+        "print(sorted(name for name in ('numpy', 'torch', 'cupy') if name in sys.modules))\n"
+    )
+    done = subprocess.run([sys.executable, "-c", probe, str(_bundle(tmp_path, "cuda"))], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "[]"
