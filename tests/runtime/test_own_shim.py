@@ -244,16 +244,15 @@ def test_a_rename_that_would_change_another_name_is_refused():
     with pytest.raises(BundleError):
         _check_no_overlap([(2, b"cudarunner_")], [1], tail_shared)
     # Two renamed ranges in one name: a name starting inside the first is refused
-    # even where the second begins before it (the check once looked only at the later one).
+    # even where the second begins before it (a bisection over the ranges' starts alone misses it).
     with pytest.raises(BundleError):
         _check_no_overlap([(1, b"xxxxx"), (3, b"x")], [4], b"\0cc__abcb\0")
 
 
-
 def test_the_rename_check_on_names_built_to_be_costly():
     """A 20 MB name ending in an import, and 4,000 imports each the tail of the
-    one before in one name: judged like any other (the check once kept a set
-    entry per byte, 1.2 GB for the first of these)."""
+    one before in one name: judged like any other, without memory or time that
+    grows with the name (a set of byte positions would hold 20 million here)."""
     from cuda_runner.format.elf import _check_no_overlap
 
     long_name = b"\0" + b"a" * 20_000_000 + b"aoti_torch_x\0"
