@@ -535,8 +535,8 @@ def _cold_breakdown(bundle: Path, work: Path, rounds: int) -> None:
     the run's own --json phases, and the slowest imports of one more run."""
     env = no_torch_env(work)
     command = [sys.executable, "-m", "cuda_runner", "run", str(bundle), "-i", str(work / "mlp-in.npz"), "--json"]
-    walls, phases = [], []
-    for _ in range(rounds):
+    walls, phases, numpy_walls = [], [], []
+    for _ in range(rounds):  # interleaved with `import numpy`, so that drift touches both alike
         started = time.perf_counter()
         done = subprocess.run(command, capture_output=True, text=True, env=env, timeout=120)
         walls.append(time.perf_counter() - started)
@@ -545,8 +545,6 @@ def _cold_breakdown(bundle: Path, work: Path, rounds: int) -> None:
             return
         report = json.loads(done.stdout)
         phases.append({**report.get("timings_s", {}), **{f"load.{key}": value for key, value in report.get("load_s", {}).items()}})
-    numpy_walls = []
-    for _ in range(rounds):
         started = time.perf_counter()
         subprocess.run([sys.executable, "-c", "import numpy"], check=True, env=env)
         numpy_walls.append(time.perf_counter() - started)
