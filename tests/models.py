@@ -94,3 +94,20 @@ def writer():
 
 
 BUILDERS["writer"] = writer
+
+
+class PrefillDecode(torch.nn.Module):
+    """`forward` and `decode` read one Linear (`shared`); only `forward` has a head:
+    what a bundle with shared weights is compiled from."""
+
+    def __init__(self, width: int = 16, hidden: int = 8, outputs: int = 4, seed: int = 11) -> None:
+        super().__init__()
+        torch.manual_seed(seed)
+        self.shared = torch.nn.Linear(width, hidden)
+        self.head = torch.nn.Linear(hidden, outputs)
+
+    def forward(self, x):
+        return self.head(torch.relu(self.shared(x)))
+
+    def decode(self, x):
+        return torch.tanh(self.shared(x))

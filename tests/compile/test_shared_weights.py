@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 import torch
 from helpers import cli
+from models import PrefillDecode
 
 import cuda_runner
 from cuda_runner.compile.sharing import LibraryConstant, StoredConstant, share_weights, split_blob
@@ -21,23 +22,6 @@ from cuda_runner.dtypes import SCALAR_TYPE_CODES
 from cuda_runner.format.bundle import read_manifest
 from cuda_runner.format.digest import segment_digest
 from cuda_runner.format.manifest import ConstantSpec, DeviceSpec, MethodSpec
-
-
-class PrefillDecode(torch.nn.Module):
-    """`forward` and `decode` read one Linear; only `forward` has a head."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        torch.manual_seed(11)
-        self.shared = torch.nn.Linear(16, 8)
-        self.head = torch.nn.Linear(8, 4)
-
-    def forward(self, x):
-        return self.head(torch.relu(self.shared(x)))
-
-    def decode(self, x):
-        return torch.tanh(self.shared(x))
-
 
 EXAMPLES = {"forward": (torch.randn(3, 16),), "decode": (torch.randn(1, 16),)}
 

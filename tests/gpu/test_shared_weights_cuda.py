@@ -14,21 +14,9 @@ pytestmark = pytest.mark.gpu
 
 def test_two_cuda_methods_share_their_weight_and_match_eager(tmp_path):
     import torch
+    from models import PrefillDecode
 
-    class PrefillDecode(torch.nn.Module):
-        def __init__(self) -> None:
-            super().__init__()
-            torch.manual_seed(12)
-            self.shared = torch.nn.Linear(64, 64)
-            self.head = torch.nn.Linear(64, 8)
-
-        def forward(self, x):
-            return self.head(torch.relu(self.shared(x)))
-
-        def decode(self, x):
-            return torch.tanh(self.shared(x))
-
-    module = PrefillDecode().eval()
+    module = PrefillDecode(width=64, hidden=64, outputs=8, seed=12).eval()
     examples = {"forward": (torch.randn(5, 64),), "decode": (torch.randn(1, 64),)}
     path = tmp_path / "two.bundle"
     cuda_runner.compile_methods(module, examples, path, device="cuda")
