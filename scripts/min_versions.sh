@@ -8,7 +8,14 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 venv="$PWD/.venv-min"
 python3 -m venv "$venv"
-"$venv/bin/python" -m pip install --quiet "numpy==1.24.0" "ml_dtypes==0.3.0" "xxhash==3.2.0" "rich==13.0.0" "typer==0.21.1"
+# uv where scripts/test.sh installed it into the main venv (faster, and no
+# bytecode compiled up front), else pip.
+if [ -x "$PWD/.venv/bin/uv" ]; then
+  install=("$PWD/.venv/bin/uv" pip install --quiet --python "$venv/bin/python")
+else
+  install=("$venv/bin/python" -m pip install --quiet)
+fi
+"${install[@]}" "numpy==1.24.0" "ml_dtypes==0.3.0" "xxhash==3.2.0" "rich==13.0.0" "typer==0.21.1"
 program="$PWD/tests/data/executorch/standin_g3/model.pte"
 work=$(mktemp -d)
 trap 'rm -rf "$work"' EXIT
@@ -33,7 +40,7 @@ check() {  # check EXPECTED_EXIT COMMAND...
   fi
 }
 for typer_version in 0.21.1 0.27.2; do
-  "$venv/bin/python" -m pip install --quiet "typer==$typer_version"
+  "${install[@]}" "typer==$typer_version"
   check 0 --help
   for command in compile sign convert inspect run bench devices; do
     check 0 "$command" --help
