@@ -35,7 +35,9 @@ Compiler = Callable[[str, str], CompiledModel]
 # module, and a later test using what an earlier one wrote). xdist's own
 # xdist_group mark groups nothing under pytest 9: it renames item._nodeid,
 # which pytest 9 no longer reads. The scheduler below groups by file instead.
-SAME_WORKER = {"tests/test_readme.py": "readme"}
+# test_written_state's tests all use one compiled fixture: on two workers, the
+# second waited for the first's compile while its own core idled.
+SAME_WORKER = {"tests/test_readme.py": "readme", "tests/runtime/test_written_state.py": "written_state"}
 
 
 def pytest_xdist_make_scheduler(config, log):
