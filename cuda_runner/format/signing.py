@@ -16,7 +16,6 @@ library is checked before it is loaded and the weights while they upload.
 from __future__ import annotations
 
 import base64
-import hashlib
 import json
 import os
 from collections.abc import Iterable, Sequence
@@ -27,6 +26,15 @@ from typing import Any
 
 from ..errors import BundleError, InputError
 from ..opening import read_small
+
+
+def _new_sha256(data: bytes | memoryview = b"") -> Any:
+    """hashlib's SHA-256, imported on first use: hashlib loads OpenSSL, about
+    8 ms of start-up that a run of an unsigned bundle need not pay."""
+    import hashlib
+
+    return hashlib.sha256(data)
+
 
 SIGNATURE_SUFFIX = ".sig"
 DEFAULT_SHARD_SIZE = 16 << 20
@@ -90,7 +98,7 @@ def load_public_key(path: str | os.PathLike[str]) -> TrustedKey:
 def _fingerprint(key: Any) -> str:
     _, serialization, _ = _crypto()
     der = key.public_bytes(serialization.Encoding.DER, serialization.PublicFormat.SubjectPublicKeyInfo)
-    return hashlib.sha256(der).hexdigest()
+    return _new_sha256(der).hexdigest()
 
 
 def trusted_keys(paths: Iterable[str | os.PathLike[str]] = (), *, environment: bool = True) -> list[TrustedKey]:
@@ -121,7 +129,7 @@ _EXTRACT_CHUNK = 8 << 20
 
 
 def _sha256(view: memoryview) -> bytes:
-    return hashlib.sha256(view).digest()  # hashlib releases the GIL: shards hash in parallel
+    return _new_sha256(view).digest()  # hashlib releases the GIL: shards hash in parallel
 
 
 def _sha256_of(mapping: memoryview, low: int, high: int) -> bytes:
@@ -173,7 +181,7 @@ def sign_file(path: str | os.PathLike[str], private_key: str | os.PathLike[str],
     public_pem = key.public_key().public_bytes(serialization.Encoding.PEM, serialization.PublicFormat.SubjectPublicKeyInfo)
     document = {
         "mediaType": _BUNDLE_MEDIA_TYPE,
-        "verificationMaterial": {"publicKey": {"hint": hashlib.sha256(public_pem).hexdigest()}, "tlogEntries": []},
+        "verificationMaterial": {"publicKey": {"hint": _new_sha256(public_pem).hexdigest()}, "tlogEntries": []},
         "dsseEnvelope": {
             "payload": base64.b64encode(payload).decode(),
             "payloadType": _PAYLOAD_TYPE,
@@ -197,7 +205,7 @@ def _statement(name: str, ranges: Sequence[tuple[int, int]], digests: Sequence[b
                      for (start, end), digest in zip(ranges, digests)]
     else:
         resources = [{"algorithm": "sha256", "digest": digests[0].hex(), "name": "."}]
-    root = hashlib.sha256(b"".join(digests)).hexdigest()
+    root = _new_sha256(b"".join(digests)).hexdigest()
     statement = {
         "_type": _STATEMENT_TYPE,
         "subject": [{"name": name, "digest": {"sha256": root}}],
@@ -297,7 +305,7 @@ class SignedFile:
         kept = bytearray()
         for index in self._covering(start, end):
             low, high = self.ranges[index]
-            hasher = hashlib.sha256()
+            hasher = _new_sha256()
             for chunk_start in range(low, high, _EXTRACT_CHUNK):
                 chunk_end = min(chunk_start + _EXTRACT_CHUNK, high)
                 keep_from, keep_to = max(start, chunk_start), min(end, chunk_end)

@@ -13,14 +13,17 @@ import _ctypes
 import contextlib
 import ctypes
 import errno
-import hashlib
 import os
 import shutil
-import tempfile
 import threading
 from typing import Any
 
 from ..errors import BundleError, ModelRuntimeError
+
+try:  # hashlib's BLAKE2 itself, without hashlib, which loads OpenSSL: about 7 ms of every run's start
+    from _blake2 import blake2b
+except ImportError:  # an interpreter without the module
+    from hashlib import blake2b
 
 # Errors from memfd_create that mean "not allowed here" rather than a failure.
 _MEMFD_REFUSED = (errno.ENOSYS, errno.EPERM, errno.EACCES)
@@ -62,6 +65,8 @@ def _dlopen_memfd(data: bytes, label: str) -> ctypes.CDLL:
 
 
 def _dlopen_private_file(data: bytes, label: str) -> ctypes.CDLL:
+    import tempfile  # only where memfd_create is refused
+
     directory = tempfile.mkdtemp(prefix="cuda-runner-")  # mode 0700, random name
     try:
         path = os.path.join(directory, "model.so")  # the folder is private and random: no need for the label
@@ -179,7 +184,7 @@ def lease_library(data: bytes, label: str, *, native_checks: bool = False, bound
     for good (docs/aoti-abi.md), so copies with and without them are kept apart;
     so are copies bound to different shim providers (`bound_to`), even where
     renaming its imports left the bytes as they were."""
-    digest = hashlib.blake2b(data, digest_size=32).hexdigest() + (":checked" if native_checks else "") + f":{bound_to}"
+    digest = blake2b(data, digest_size=32).hexdigest() + (":checked" if native_checks else "") + f":{bound_to}"
     with _libraries_lock:
         entry = _libraries.get(digest)
         if entry is None:
