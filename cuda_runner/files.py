@@ -109,12 +109,26 @@ def _pid_alive(pid: int) -> bool:
     return True
 
 
+def _is_this_host(tag: str) -> bool:
+    return tag == _HOST or tag == _legacy_host_tag()
+
+
+@functools.cache
+def _legacy_host_tag() -> str:
+    """The tag that earlier builds wrote (SHA-256 of the host name), so that
+    their dead writers' leftovers are removed too. Worked out only when a temp
+    of another tag turns up: hashlib loads OpenSSL."""
+    import hashlib
+
+    return hashlib.sha256(os.uname().nodename.encode()).hexdigest()[:8]
+
+
 def remove_stale_temps(directory: Path) -> None:
     """Remove temp files that dead writers left behind in `directory`."""
     with contextlib.suppress(OSError):
         for entry in os.scandir(directory):
             match = _TEMP_PATTERN.match(entry.name)
-            if match and match.group(1) == _HOST and int(match.group(2)) != os.getpid() and not _pid_alive(int(match.group(2))):
+            if match and _is_this_host(match.group(1)) and int(match.group(2)) != os.getpid() and not _pid_alive(int(match.group(2))):
                 with contextlib.suppress(OSError):
                     os.unlink(entry.path)
 

@@ -8,14 +8,16 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 venv="$PWD/.venv-min"
 python3 -m venv "$venv"
-# uv where scripts/test.sh installed it into the main venv (faster, and no
-# bytecode compiled up front), else pip.
-if [ -x "$PWD/.venv/bin/uv" ]; then
-  install=("$PWD/.venv/bin/uv" pip install --quiet --python "$venv/bin/python")
-else
-  install=("$venv/bin/python" -m pip install --quiet)
-fi
-"${install[@]}" "numpy==1.24.0" "ml_dtypes==0.3.0" "xxhash==3.2.0" "rich==13.0.0" "typer==0.21.1"
+# uv where scripts/test.sh chose it (CUDA_RUNNER_UV: faster, and no bytecode
+# compiled up front), else pip; pip again if uv cannot install them.
+pip_install=("$venv/bin/python" -m pip install --quiet)
+install_pinned() {
+  if [ -n "${CUDA_RUNNER_UV:-}" ] && "$CUDA_RUNNER_UV" pip install --quiet --python "$venv/bin/python" "$@"; then
+    return
+  fi
+  "${pip_install[@]}" "$@"
+}
+install_pinned "numpy==1.24.0" "ml_dtypes==0.3.0" "xxhash==3.2.0" "rich==13.0.0" "typer==0.21.1"
 program="$PWD/tests/data/executorch/standin_g3/model.pte"
 work=$(mktemp -d)
 trap 'rm -rf "$work"' EXIT
@@ -40,7 +42,7 @@ check() {  # check EXPECTED_EXIT COMMAND...
   fi
 }
 for typer_version in 0.21.1 0.27.2; do
-  "${install[@]}" "typer==$typer_version"
+  install_pinned "typer==$typer_version"
   check 0 --help
   for command in compile sign convert inspect run bench devices; do
     check 0 "$command" --help

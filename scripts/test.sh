@@ -17,19 +17,23 @@ trap 'kill $(jobs -p) 2>/dev/null || true' EXIT
 # uv installs everything but torch: it downloads and unpacks in parallel, 12 s
 # on the 2-core CI machine where pip took 50 (Ray, the test tools and the
 # editable build). torch comes from pip, which honours this machine's pip
-# configuration (where the CPU build of torch 2.13.0 lies). Without uv (no
-# index serves it) pip installs everything, as before.
-if .venv/bin/python -m pip install --quiet --no-compile uv >/dev/null 2>&1; then
-  install=(.venv/bin/uv pip install --quiet --python .venv/bin/python)
-else
-  install=(.venv/bin/python -m pip install --quiet --no-compile)
+# configuration (where the CPU build of torch 2.13.0 lies). uv reads none of
+# pip's configuration (mirrors, find-links, certificates), so where it cannot
+# be installed, or cannot install what it is asked, pip installs it all, as
+# before. scripts/min_versions.sh uses the same choice (CUDA_RUNNER_UV).
+pip_install=(.venv/bin/python -m pip install --quiet --no-compile)
+export CUDA_RUNNER_UV=""
+if "${pip_install[@]}" "uv>=0.5,<1" >/dev/null 2>&1; then
+  CUDA_RUNNER_UV="$PWD/.venv/bin/uv"
 fi
 # The lowest allowed dependency versions, without torch, in a venv of their
 # own: beside the install (one core each) and the suite.
 bash scripts/min_versions.sh > .venv-min.log 2>&1 &
 minimum=$!
-.venv/bin/python -m pip install --quiet --no-compile "torch==2.13.0"
-"${install[@]}" -e ".[test,ray]"
+"${pip_install[@]}" "torch==2.13.0"
+if [ -z "$CUDA_RUNNER_UV" ] || ! "$CUDA_RUNNER_UV" pip install --quiet --python .venv/bin/python -e ".[test,ray]"; then
+  "${pip_install[@]}" -e ".[test,ray]"
+fi
 installed=$SECONDS
 .venv/bin/ruff check cuda_runner tests scripts examples
 # The type check beside the suite (one core for about 30 s), judged at the end.

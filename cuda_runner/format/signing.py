@@ -22,13 +22,16 @@ from collections.abc import Iterable, Sequence
 from concurrent.futures import CancelledError, Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ..errors import BundleError, InputError
 from ..opening import read_small
 
+if TYPE_CHECKING:
+    import hashlib
 
-def _new_sha256(data: bytes | memoryview = b"") -> Any:
+
+def _new_sha256(data: bytes | memoryview = b"") -> hashlib._Hash:
     """hashlib's SHA-256, imported on first use: hashlib loads OpenSSL, about
     8 ms of start-up that a run of an unsigned bundle need not pay."""
     import hashlib

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import hashlib
 import os
+import socket
 import subprocess
 import sys
 import threading
@@ -130,12 +132,16 @@ def test_temp_files_of_dead_writers_are_removed_by_the_next_write(tmp_path):
 
     stale = out / f".logits.npy.{_HOST}.{dead}.0123abcd.tmp"
     stale.write_bytes(b"x" * 1000)
+    # What earlier builds tagged this host with: their dead writers' temps go too.
+    legacy_tag = hashlib.sha256(socket.gethostname().encode()).hexdigest()[:8]
+    legacy = out / f".logits.npy.{legacy_tag}.{dead}.0123abcd.old"
+    legacy.write_bytes(b"w")
     mine = out / f".other.npy.{_HOST}.{os.getpid()}.0123abcd.tmp"  # a live writer's: kept
     elsewhere = out / f".other.npy.ffffffff.{dead}.0123abcd.tmp"  # another host's (a network folder): kept
     elsewhere.write_bytes(b"z")
     mine.write_bytes(b"y")
     write_outputs(OutputPlan(out), {"logits": np.zeros(1)})
-    assert not stale.exists() and mine.exists() and elsewhere.exists()
+    assert not stale.exists() and not legacy.exists() and mine.exists() and elsewhere.exists()
 
 
 def test_a_path_component_longer_than_the_file_system_allows_is_an_input_error(tmp_path):
