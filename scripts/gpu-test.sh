@@ -85,7 +85,7 @@ if [ "${GPU_STANDALONE:-0}" = 1 ]; then
 fi
 if [ "${GPU_FLOOR:-0}" = 1 ]; then
   # The MLP --standalone: per call beside the C program, layer by layer, and a cold no-torch CLI run broken down.
-  python3 -X faulthandler scripts/bench_standalone.py --floor-only --device cuda --iterations 2000 --cold --cold-rounds 7 \
+  python3 -X faulthandler scripts/bench_standalone.py --floor-only --device cuda --iterations 2000 --cold --cold-rounds "${GPU_FLOOR_ROUNDS:-7}" \
     > "$out/floor.out" 2> "$out/floor.err"
   tail -12 "$out/floor.out"; grep -A16 "cold CLI" "$out/floor.err"
 fi
