@@ -172,6 +172,8 @@ print(json.dumps({"provider": model.method().provider, "libtorch_mapped": "libto
 
 
 def check_without_torch(work: Path, names: list[str], env: dict) -> dict[str, dict]:
+    from cuda_runner.io.npy import load_archive
+
     (work / "probe.py").write_text(PROBE)
     results = {}
     for name in names:
@@ -189,19 +191,13 @@ def check_without_torch(work: Path, names: list[str], env: dict) -> dict[str, di
                 entry[f"graph{graph}"] = {"error": probe.stderr.strip()[-600:]}
                 continue
             report = json.loads(probe.stdout.strip().splitlines()[-1])
-            reference = np.load(work / f"{name}-ref.npz")
-            outputs = np.load(work / f"{name}-out{graph}.npz")
-            report["max_abs_diff"] = max(float(np.max(np.abs(_as_float64(outputs[key]) - _as_float64(reference[key])))) for key in reference)
+            # cuda-runner's reader: bfloat16 that np.savez wrote as bare 2-byte voids comes back as bfloat16.
+            reference = load_archive(work / f"{name}-ref.npz")
+            outputs = load_archive(work / f"{name}-out{graph}.npz")
+            report["max_abs_diff"] = max(float(np.max(np.abs(outputs[key].astype(np.float64) - reference[key].astype(np.float64)))) for key in reference)
             entry[f"graph{graph}"] = report
         results[name] = entry
     return results
-
-
-def _as_float64(array: np.ndarray) -> np.ndarray:
-    """For comparing: bfloat16 comes back from an .npz as bare 2-byte voids (its bits)."""
-    if array.dtype.kind == "V" and array.dtype.itemsize == 2:
-        return (array.view(np.uint16).astype(np.uint32) << 16).view(np.float32).astype(np.float64)
-    return array.astype(np.float64)
 
 
 def build_floor(work: Path) -> Path:
