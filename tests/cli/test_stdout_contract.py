@@ -13,9 +13,9 @@ started by bash, with its standard streams as the shell leaves them:
 - full: `>/dev/full`: exit 4 and one line, `error: cannot write to standard
   output: No space left on device`.
 
-compile takes its library from the session's fixture bundle instead of
-running the C++ compiler (tests/cli/precompiled/sitecustomize.py); the rest
-of it, its own process included, is real.
+compile's child process writes the session's fixture bundle instead of
+importing torch and compiling (tests/cli/precompiled/sitecustomize.py); the
+command itself, its child process and what it prints are real.
 """
 
 from __future__ import annotations
