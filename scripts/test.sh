@@ -18,12 +18,10 @@ trap 'kill $(jobs -p) 2>/dev/null || true' EXIT
 # 2-core CI machine where pip took 50 (Ray, the test tools and the editable
 # build). uv reads none of pip's configuration (mirrors, find-links,
 # certificates), and this machine's pip configuration says where the CPU build
-# of torch 2.13.0 lies, so pip chooses torch's wheel and fetches it (a copy, where it lies
-# on disk), beside the install of uv itself; uv then installs that file with
-# the rest: 16 s where pip installing torch and uv the
-# rest took 25. Where uv cannot be installed, or either step fails, pip
-# installs it all, as before. scripts/min_versions.sh uses the same choice
-# (CUDA_RUNNER_UV).
+# of torch 2.13.0 lies, so pip chooses torch's wheel and fetches it (a copy,
+# where it lies on disk), beside the install of uv itself, and uv installs
+# that file. Where uv cannot be installed, or a step fails, pip installs it
+# all, as before. scripts/min_versions.sh uses the same choice (CUDA_RUNNER_UV).
 pip_install=(.venv/bin/python -m pip install --quiet --no-compile)
 wheels=$(mktemp -d)
 .venv/bin/python -m pip download --quiet --no-deps --dest "$wheels" "torch==2.13.0" >/dev/null 2>&1 &
@@ -32,6 +30,7 @@ export CUDA_RUNNER_UV=""
 if "${pip_install[@]}" "uv>=0.5,<1" >/dev/null 2>&1; then
   CUDA_RUNNER_UV="$PWD/.venv/bin/uv"
 fi
+uv_install() { [ -n "$CUDA_RUNNER_UV" ] && "$CUDA_RUNNER_UV" pip install --quiet --python .venv/bin/python "$@"; }
 # The lowest allowed dependency versions, without torch, in a venv of their
 # own: beside the install (one core each) and the suite.
 bash scripts/min_versions.sh > .venv-min.log 2>&1 &
@@ -40,17 +39,26 @@ torch_wheel=""
 if wait "$torch_download"; then
   for wheel in "$wheels"/torch-*.whl; do [ -e "$wheel" ] && torch_wheel=$wheel; done
 fi
-if [ -z "$CUDA_RUNNER_UV" ] || [ -z "$torch_wheel" ] \
-    || ! "$CUDA_RUNNER_UV" pip install --quiet --python .venv/bin/python "$torch_wheel" -e ".[test,ray]"; then
+if [ -z "$torch_wheel" ] || ! uv_install "$torch_wheel"; then
   "${pip_install[@]}" "torch==2.13.0"
-  "${pip_install[@]}" -e ".[test,ray]"
 fi
 rm -rf "$wheels"
+# torch's bytecode, written once beside the rest of the install: otherwise the
+# suite's first processes (both workers, and the compiles they start) each
+# compile the same files at once, about 16 s of a core each (see the script).
+.venv/bin/python scripts/warm_bytecode.py torch &
+warm_torch=$!
+if ! uv_install -e ".[test,ray]"; then
+  "${pip_install[@]}" -e ".[test,ray]"
+fi
 installed=$SECONDS
+.venv/bin/python scripts/warm_bytecode.py ray &  # for Ray's workers, which start together
 .venv/bin/ruff check cuda_runner tests scripts examples
 # The type check beside the suite (one core for about 30 s), judged at the end.
 .venv/bin/mypy > .venv/mypy.log 2>&1 &
 types=$!
+wait "$warm_torch" || true  # only a warm-up
+started=$SECONDS
 set +e
 # Two workers: the 2-core CI machine compiles fixtures and runs subprocesses side by side.
 .venv/bin/python -m pytest -n "${PYTEST_WORKERS:-2}" --dist loadgroup "$@"
@@ -63,7 +71,7 @@ minimum_status=$?
 cat .venv/mypy.log
 tail -n 3 .venv-min.log
 # Where the time went (the minimum-versions check's own time is in its last line).
-echo "test.sh: install $installed s, suite $((tested - installed)) s, all $SECONDS s"
+echo "test.sh: install $installed s, torch bytecode and lint until $started s, suite $((tested - started)) s, all $SECONDS s"
 set -e
 if [ "$types_status" -ne 0 ]; then
   echo "type check failed (mypy)" >&2
