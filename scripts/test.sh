@@ -31,9 +31,14 @@ if "${pip_install[@]}" "uv>=0.5,<1" >/dev/null 2>&1; then
   CUDA_RUNNER_UV="$PWD/.venv/bin/uv"
 fi
 uv_install() { [ -n "$CUDA_RUNNER_UV" ] && "$CUDA_RUNNER_UV" pip install --quiet --python .venv/bin/python "$@"; }
+# Jobs that only have to end before the suite does run at a lower priority
+# (nice): they take what the install and the suite leave idle (a worker
+# waiting on a lock, the last test running alone) instead of slowing what
+# everything else waits for.
+background=(nice -n 10)
 # The lowest allowed dependency versions, without torch, in a venv of their
-# own: beside the install (one core each) and the suite.
-bash scripts/min_versions.sh > .venv-min.log 2>&1 &
+# own: beside the install and the suite.
+"${background[@]}" bash scripts/min_versions.sh > .venv-min.log 2>&1 &
 minimum=$!
 torch_wheel=""
 if wait "$torch_download"; then
@@ -52,10 +57,10 @@ if ! uv_install -e ".[test,ray]"; then
   "${pip_install[@]}" -e ".[test,ray]"
 fi
 installed=$SECONDS
-.venv/bin/python scripts/warm_bytecode.py ray &  # for Ray's workers, which start together
+"${background[@]}" .venv/bin/python scripts/warm_bytecode.py ray &  # for Ray's workers, which start together
 .venv/bin/ruff check cuda_runner tests scripts examples
 # The type check beside the suite (one core for about 30 s), judged at the end.
-.venv/bin/mypy > .venv/mypy.log 2>&1 &
+"${background[@]}" .venv/bin/mypy > .venv/mypy.log 2>&1 &
 types=$!
 wait "$warm_torch" || true  # only a warm-up
 started=$SECONDS
