@@ -106,7 +106,7 @@ def test_nothing_outside_the_cli_imports_it():
 # Heavy imports, and the standard modules a run of an unsigned bundle does not
 # need (hashlib and _hashlib, which load OpenSSL, socket, secrets, tempfile:
 # about 20 ms of start-up).
-WATCHED = ("torch", "cupy", "numpy", "rich", "pydantic", "hashlib", "_hashlib", "socket", "secrets", "tempfile")
+WATCHED = ("torch", "cupy", "numpy", "rich", "pydantic", "hashlib", "_hashlib", "socket", "secrets", "tempfile", "ml_dtypes")
 
 
 def _modules_after(*argv: str) -> list[str]:
@@ -146,3 +146,11 @@ def test_a_run_of_an_unsigned_bundle_loads_neither_openssl_nor_socket_nor_tempfi
                             "--inputs", str(tmp_path / "bias.npy"), "--out-dir", str(tmp_path / "out"))
     assert (tmp_path / "out" / "logits.npy").is_file()
     assert loaded == ["numpy"]
+
+
+def test_random_float32_inputs_do_not_load_ml_dtypes(dict_mlp_bundle, tmp_path):
+    """ml_dtypes is for bfloat16 only: importing it costs over 1 s of CPU (0.7 registers NumPy loops for many types)."""
+    loaded = _modules_after("run", str(dict_mlp_bundle.path), "--provider", "shim", "--random-inputs", "--range", "x=-1:1",
+                            "--out-dir", str(tmp_path / "out"))
+    assert (tmp_path / "out" / "logits.npy").is_file()
+    assert "numpy" in loaded and "ml_dtypes" not in loaded  # (NumPy's random module brings hashlib and secrets)

@@ -49,10 +49,13 @@ def limits(dtype: str) -> Limits:
     if dtype == "bool":
         return Limits(0, 1, 1.0, 0)
     target = numpy_dtype(dtype)
-    if dtype in FLOAT_DTYPES:
-        import ml_dtypes
+    if dtype == "bfloat16":
+        import ml_dtypes  # only here: importing it costs about 1 s of CPU (io/npy.py)
 
-        info = ml_dtypes.finfo(target) if dtype == "bfloat16" else np.finfo(target)
+        info = ml_dtypes.finfo(target)
+        return Limits(0, 0, float(info.max), int(info.nmant) + 1)
+    if dtype in FLOAT_DTYPES:
+        info = np.finfo(target)
         return Limits(0, 0, float(info.max), int(info.nmant) + 1)
     integer = np.iinfo(target)
     return Limits(int(integer.min), int(integer.max), float(integer.max), 0)
