@@ -45,7 +45,7 @@ check() {  # check EXPECTED_EXIT COMMAND...
 "$venv/bin/python" -c "import sys, zipfile; zipfile.ZipFile(sys.argv[1], 'w').close()" "$work/empty.pt2"
 for typer_version in 0.21.1 0.27.2; do
   install_pinned "typer==$typer_version"
-  # In fresh processes: the console script starting, and a compile that finds no torch.
+  # In fresh processes: `python -m cuda_runner` starting, and a compile that finds no torch.
   check 0 --help
   check 4 compile "$work/empty.pt2" --device cuda -o "$work/m.bundle"
   # The rest in one interpreter (every command's help, refusals with their

@@ -13,7 +13,8 @@ python3 -m venv .venv
 export PYTHONPYCACHEPREFIX="$PWD/.venv/pycache"
 unset PYTHONDONTWRITEBYTECODE
 # A step that fails ends the script: stop what still runs beside it.
-trap 'kill $(jobs -p) 2>/dev/null || true' EXIT
+wheels=""
+trap 'kill $(jobs -p) 2>/dev/null || true; [ -z "$wheels" ] || rm -rf "$wheels"' EXIT
 # uv installs everything: it downloads and unpacks in parallel, 12 s on the
 # 2-core CI machine where pip took 50 (Ray, the test tools and the editable
 # build). uv reads none of pip's configuration (mirrors, find-links,
@@ -57,7 +58,9 @@ if ! uv_install -e ".[test,ray]"; then
   "${pip_install[@]}" -e ".[test,ray]"
 fi
 installed=$SECONDS
-"${background[@]}" .venv/bin/python scripts/warm_bytecode.py ray &  # for Ray's workers, which start together
+# Ray's bytecode, for its workers, which start together: at the normal
+# priority, since it has to be written before the Ray test runs.
+.venv/bin/python scripts/warm_bytecode.py ray &
 .venv/bin/ruff check cuda_runner tests scripts examples
 # The type check beside the suite (one core for about 30 s), judged at the end.
 "${background[@]}" .venv/bin/mypy > .venv/mypy.log 2>&1 &

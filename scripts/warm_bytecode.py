@@ -47,7 +47,8 @@ def main(group: str) -> int:
         module = _import(package)
         for found in pkgutil.iter_modules(getattr(module, "__path__", [])):
             _import(f"{package}.{found.name}")
-    # Inductor imports every device's code generators when it first registers them.
+    # Inductor imports most devices' code generators when it first registers
+    # them (a compile still imports a few more, such as their op overrides).
     registration = getattr(sys.modules.get("torch._inductor.codegen.common"), "init_backend_registration", None)
     if registration is not None:
         _import_with(registration)

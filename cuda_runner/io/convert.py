@@ -50,7 +50,7 @@ def limits(dtype: str) -> Limits:
         return Limits(0, 1, 1.0, 0)
     target = numpy_dtype(dtype)
     if dtype == "bfloat16":
-        import ml_dtypes  # only here: importing it costs about 1 s of CPU (io/npy.py)
+        import ml_dtypes  # imported only for bfloat16: it costs about 1 s of CPU (io/npy.py)
 
         info = ml_dtypes.finfo(target)
         return Limits(0, 0, float(info.max), int(info.nmant) + 1)
