@@ -331,7 +331,7 @@ def compile_command(
     _quiet_warnings()
     arrays = {name: load_archive(path) for name, path in samples.items()}
     _check_sign_key(sign_key)
-    check_programs(programs, output)  # before a process is started and torch imported
+    check_programs(programs, output, device)  # before a process is started and torch imported
 
     def report(kind: str, text: str) -> None:
         (_warn if kind == "warning" else _progress)(text)

@@ -24,7 +24,7 @@ from ..format.manifest import CALL_HELPER, MUTATED_BUFFERS_OPTION, MUTATED_INPUT
 from ..opening import require_regular
 from ..version import __version__
 from . import sharing
-from .aot import DEFAULT_CPU_TARGET, Progress, check_cpu_target, check_device, check_options, compile_program, import_torch
+from .aot import DEFAULT_CPU_TARGET, NO_GPU, Progress, check_cpu_target, check_device, check_options, compile_program, import_torch
 from .signature import dim_names_from_dynamic_shapes, program_signature
 
 __all__ = ["MethodSource", "check_programs", "compile_methods", "compile_module", "compile_programs", "export_method", "export_module"]
@@ -174,12 +174,19 @@ def compile_programs(
                            cpu_target=cpu_target, standalone=standalone, share_weights=share_weights)
 
 
-def check_programs(programs: Mapping[str, str | os.PathLike], path: str | os.PathLike) -> None:
+def check_programs(programs: Mapping[str, str | os.PathLike], path: str | os.PathLike, device: str = "cpu") -> None:
     """What can be checked of a compile before torch is imported: the bundle's
-    destination, and that each program is a readable archive."""
+    destination, that each program is a readable archive, and, for CUDA, that
+    the driver sees a GPU at all (where it sees none, neither can PyTorch:
+    refused here instead of after importing torch, 8 s of CPU)."""
     check_destination(Path(path))
     for program_path in programs.values():
         _check_program_file(Path(program_path))
+    if device != "cpu":
+        from ..runtime.devices import cuda_device_count
+
+        if cuda_device_count() == 0:
+            raise CompileError(NO_GPU)
 
 
 def _check_program_file(path: Path) -> None:

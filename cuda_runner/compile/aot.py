@@ -125,6 +125,9 @@ def import_torch() -> Any:
     return torch
 
 
+NO_GPU = "--device cuda needs a CUDA GPU visible to PyTorch, and none is; compile with --device cpu, or on a GPU machine"
+
+
 def check_device(torch: Any, device: str) -> str:
     """Normalise and check the compile device: 'cpu', 'cuda' or 'cuda:N'."""
     if device == "cpu":
@@ -132,7 +135,7 @@ def check_device(torch: Any, device: str) -> str:
     if not re.fullmatch(r"cuda(:\d{1,4})?", device):
         raise InputError(f"unknown device {device!r}; use 'cpu', 'cuda' or 'cuda:N'", subject="device")
     if not torch.cuda.is_available():
-        raise CompileError("--device cuda needs a CUDA GPU visible to PyTorch, and none is; compile with --device cpu, or on a GPU machine")
+        raise CompileError(NO_GPU)
     index = int(device.partition(":")[2] or 0)
     if index >= torch.cuda.device_count():
         raise CompileError(f"{device} does not exist: this machine has {torch.cuda.device_count()} CUDA device(s)")

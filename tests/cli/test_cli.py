@@ -109,16 +109,21 @@ def test_compile_reports_an_unreadable_program(tmp_path):
     assert not (tmp_path / "out.bundle").exists()
 
 
-def test_compile_for_cuda_without_a_gpu_is_a_clear_error(tmp_path):
+def test_compile_for_cuda_without_a_gpu_is_a_clear_error(tmp_path, monkeypatch):
+    """Refused before the compile's child process (which imports torch) is started."""
     import torch
+
+    import cuda_runner.compile.isolated as isolated
 
     if torch.cuda.is_available():
         pytest.skip("this machine has a GPU")
     program = torch.export.export(torch.nn.Linear(4, 2).eval(), (torch.randn(3, 4),))
     torch.export.save(program, tmp_path / "linear.pt2")
+    monkeypatch.setattr(isolated, "run_in_process_group", lambda *args: pytest.fail("a child process was started"))
     result = cli("compile", str(tmp_path / "linear.pt2"), "-o", str(tmp_path / "out.bundle"), "--device", "cuda")
     assert result.returncode == 4
-    assert "needs a CUDA GPU" in result.stderr
+    assert result.error_lines == ["error: --device cuda needs a CUDA GPU visible to PyTorch, and none is; compile with --device cpu, or on a GPU machine"]
+    assert not (tmp_path / "out.bundle").exists()
 
 
 def test_json_documents_are_described_in_docs(dict_mlp_bundle, tmp_path):
