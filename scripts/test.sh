@@ -45,14 +45,15 @@ torch_wheel=""
 if wait "$torch_download"; then
   for wheel in "$wheels"/torch-*.whl; do [ -e "$wheel" ] && torch_wheel=$wheel; done
 fi
-if [ -z "$torch_wheel" ] || ! uv_install "$torch_wheel"; then
-  "${pip_install[@]}" "torch==2.13.0"
+# NumPy with it: torch's import, which the warm-up below runs, looks for it.
+if [ -z "$torch_wheel" ] || ! uv_install "$torch_wheel" numpy; then
+  "${pip_install[@]}" "torch==2.13.0" numpy
 fi
 rm -rf "$wheels"
 # torch's bytecode, written once beside the rest of the install: otherwise the
 # suite's first processes (both workers, and the compiles they start) each
 # compile the same files at once, about 16 s of a core each (see the script).
-.venv/bin/python scripts/warm_bytecode.py torch &
+.venv/bin/python scripts/warm_bytecode.py torch > .venv/warm-torch.log 2>&1 &
 warm_torch=$!
 if ! uv_install -e ".[test,ray]"; then
   "${pip_install[@]}" -e ".[test,ray]"
@@ -60,7 +61,7 @@ fi
 installed=$SECONDS
 # Ray's bytecode, for its workers, which start together: at the normal
 # priority, since it has to be written before the Ray test runs.
-.venv/bin/python scripts/warm_bytecode.py ray &
+.venv/bin/python scripts/warm_bytecode.py ray > .venv/warm-ray.log 2>&1 &
 .venv/bin/ruff check cuda_runner tests scripts examples
 # The type check beside the suite (one core for about 30 s), judged at the end.
 "${background[@]}" .venv/bin/mypy > .venv/mypy.log 2>&1 &
