@@ -14,6 +14,7 @@ compiles each file once.
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import pkgutil
 import sys
@@ -51,7 +52,8 @@ def main(group: str) -> int:
     # them (a compile still imports a few more, such as their op overrides).
     registration = getattr(sys.modules.get("torch._inductor.codegen.common"), "init_backend_registration", None)
     if registration is not None:
-        _import_with(registration)
+        with contextlib.suppress(Exception):
+            registration()
     return 0
 
 
@@ -60,13 +62,6 @@ def _import(name: str) -> Any:
         return importlib.import_module(name)
     except Exception:  # a module this version lacks, or one that fails to import: only a warm-up
         return None
-
-
-def _import_with(function: Any) -> None:
-    try:
-        function()
-    except Exception:
-        pass
 
 
 if __name__ == "__main__":

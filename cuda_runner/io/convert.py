@@ -21,6 +21,7 @@ The rules, by target (README, "--cast"):
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
@@ -49,16 +50,17 @@ def limits(dtype: str) -> Limits:
     if dtype == "bool":
         return Limits(0, 1, 1.0, 0)
     target = numpy_dtype(dtype)
-    if dtype == "bfloat16":
-        import ml_dtypes  # imported only for bfloat16: it costs about 1 s of CPU (io/npy.py)
-
-        info = ml_dtypes.finfo(target)
-        return Limits(0, 0, float(info.max), int(info.nmant) + 1)
     if dtype in FLOAT_DTYPES:
-        info = np.finfo(target)
+        info = _bfloat16_finfo() if dtype == "bfloat16" else np.finfo(target)
         return Limits(0, 0, float(info.max), int(info.nmant) + 1)
     integer = np.iinfo(target)
     return Limits(int(integer.min), int(integer.max), float(integer.max), 0)
+
+
+def _bfloat16_finfo() -> Any:
+    import ml_dtypes  # only for bfloat16: importing it costs about 1 s of CPU (io/npy.py)
+
+    return ml_dtypes.finfo(ml_dtypes.bfloat16)
 
 
 def range_text(dtype: str) -> str:
