@@ -12,13 +12,18 @@ reports, for the sequence of modules entered (repeats in a row collapsed):
 - the sequence itself, with `--show`.
 
 The CLI's own modules and the start-up import are left out: the path begins
-when the run command starts. Layers are those of tests/test_architecture.py.
+when the run command starts. So is code that runs because a module is being
+imported (module and class bodies, decorators, tables built at import), which
+the request's own calls do not choose: the lazy imports of a run would
+otherwise count each module imported on the way as a room. `--with-imports`
+counts them too, as the figures before 2026-12-02 did. Layers are those of
+tests/test_architecture.py.
 
 With `--by unit`, modules are grouped into the units the layer rule knows
 (errors, format, io, runtime, commands, ...), as the older layout's root
 modules are mapped to where they live now, so that two checkouts compare.
 
-    python scripts/trace_run_path.py [--bundle B.bundle] [--by module|unit] [--show]
+    python scripts/trace_run_path.py [--bundle B.bundle] [--by module|unit] [--with-imports] [--show]
 """
 
 from __future__ import annotations
@@ -28,6 +33,7 @@ import os
 import sys
 import tempfile
 from pathlib import Path
+from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))  # where the layer rule lives
 from test_architecture import LAYERS as NAMED_LAYERS  # the layer rule, in one place
@@ -67,7 +73,20 @@ def compile_bundle(folder: Path) -> Path:
     return path
 
 
-def trace(argv: list[str]) -> tuple[list[str], set[tuple[str, str]]]:
+_IMPORT_MACHINERY = ("<frozen importlib._bootstrap>", "<frozen importlib._bootstrap_external>")
+
+
+def _importing(frame: Any) -> bool:
+    """Whether `frame` runs inside an import (any caller is the import machinery)."""
+    caller = frame.f_back
+    while caller is not None:
+        if caller.f_code.co_filename in _IMPORT_MACHINERY:
+            return True
+        caller = caller.f_back
+    return False
+
+
+def trace(argv: list[str], with_imports: bool = False) -> tuple[list[str], set[tuple[str, str]]]:
     """The modules entered, in order, and the (caller, callee) module pairs, while the CLI runs `argv`."""
     entered: list[str] = []
     doors: set[tuple[str, str]] = set()
@@ -77,6 +96,8 @@ def trace(argv: list[str]) -> tuple[list[str], set[tuple[str, str]]]:
             return
         module = frame.f_globals.get("__name__", "")
         if not module.startswith("cuda_runner.") or module.startswith("cuda_runner.cli"):
+            return
+        if not with_imports and _importing(frame):
             return
         caller = frame.f_back.f_globals.get("__name__", "") if frame.f_back is not None else ""
         if caller.startswith("cuda_runner.") and caller != module:
@@ -113,6 +134,7 @@ def main() -> None:
     parser.add_argument("--bundle", type=Path, help="a CPU bundle with one input x of [2, 16] float32 (default: compile one)")
     parser.add_argument("--show", action="store_true", help="print the sequence of modules")
     parser.add_argument("--by", choices=("module", "unit"), default="module", help="count modules, or the units of the layer rule")
+    parser.add_argument("--with-imports", action="store_true", help="count code run by imports too (module bodies, decorators)")
     options = parser.parse_args()
     import numpy as np
 
@@ -120,7 +142,8 @@ def main() -> None:
         folder = Path(scratch)
         bundle = options.bundle or compile_bundle(folder)
         np.save(folder / "x.npy", np.ones((2, 16), np.float32))
-        path, doors = trace(["run", str(bundle), "--inputs", f"x={folder / 'x.npy'}", "--out-dir", str(folder / "out"), "--device", "cpu", "-q"])
+        path, doors = trace(["run", str(bundle), "--inputs", f"x={folder / 'x.npy'}", "--out-dir", str(folder / "out"), "--device", "cpu", "-q"],
+                            options.with_imports)
     if options.by == "unit":
         collapsed: list[str] = []
         for module in (unit_of(module) for module in path):
