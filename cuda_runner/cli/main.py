@@ -25,9 +25,9 @@ from typing import Annotated, Any, Optional
 import typer
 
 from ..errors import CudaRunnerError, ExitCode, Interrupted
-from ..names import printable
 from ..version import __version__
 from . import options as parse
+from .render import printable
 
 # click's UsageError (unknown option, bad value, missing argument). typer 0.28
 # vendors click and older typer re-exports it; BadParameter derives from it in both.
@@ -249,7 +249,7 @@ CallHelperOption = Annotated[bool, typer.Option("--call-helper/--no-call-helper"
 
 
 def _check_sign_key(sign_key: str | None) -> None:
-    from ..opening import require_regular
+    from ..files import require_regular
 
     if sign_key is not None:
         require_regular(sign_key, "a PEM private key")
@@ -379,7 +379,7 @@ def convert_command(
     from ..format.source import is_program
 
     if not is_program(program):
-        from ..opening import require_regular
+        from ..files import require_regular
 
         require_regular(program, "an ExecuTorch program", not_regular=BundleError)  # says why it cannot be read, if so
         raise BundleError(f"{program} is not an ExecuTorch program")

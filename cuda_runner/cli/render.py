@@ -12,10 +12,10 @@ from __future__ import annotations
 import json
 import os
 import sys
+import unicodedata
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any, TextIO
 
-from ..names import printable
 from ..shapes import shape_text
 
 if TYPE_CHECKING:  # the results are typed; their modules load only when a command runs
@@ -28,6 +28,22 @@ if TYPE_CHECKING:  # the results are typed; their modules load only when a comma
     from ..format.program import ProgramMethodInfo
     from ..runtime.devices import DevicesResult
     from ..verify.compare import Comparison
+
+
+def printable(text: object) -> str:
+    """Escape control characters so file-derived text cannot drive the terminal.
+
+    Rich markup is handled separately: callers render with rich.text.Text,
+    which never interprets markup.
+    """
+    out = []
+    for char in str(text):
+        if unicodedata.category(char) in ("Cc", "Cf", "Cs", "Co", "Cn") or char in "\u2028\u2029":
+            code = ord(char)
+            out.append(f"\\x{code:02x}" if code < 0x100 else f"\\u{code:04x}")
+        else:
+            out.append(char)
+    return "".join(out)
 
 
 class Output:

@@ -20,11 +20,10 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import CudaRunnerError, ExitCode, InputError
+from ..files import require_folder
 from ..format.manifest import MethodSpec
 from ..io.inputs import ArchiveFile, ArrayFile, GivenInputs, resolve_inputs
-from ..io.outputs import OutputPlan, output_filenames, write_outputs
-from ..names import safe_filename
-from ..opening import require_folder
+from ..io.outputs import OutputPlan, output_filenames, safe_filename, write_outputs
 from ..report.schema import SCHEMAS
 from ..runtime.model import load_model, load_pool
 from ..runtime.options import LoadOptions

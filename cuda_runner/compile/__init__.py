@@ -18,10 +18,9 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import CompileError, InputError
-from ..files import check_destination
+from ..files import check_destination, require_regular
 from ..format import Manifest, MethodSpec, write_bundle
 from ..format.manifest import CALL_HELPER, MUTATED_BUFFERS_OPTION, MUTATED_INPUTS_OPTION, method_name_problem
-from ..opening import require_regular
 from ..version import __version__
 from . import sharing
 from .aot import DEFAULT_CPU_TARGET, NO_GPU, Progress, check_cpu_target, check_device, check_options, compile_program, import_torch

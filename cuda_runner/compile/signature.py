@@ -14,8 +14,7 @@ from typing import Any
 
 from ..dtypes import torch_dtype_name
 from ..errors import CompileError, InputError
-from ..format.manifest import DimSpec, TensorSpec
-from ..names import name_problem
+from ..format.manifest import DimSpec, TensorSpec, name_problem
 
 
 @dataclass(frozen=True)

@@ -30,8 +30,7 @@ from typing import Any, BinaryIO, Union
 import xxhash
 
 from ..errors import BundleError, InputError, WriteError
-from ..files import write_file
-from ..opening import open_regular
+from ..files import open_regular, write_file
 from .digest import DIGEST_ALGORITHM, TreeHasher, in_background, segment_digest
 from .manifest import MAX_SEGMENTS, Manifest, SegmentEntry, manifest_from_json
 from .signing import SignatureMismatch, SignedFile, TrustedKey, read_signature, signature_path

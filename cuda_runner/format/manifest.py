@@ -18,11 +18,11 @@ from typing import Any
 
 from ..dtypes import DTYPE_NAMES, itemsize
 from ..errors import BundleError, InputError
-from ..names import MAX_NAME_LENGTH, name_problem
 from ..shapes import shape_text, span_problem
 from .digest import DIGEST_ALGORITHM
 
 MAX_METHODS = 64
+MAX_NAME_LENGTH = 128  # of any name a bundle holds (method, segment, tensor, dim), and of an output's file stem
 MAX_SEGMENTS = 65536  # 1024 in format 1.0; per-weight storages (constant tables) need more
 MAX_CONSTANTS = 65536
 MAX_FQN_LENGTH = 1024
@@ -37,6 +37,7 @@ MAX_METHOD_NAME_LENGTH = MAX_NAME_LENGTH - len("_sample_outputs")
 
 _DIGEST_PATTERN = re.compile(rf"^{DIGEST_ALGORITHM}:[0-9a-f]{{32}}$")
 _EXPRESSION_PATTERN = re.compile(r"^[A-Za-z0-9_.+\-*/() ]+$")
+_FORBIDDEN_IN_NAMES = re.compile(r"[/\\\x00-\x1f\x7f-\x9f]")
 
 # A compile_options key: nothing vouches for the signature, or it gives only
 # upper bounds for its dims (ExecuTorch programs), so the runtime keeps the
@@ -280,6 +281,21 @@ def choose_method(available: list[str], requested: str | None) -> str:
     if requested not in available:
         raise InputError(f"the bundle has no method {requested!r}; it has: {', '.join(available) or 'none'}", subject="method")
     return requested
+
+
+def name_problem(name: object) -> str | None:
+    """Why `name` is not acceptable as a method, segment, tensor or dim name."""
+    if not isinstance(name, str):
+        return "is not a string"
+    if not name:
+        return "is empty"
+    if len(name) > MAX_NAME_LENGTH:
+        return f"is longer than {MAX_NAME_LENGTH} characters"
+    if _FORBIDDEN_IN_NAMES.search(name):
+        return "contains a path separator or control character"
+    if name in (".", ".."):
+        return "is a relative path component"
+    return None
 
 
 def method_name_problem(name: object) -> str | None:

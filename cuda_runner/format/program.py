@@ -31,7 +31,7 @@ from pathlib import Path
 from typing import Any, BinaryIO
 
 from ..errors import BundleError, IncompatibleBundleError, InputError
-from ..opening import open_regular
+from ..files import open_regular
 from . import executorch as et
 from .digest import in_background
 from .elf import LibraryFacts, read_library_facts

@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from ..errors import BundleError, InputError
-from ..opening import read_small
+from ..files import read_small
 
 if TYPE_CHECKING:
     import hashlib

@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Protocol
 
 from ..errors import CudaRunnerError, InputError
-from ..opening import open_regular
+from ..files import open_regular
 from .bundle import open_bundle, read_manifest
 from .manifest import Manifest
 from .signing import SignedFile, TrustedKey

@@ -28,8 +28,7 @@ from typing import BinaryIO
 import numpy as np
 
 from ..errors import DeviceError, InputError
-from ..files import write_file
-from ..opening import open_regular
+from ..files import open_regular, write_file
 from ..shapes import allocation_problem, shape_text
 
 # An archive member's header is tiny; more than this is not an .npy header.

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+import unicodedata
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -11,8 +13,22 @@ import numpy as np
 from ..dtypes import dtype_name
 from ..errors import InputError
 from ..files import SET_RECORD, Writer, check_destination, set_record_matches, write_files
-from ..names import safe_filename
+from ..format.manifest import MAX_NAME_LENGTH
 from .npy import npy_writer, npz_writer
+
+_UNSAFE_FILENAME_CHARS = re.compile(r"[^A-Za-z0-9._-]")
+
+
+def safe_filename(name: str) -> str:
+    """A file-system-safe stem for an output name ('aux.loss' stays as it is).
+
+    Anything outside [A-Za-z0-9._-] becomes '_', a leading dot is replaced so
+    no hidden or relative names appear, and the length is bounded.
+    """
+    stem = _UNSAFE_FILENAME_CHARS.sub("_", unicodedata.normalize("NFKC", name))
+    if not stem or stem.startswith("."):
+        stem = "_" + stem
+    return stem[:MAX_NAME_LENGTH]
 
 
 @dataclass(frozen=True)

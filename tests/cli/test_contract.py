@@ -16,7 +16,7 @@ import pytest
 from forge import forge, method
 from helpers import cli
 
-from cuda_runner.names import MAX_NAME_LENGTH
+from cuda_runner.format.manifest import MAX_NAME_LENGTH
 
 
 @pytest.fixture(scope="module")

@@ -10,7 +10,6 @@ from pathlib import Path
 import pytest
 from forge import forge, method
 
-from cuda_runner import names
 from cuda_runner.format import bundle, digest, manifest, open_bundle
 
 jsonschema = pytest.importorskip("jsonschema")  # not on every GPU machine
@@ -31,7 +30,7 @@ def test_documented_limits_match_the_code():
         "HEADER_SIZE": bundle.HEADER_SIZE, "MIN_ALIGNMENT": bundle.MIN_ALIGNMENT, "MAX_ALIGNMENT": bundle.MAX_ALIGNMENT,
         "DEFAULT_ALIGNMENT": bundle.DEFAULT_ALIGNMENT, "MAX_MANIFEST_SIZE": bundle.MAX_MANIFEST_SIZE,
         "MAX_SEGMENTS": manifest.MAX_SEGMENTS, "MAX_CONSTANTS": manifest.MAX_CONSTANTS, "MAX_FQN_LENGTH": manifest.MAX_FQN_LENGTH,
-        "MAX_METHODS": manifest.MAX_METHODS, "MAX_NAME_LENGTH": names.MAX_NAME_LENGTH,
+        "MAX_METHODS": manifest.MAX_METHODS, "MAX_NAME_LENGTH": manifest.MAX_NAME_LENGTH,
         "MAX_METHOD_NAME_LENGTH": manifest.MAX_METHOD_NAME_LENGTH,
         "MAX_RANK": manifest.MAX_RANK, "MAX_TENSORS_PER_SIGNATURE": manifest.MAX_TENSORS_PER_SIGNATURE,
         "MAX_METADATA_ENTRIES": manifest.MAX_METADATA_ENTRIES, "MAX_METADATA_VALUE_LENGTH": manifest.MAX_METADATA_VALUE_LENGTH,
@@ -64,7 +63,7 @@ def test_documented_dtypes_and_features_match_the_code():
 
 def test_schema_limits_match_the_code():
     defs = SCHEMA["$defs"]
-    assert defs["name"]["maxLength"] == names.MAX_NAME_LENGTH
+    assert defs["name"]["maxLength"] == manifest.MAX_NAME_LENGTH
     assert SCHEMA["properties"]["segments"]["maxItems"] == manifest.MAX_SEGMENTS
     assert SCHEMA["properties"]["methods"]["maxProperties"] == manifest.MAX_METHODS
     assert defs["tensor"]["properties"]["shape"]["maxItems"] == manifest.MAX_RANK
