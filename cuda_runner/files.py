@@ -8,7 +8,8 @@ read: a FIFO is opened with O_NONBLOCK (so even one swapped in after the
 check cannot hang the open) and refused on fstat; `read_small` caps what it
 reads, so `/dev/zero` or a huge file given as a key cannot eat memory.
 
-Writing: this is the one place that renames anything into place. A set of files (a run's outputs, a bundle) is written as one transaction:
+Writing. This is the one place that renames anything into place. A set of
+files (a run's outputs, a bundle) is written as one transaction:
 
 1. every destination is checked (name lengths, not a directory, parent usable);
 2. the folders are locked (flock on the folder itself, so no lock file is

@@ -15,8 +15,9 @@ The CLI's own modules and the start-up import are left out: the path begins
 when the run command starts. So is code that runs because a module is being
 imported (module and class bodies, decorators, tables built at import), which
 the request's own calls do not choose: the lazy imports of a run would
-otherwise count each module imported on the way as a room. `--with-imports`
-counts them too, as the figures before 2026-12-02 did. Layers are those of
+otherwise count each module imported on the way as a room (a finaliser that
+garbage collection happens to run during an import is left out with them).
+`--with-imports` counts them too, as the figures before 2026-12-02 did. Layers are those of
 tests/test_architecture.py.
 
 With `--by unit`, modules are grouped into the units the layer rule knows

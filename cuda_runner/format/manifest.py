@@ -3,7 +3,9 @@
 A model library cannot tell its real signature (input names are graph
 placeholders, and dtypes and shapes are not exposed at all), so the manifest
 records it at compile time. Everything here is parsed strictly: a bundle is
-input from outside, and any field of the wrong type is a BundleError.
+input from outside, and any field of the wrong type is a BundleError. The
+rule for the names a file may hold (`name_problem`) is here too: compile
+checks the names it writes with it.
 """
 
 from __future__ import annotations
