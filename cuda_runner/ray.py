@@ -78,7 +78,7 @@ class BundlePredictor:
             step = self.max_rows or rows or 1
             results = [self.method.run({name: column[start:start + step] for name, column in columns.items()}) for start in range(0, rows, step)]
         if not results:  # an empty batch: empty columns of the outputs' dtypes
-            from .dtypes import numpy_dtype
+            from .arrays import numpy_dtype
 
             return {tensor.name: np.empty((0,), numpy_dtype(tensor.dtype)) for tensor in self.spec.outputs if tensor.name in self.outputs}
         return _concatenated(results, stack=self.batch_dim is None, outputs=self.outputs)

@@ -235,7 +235,7 @@ def c_floor(bundle: Path, device: str, inputs: dict[str, np.ndarray], work: Path
     do (no-op on the CPU). Its figures, over `processes` processes: the median
     of their median calls (min and max of them as the spread), and the median
     of their mean calls."""
-    from cuda_runner.dtypes import SCALAR_TYPE_CODES
+    from cuda_runner.arrays import SCALAR_TYPE_CODES
 
     binary = build_floor(work)
     library, weights = _floor_files(bundle, work, rename=provider == "shim")

@@ -36,7 +36,7 @@ def _imports(path: Path) -> set[str]:
 # Lowest first. A unit (a root module, or a subpackage) may import from its
 # own layer and the layers below, never from one above (docs/architecture.md).
 LAYERS: list[tuple[str, set[str]]] = [
-    ("foundations", {"errors", "shapes", "dtypes", "files", "version"}),
+    ("foundations", {"errors", "arrays", "files", "version"}),
     ("format", {"format"}),
     ("data", {"io", "verify", "report"}),
     ("runtime", {"runtime"}),

@@ -16,7 +16,7 @@ import unicodedata
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any, TextIO
 
-from ..shapes import shape_text
+from ..arrays import shape_text
 
 if TYPE_CHECKING:  # the results are typed; their modules load only when a command runs
     import numpy as np

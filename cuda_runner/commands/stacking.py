@@ -25,7 +25,7 @@ from typing import Any
 
 import numpy as np
 
-from ..dtypes import dtype_name
+from ..arrays import dtype_name
 from ..errors import ClosedError, InputError, ModelRuntimeError
 from ..format.manifest import MethodSpec
 from ..format.validation import validate_inputs

@@ -30,7 +30,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from ..dtypes import SCALAR_TYPE_CODES, torch_dtype_name
+from ..arrays import SCALAR_TYPE_CODES, torch_dtype_name
 from ..errors import CudaRunnerError
 from ..format.digest import segment_digest
 from ..format.manifest import CONSTANT_TABLE, MUTATED_BUFFERS_OPTION, ConstantSpec, MethodSpec

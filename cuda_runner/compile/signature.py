@@ -12,7 +12,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from ..dtypes import torch_dtype_name
+from ..arrays import torch_dtype_name
 from ..errors import CompileError, InputError
 from ..format.manifest import DimSpec, TensorSpec, name_problem
 

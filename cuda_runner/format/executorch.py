@@ -28,7 +28,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..dtypes import SCALAR_TYPE_CODES, itemsize
+from ..arrays import SCALAR_TYPE_CODES, itemsize
 from ..errors import BundleError
 from .flatbuffer import FlatBuffer, Table
 

@@ -18,9 +18,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..dtypes import DTYPE_NAMES, itemsize
+from ..arrays import DTYPE_NAMES, itemsize, shape_text, span_problem
 from ..errors import BundleError, InputError
-from ..shapes import shape_text, span_problem
 from .digest import DIGEST_ALGORITHM
 
 MAX_METHODS = 64

@@ -11,8 +11,8 @@ import ast
 import operator
 from collections.abc import Mapping
 
+from ..arrays import shape_text
 from ..errors import InputError
-from ..shapes import shape_text
 from .manifest import DimSpec, MethodSpec, TensorSpec
 
 _OPERATORS = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul, ast.FloorDiv: operator.floordiv}

@@ -25,7 +25,7 @@ from typing import Any
 
 import numpy as np
 
-from ..dtypes import FLOAT_DTYPES, dtype_name, numpy_dtype
+from ..arrays import FLOAT_DTYPES, dtype_name, numpy_dtype
 from ..errors import InputError
 
 

@@ -23,11 +23,10 @@ from typing import Union
 
 import numpy as np
 
-from ..dtypes import DTYPE_NAMES, FLOAT_DTYPES, dtype_name, itemsize, numpy_dtype
+from ..arrays import DTYPE_NAMES, FLOAT_DTYPES, allocation_problem, dtype_name, itemsize, numpy_dtype, shape_text, span_problem
 from ..errors import BundleError, CudaRunnerError, InputError
 from ..format.manifest import MethodSpec, TensorSpec
 from ..format.validation import evaluate_shape_entry, validate_inputs
-from ..shapes import allocation_problem, shape_text, span_problem
 from .convert import convert, limits, position_text, range_text, value_text
 from .npy import ArrayHeader, NpzArchive, load_array, read_array_header
 

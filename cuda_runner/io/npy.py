@@ -27,9 +27,9 @@ from typing import BinaryIO
 
 import numpy as np
 
+from ..arrays import allocation_problem, shape_text
 from ..errors import DeviceError, InputError
 from ..files import open_regular, write_file
-from ..shapes import allocation_problem, shape_text
 
 # An archive member's header is tiny; more than this is not an .npy header.
 _MAX_HEADER_BYTES = 1 << 20
@@ -53,7 +53,7 @@ class ArrayHeader:
 
 def _bfloat16() -> np.dtype:
     """ml_dtypes' bfloat16 (importing ml_dtypes registers 'bfloat16' with NumPy, for np.load too)."""
-    from ..dtypes import numpy_dtype
+    from ..arrays import numpy_dtype
 
     return numpy_dtype("bfloat16")
 

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import numpy as np
 
-from ..dtypes import dtype_name
+from ..arrays import dtype_name
 from ..errors import InputError
 from ..files import SET_RECORD, Writer, check_destination, set_record_matches, write_files
 from ..format.manifest import MAX_NAME_LENGTH

@@ -6,7 +6,7 @@ from dataclasses import asdict, dataclass
 
 import numpy as np
 
-from ..dtypes import dtype_name
+from ..arrays import dtype_name
 
 
 @dataclass(frozen=True)

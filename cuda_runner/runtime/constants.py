@@ -17,7 +17,7 @@ from collections.abc import Callable, Sequence
 
 import numpy as np
 
-from ..dtypes import SCALAR_TYPE_CODES, itemsize
+from ..arrays import SCALAR_TYPE_CODES, itemsize
 from ..errors import BundleError
 from ..format.manifest import ConstantSpec, constant_span_bytes
 from .container import Container

@@ -20,7 +20,7 @@ from typing import Any
 
 import numpy as np
 
-from ..dtypes import numpy_dtype
+from ..arrays import numpy_dtype
 from ..errors import DeviceError, InputError
 from . import pinned
 from .container import Container

@@ -22,7 +22,7 @@ from typing import Any
 
 import numpy as np
 
-from ..dtypes import numpy_dtype
+from ..arrays import numpy_dtype
 from ..errors import InputError, ModelRuntimeError
 from ..format.manifest import MethodSpec
 from .cuda import CudaExecutor

@@ -28,7 +28,7 @@ from typing import Any
 
 import numpy as np
 
-from ..dtypes import dtype_name
+from ..arrays import dtype_name
 from ..errors import BundleError, ClosedError, InputError, ModelRuntimeError
 from ..format.manifest import LIBRARY_CHECKS_OPTION, MUTATED_BUFFERS_OPTION, MUTATED_INPUTS_OPTION, MethodSpec, OutputSource, TensorSpec
 from ..format.source import ModelReader
@@ -712,7 +712,7 @@ def _close_parts(
 def _zeros_for(spec: MethodSpec) -> dict[str, np.ndarray] | None:
     """Zero inputs at the export-time sizes (the smallest allowed, where those
     would take more than WARM_UP_BYTES), or None where no size is known or small."""
-    from ..dtypes import itemsize, numpy_dtype
+    from ..arrays import itemsize, numpy_dtype
 
     for pick in (lambda dim: dim.example if dim.example is not None else max(dim.min, 1), lambda dim: max(dim.min, 1)):
         shapes = {}
@@ -761,7 +761,7 @@ def _output_from(source: OutputSource, spec: TensorSpec, outputs: list[Any], giv
     """One method output from its wiring source: a library output, a copy of an
     input, or a stored constant as a fresh 0-d array (a copy: callers may write it)."""
     if source.constant is not None:
-        from ..dtypes import numpy_dtype
+        from ..arrays import numpy_dtype
 
         return copy(np.asarray(source.constant, numpy_dtype(spec.dtype)))
     return copy(given[source.index]) if source.from_input else outputs[source.index]
@@ -778,7 +778,7 @@ def _bfloat16_views(arrays: list[Any], positions: list[int]) -> list[Any]:
     for position in positions:
         array = arrays[position]
         if type(array) is np.ndarray and array.dtype == _BARE_VOID2 and array.dtype.fields is None:
-            from ..dtypes import numpy_dtype
+            from ..arrays import numpy_dtype
 
             arrays = list(arrays)
             arrays[position] = array.view(numpy_dtype("bfloat16"))

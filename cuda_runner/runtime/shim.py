@@ -18,7 +18,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from ..dtypes import SCALAR_TYPE_CODES
+from ..arrays import SCALAR_TYPE_CODES
 from ..errors import DeviceError, ModelRuntimeError
 
 # The ctypes types of the C ABI, for every module that crosses it.

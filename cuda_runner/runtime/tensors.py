@@ -8,7 +8,7 @@ from typing import NamedTuple
 
 import numpy as np
 
-from ..dtypes import numpy_dtype
+from ..arrays import numpy_dtype
 from .shim import Handle, Shim
 from .shim import Int64Pointer as _I64P
 

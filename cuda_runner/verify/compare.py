@@ -16,7 +16,7 @@ from typing import Any
 
 import numpy as np
 
-from ..dtypes import FLOAT_DTYPES, dtype_name
+from ..arrays import FLOAT_DTYPES, dtype_name
 from ..errors import InputError
 from ..report.schema import SCHEMAS
 

@@ -99,7 +99,7 @@ def test_example_sizes_that_cannot_be_made_are_the_bundles_fault_and_a_shape_ove
 def test_archive_members_larger_than_memory_are_refused_before_reading(bundles, monkeypatch):
     folder = bundles["folder"]
     np.savez(folder / "inputs.npz", x=np.zeros((256, 256), np.float32))  # 256 KiB
-    monkeypatch.setattr("cuda_runner.shapes.host_memory_bytes", lambda: 64 << 10)
+    monkeypatch.setattr("cuda_runner.arrays.host_memory_bytes", lambda: 64 << 10)
     line = _one_error(cli("run", bundles["unbounded"], "-i", str(folder / "inputs.npz")), 2)
     assert "member 'x' of shape [256, 256]" in line and "256.0 KiB, more than this machine's memory (64.0 KiB)" in line
     line = _one_error(cli("run", bundles["samples"], "--self-test"), 3)

@@ -17,8 +17,8 @@ from helpers import cli
 from models import PrefillDecode
 
 import cuda_runner
+from cuda_runner.arrays import SCALAR_TYPE_CODES
 from cuda_runner.compile.sharing import LibraryConstant, StoredConstant, share_weights, split_blob
-from cuda_runner.dtypes import SCALAR_TYPE_CODES
 from cuda_runner.format.bundle import read_manifest
 from cuda_runner.format.digest import segment_digest
 from cuda_runner.format.manifest import ConstantSpec, DeviceSpec, MethodSpec

@@ -12,12 +12,11 @@ from forge import forge, method
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from cuda_runner.dtypes import itemsize
+from cuda_runner.arrays import itemsize, span_problem
 from cuda_runner.errors import BundleError, InputError
 from cuda_runner.format import Manifest, open_bundle, write_bundle
 from cuda_runner.format.bundle import HEADER
 from cuda_runner.format.manifest import DeviceSpec, DimSpec, MethodSpec, TensorSpec, manifest_from_json
-from cuda_runner.shapes import span_problem
 
 
 def _open(tmp_path, data: bytes):

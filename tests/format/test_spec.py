@@ -52,7 +52,7 @@ def test_documented_header_matches_the_code():
 
 
 def test_documented_dtypes_and_features_match_the_code():
-    from cuda_runner.dtypes import DTYPE_NAMES
+    from cuda_runner.arrays import DTYPE_NAMES
 
     documented = re.search(r"one of `([a-z0-9 ]+)`", SPEC).group(1).split()
     assert sorted(documented) == sorted(DTYPE_NAMES)

@@ -14,7 +14,7 @@ from et_writer import MethodPlan, TensorValue, Weight, write_program
 from helpers import cli
 
 import cuda_runner
-from cuda_runner.dtypes import SCALAR_TYPE_CODES
+from cuda_runner.arrays import SCALAR_TYPE_CODES
 from cuda_runner.errors import BundleError, ModelRuntimeError
 from cuda_runner.format.bundle import open_bundle
 

@@ -25,7 +25,7 @@ import pytest
 from et_writer import MethodPlan, TensorValue, write_program
 
 import cuda_runner
-from cuda_runner.dtypes import SCALAR_TYPE_CODES
+from cuda_runner.arrays import SCALAR_TYPE_CODES
 from cuda_runner.format.bundle import open_bundle, write_bundle
 from cuda_runner.format.elf import read_library_facts, rename_imports
 from cuda_runner.runtime.providers import own_shim_path
