@@ -22,6 +22,7 @@ from ..errors import BundleError
 
 _SECTION = struct.Struct("<IIQQQQIIQQ")
 _SYMBOL = struct.Struct("<IBBHQQ")
+_NAME_AND_SECTION = struct.Struct("<I2xH16x")  # a symbol's name offset and section index, nothing else
 _DYNAMIC = struct.Struct("<qQ")
 _SHT_DYNAMIC, _SHT_DYNSYM = 6, 11
 _DT_NEEDED = 1
@@ -171,7 +172,7 @@ def _fatbin_entries(raw: bytes, start: int, budget: list[int]) -> tuple[set[str]
     return found, cursor
 
 
-def rename_imports(data: bytes | memoryview, renames: dict[str, str]) -> bytes:
+def rename_imports(data: bytes | memoryview, renames: dict[str, str]) -> bytearray:
     """A copy of the library in which every undefined dynamic symbol whose name
     starts with a key of `renames` starts with its value instead.
 
@@ -197,29 +198,30 @@ def rename_imports(data: bytes | memoryview, renames: dict[str, str]) -> bytes:
         base, table = strings[4], bytes(_span(view, strings))
         versions = _symbol_versions(view, sections, index)
         changes: list[tuple[int, bytes]] = []
-        references: list[int] = []
         raw_renames = {old.encode(): new.encode() for old, new in renames.items()}
-        for number, (name, _info, _other, section_index, _value, _size) in enumerate(_SYMBOL.iter_unpack(view[section[4]:section[4] + section[5] - section[5] % _SYMBOL.size])):
-            if not name:
-                continue
-            if name >= len(table):
-                raise _fail("a symbol name lies outside its string table")
-            if section_index != 0:  # defined here: only imports are renamed
-                references.append(name)
-                continue
+        # A model library defines thousands of symbols (its static C++ runtime)
+        # and imports a few hundred: the defined ones matter here only as names
+        # another rename must not touch, so they are read in one comprehension
+        # and only the imports are looked at one by one.
+        entries = list(_NAME_AND_SECTION.iter_unpack(view[section[4]:section[4] + section[5] - section[5] % _SYMBOL.size]))
+        if entries and max(name for name, _ in entries) >= len(table):
+            raise _fail("a symbol name lies outside its string table")
+        references = [name for name, section_index in entries if name and section_index]
+        imports = [(number, name) for number, (name, section_index) in enumerate(entries) if name and not section_index]
+        for number, name in imports:
             raw = table[name:name + 64]  # bytes, never decoded: the new name must have the old one's length exactly
             prefix = next((old for old in raw_renames if raw.startswith(old)), None)
             if prefix is None:
                 references.append(name)
                 continue
-            if versions is not None and number < len(versions) and versions[number] > 1:
+            if versions is not None and 2 * number + 2 <= len(versions) and struct.unpack_from("<H", versions, 2 * number)[0] & 0x7FFF > 1:
                 raise _fail(f"its import {_string(table, name)!r} asks for a symbol version, so it cannot be bound to another provider")
             changes.append((name, raw_renames[prefix]))
         references += _other_string_references(view, sections, section[6])
         _check_no_overlap(changes, references, table)
         for name, new_prefix in changes:
             out[base + name:base + name + len(new_prefix)] = new_prefix
-    return bytes(out)
+    return out  # not copied again into bytes: a model library is megabytes
 
 
 _PT_LOAD, _PT_DYNAMIC = 1, 2
@@ -277,11 +279,11 @@ def _check_dynamic_agrees(view: memoryview, sections: list[tuple[int, ...]]) -> 
                 raise _fail("a relocation names a symbol outside its dynamic symbol table")
 
 
-def _symbol_versions(view: memoryview, sections: list[tuple[int, ...]], dynsym_index: int) -> list[int] | None:
+def _symbol_versions(view: memoryview, sections: list[tuple[int, ...]], dynsym_index: int) -> memoryview | None:
+    """The version table of the dynamic symbols (one little-endian 16-bit entry each), or None."""
     for section in sections:
         if section[1] == _SHT_GNU_VERSYM and section[6] == dynsym_index:
-            span = _span(view, section)
-            return [value & 0x7FFF for (value,) in struct.iter_unpack("<H", span[:len(span) - len(span) % 2])]
+            return _span(view, section)
     return None
 
 
@@ -328,8 +330,9 @@ def _check_no_overlap(changes: list[tuple[int, bytes]], references: list[int], t
     A name read at `reference` runs to the next NUL, so it includes the bytes
     renamed at `start` exactly when it starts inside the string holding them,
     at or before their end: between that string's first byte and start + len.
-    Those spans are merged and each reference is looked up by bisection, and
-    the table is scanned once, so no table or name size makes this slow."""
+    Those spans are merged, each is looked up by bisection among the sorted
+    references, and the table is scanned once, so no table or name size makes
+    this slow."""
     spans: list[list[int]] = []
     previous_start = previous_first = 0
     for start, new in sorted(changes):
@@ -340,8 +343,8 @@ def _check_no_overlap(changes: list[tuple[int, bytes]], references: list[int], t
             spans[-1][1] = max(spans[-1][1], start + len(new))
         else:
             spans.append([first, start + len(new)])
-    firsts = [span[0] for span in spans]
-    for reference in references:
-        position = bisect.bisect_right(firsts, reference) - 1
-        if position >= 0 and reference < spans[position][1]:
+    ordered = sorted(references)
+    for first, end in spans:  # disjoint and in order: is any reference inside one?
+        position = bisect.bisect_left(ordered, first)
+        if position < len(ordered) and ordered[position] < end:
             raise _fail("a renamed import shares its name's bytes with another name, so it cannot be bound to another provider")

@@ -68,7 +68,7 @@ class CallHelper:
         self.lease.release()
 
 
-def load_call_helper(reader: ModelReader, spec: MethodSpec, prepare: Callable[[bytes], bytes] = bytes) -> tuple[CallHelper | None, str]:
+def load_call_helper(reader: ModelReader, spec: MethodSpec, prepare: Callable[[bytes], bytes | bytearray] = bytes) -> tuple[CallHelper | None, str]:
     """The method's call helper, checked like a library before it is loaded.
 
     The helper is optional, so where it cannot serve here (another ABI, or a

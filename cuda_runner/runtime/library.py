@@ -53,7 +53,7 @@ def _unused_path(fd: int) -> str:
     raise ModelRuntimeError(f"{_MAX_PATH_VARIANTS} model libraries that cannot be unloaded are loaded in this process; restart it")
 
 
-def _dlopen_memfd(data: bytes, label: str) -> ctypes.CDLL:
+def _dlopen_memfd(data: bytes | bytearray, label: str) -> ctypes.CDLL:
     # memfd names are limited to 249 bytes; the label is only for /proc/*/maps.
     name = f"cuda-runner:{label}".encode()[:200].decode("utf-8", "ignore")
     fd = os.memfd_create(name, os.MFD_CLOEXEC)
@@ -64,7 +64,7 @@ def _dlopen_memfd(data: bytes, label: str) -> ctypes.CDLL:
         os.close(fd)  # the mapping keeps the memory alive
 
 
-def _dlopen_private_file(data: bytes, label: str) -> ctypes.CDLL:
+def _dlopen_private_file(data: bytes | bytearray, label: str) -> ctypes.CDLL:
     import tempfile  # only where memfd_create is refused
 
     directory = tempfile.mkdtemp(prefix="cuda-runner-")  # mode 0700, random name
@@ -80,7 +80,7 @@ def _dlopen_private_file(data: bytes, label: str) -> ctypes.CDLL:
         shutil.rmtree(directory, ignore_errors=True)
 
 
-def _write_all(fd: int, data: bytes) -> None:
+def _write_all(fd: int, data: bytes | bytearray) -> None:
     view = memoryview(data)
     while view:
         written = os.write(fd, view)
@@ -90,7 +90,7 @@ def _write_all(fd: int, data: bytes) -> None:
 class ModelLibrary:
     """A dlopened model library and its container entry points."""
 
-    def __init__(self, data: bytes, label: str):
+    def __init__(self, data: bytes | bytearray, label: str):
         self.label = label
         try:
             self._cdll = self._open(data, label)
@@ -99,7 +99,7 @@ class ModelLibrary:
         self.handle: int | None = self._cdll._handle
 
     @staticmethod
-    def _open(data: bytes, label: str) -> ctypes.CDLL:
+    def _open(data: bytes | bytearray, label: str) -> ctypes.CDLL:
         if hasattr(os, "memfd_create"):
             try:
                 return _dlopen_memfd(data, label)
@@ -175,7 +175,7 @@ class LibraryLease:
                 entry.library.handle = _ctypes.dlopen(entry.library._cdll._name, os.RTLD_NOW | os.RTLD_LOCAL | os.RTLD_NOLOAD)
 
 
-def lease_library(data: bytes, label: str, *, native_checks: bool = False, bound_to: str = "") -> LibraryLease:
+def lease_library(data: bytes | bytearray, label: str, *, native_checks: bool = False, bound_to: str = "") -> LibraryLease:
     """The library with these bytes, loaded once per process while it is in use.
 
     Keyed by a cryptographic hash of the bytes themselves (not the bundle's

@@ -232,7 +232,7 @@ class Method:
         library_bytes = reader.read_verified(spec.library_segment)  # always checked, before it is loaded
         timings["verify_library"] = clock() - started
         started = clock()
-        chosen, library_bytes = bind_library(library_bytes, device.type, default_provider(options.provider))
+        chosen, loadable = bind_library(library_bytes, device.type, default_provider(options.provider))
         timings["libtorch" if chosen.needs_torch else "shim"] = clock() - started
         if device.type == "cuda":
             started = clock()
@@ -256,7 +256,7 @@ class Method:
         check_inputs = options.check_inputs or signature_needs_library_checks(spec)
         try:
             started = clock()
-            library = lease_library(library_bytes, f"{spec.name}@{reader.path.name}", native_checks=check_inputs, bound_to=chosen.name)
+            library = lease_library(loadable, f"{spec.name}@{reader.path.name}", native_checks=check_inputs, bound_to=chosen.name)
             timings["load_library"] = clock() - started
             if call_path is None:
                 started = clock()

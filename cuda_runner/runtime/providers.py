@@ -58,7 +58,7 @@ class Provider:
     shim: Shim
     renames: bool
 
-    def prepare(self, library: bytes) -> bytes:
+    def prepare(self, library: bytes) -> bytes | bytearray:
         """The bytes to load: for our shim, a copy whose imports name its functions."""
         return rename_imports(library, RENAMES) if self.renames else library
 
@@ -160,7 +160,7 @@ def choose_provider(libraries: Iterable[bytes | memoryview | LibraryFacts], devi
         "install it with: pip install 'cuda-runner[torch]', or compile the model with --standalone")
 
 
-def bind_library(library: bytes, device_type: str, preference: str = "auto") -> tuple[Provider, bytes]:
+def bind_library(library: bytes, device_type: str, preference: str = "auto") -> tuple[Provider, bytes | bytearray]:
     """The provider a model library runs on, loaded, and the bytes to load for it.
     A library whose imports cannot be renamed safely (format.elf.rename_imports)
     runs on libtorch where the choice was ours to make."""
