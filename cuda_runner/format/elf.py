@@ -27,6 +27,7 @@ _DYNAMIC = struct.Struct("<qQ")
 _SHT_DYNAMIC, _SHT_DYNSYM = 6, 11
 _DT_NEEDED = 1
 _STB_GLOBAL, _STB_WEAK = 1, 2
+_SHT_GNU_VERDEF = 0x6FFFFFFD
 _SHT_GNU_VERNEED = 0x6FFFFFFE
 _SHT_GNU_VERSYM = 0x6FFFFFFF
 _MAX_SECTIONS = 1 << 16
@@ -204,7 +205,7 @@ def rename_imports(data: bytes | memoryview, renames: dict[str, str]) -> bytearr
         # another rename must not touch, so they are read in one comprehension
         # and only the imports are looked at one by one.
         entries = list(_NAME_AND_SECTION.iter_unpack(view[section[4]:section[4] + section[5] - section[5] % _SYMBOL.size]))
-        if entries and max(name for name, _ in entries) >= len(table):
+        if max((name for name, _ in entries if name), default=-1) >= len(table):
             raise _fail("a symbol name lies outside its string table")
         references = [name for name, section_index in entries if name and section_index]
         imports = [(number, name) for number, (name, section_index) in enumerate(entries) if name and not section_index]
@@ -227,6 +228,8 @@ def rename_imports(data: bytes | memoryview, renames: dict[str, str]) -> bytearr
 _PT_LOAD, _PT_DYNAMIC = 1, 2
 _PROGRAM = struct.Struct("<IIQQQQQQ")
 _DT_STRTAB, _DT_SYMTAB, _DT_STRSZ, _DT_RELA, _DT_RELASZ, _DT_JMPREL, _DT_PLTRELSZ = 5, 6, 10, 7, 8, 23, 2
+# The version tables the loader finds through the dynamic segment, and the section type each must have.
+_VERSION_TABLES = ((0x6FFFFFF0, _SHT_GNU_VERSYM), (0x6FFFFFFC, _SHT_GNU_VERDEF), (0x6FFFFFFE, _SHT_GNU_VERNEED))
 _RELA = struct.Struct("<QQq")
 
 
@@ -235,8 +238,13 @@ def _check_dynamic_agrees(view: memoryview, sections: list[tuple[int, ...]]) -> 
     renames by: refuse a library where they could disagree, so that no import
     the loader binds can escape the renaming. The dynamic symbol and string
     tables the section headers name must be the ones DT_SYMTAB and DT_STRTAB
-    point at (same address and string-table size), and every relocation must
-    name a symbol inside the symbol table the headers give."""
+    point at (same address and string-table size), the one dynamic section
+    header must describe the dynamic segment and link that string table, each
+    version table the segment names (DT_VERSYM, DT_VERDEF, DT_VERNEED) must
+    have a section header of its kind there, linked as the renaming reads it,
+    and every relocation must name a symbol inside the symbol table the headers
+    give. A header retyped or relinked would otherwise hide a library name
+    from the overlap check or a symbol version from the version check."""
     program_offset = int(struct.unpack_from("<Q", view, 0x20)[0])
     program_size, program_count = struct.unpack_from("<HH", view, 0x36)
     if program_size != _PROGRAM.size or program_offset + program_count * _PROGRAM.size > len(view):
@@ -267,6 +275,15 @@ def _check_dynamic_agrees(view: memoryview, sections: list[tuple[int, ...]]) -> 
     if (_DT_SYMTAB not in entries or _DT_STRTAB not in entries or file_offset(entries[_DT_SYMTAB]) != symbol_table[4]
             or file_offset(entries[_DT_STRTAB]) != strings[4] or entries.get(_DT_STRSZ) != strings[5]):
         raise _fail("its section headers and its dynamic segment name different symbol tables")
+    dynamic_sections = [section for section in sections if section[1] == _SHT_DYNAMIC]
+    if len(dynamic_sections) != 1 or dynamic_sections[0][4] != offset or dynamic_sections[0][5] != filesz or dynamic_sections[0][6] != symbol_table[6]:
+        raise _fail("its section headers and its dynamic segment describe different dynamic tables")
+    symbol_index = sections.index(symbol_table)
+    for tag, kind in _VERSION_TABLES:
+        if tag in entries:
+            at, link = file_offset(entries[tag]), symbol_index if kind == _SHT_GNU_VERSYM else symbol_table[6]
+            if not any(section[1] == kind and section[4] == at and section[6] == link for section in sections):
+                raise _fail("its section headers and its dynamic segment name different symbol version tables")
     count = symbol_table[5] // _SYMBOL.size
     for table_tag, size_tag in ((_DT_RELA, _DT_RELASZ), (_DT_JMPREL, _DT_PLTRELSZ)):
         if table_tag not in entries:
@@ -289,7 +306,7 @@ def _symbol_versions(view: memoryview, sections: list[tuple[int, ...]], dynsym_i
 
 def _other_string_references(view: memoryview, sections: list[tuple[int, ...]], strings_index: int) -> list[int]:
     """Offsets into the dynamic string table used by the dynamic section and the
-    version-needed table (library names, versions, run paths)."""
+    version tables (library names, versions, run paths)."""
     found: list[int] = []
     for section in sections:
         if section[6] != strings_index:
@@ -300,6 +317,8 @@ def _other_string_references(view: memoryview, sections: list[tuple[int, ...]], 
             found += [value for tag, value in _DYNAMIC.iter_unpack(span[:len(span) - len(span) % _DYNAMIC.size]) if tag in (1, 14, 15, 29, 0x7FFFFFFD, 0x7FFFFFFF)]
         elif section[1] == _SHT_GNU_VERNEED:
             found += _verneed_strings(_span(view, section))
+        elif section[1] == _SHT_GNU_VERDEF:
+            found += _verdef_strings(_span(view, section))
     return found
 
 
@@ -315,6 +334,28 @@ def _verneed_strings(span: memoryview) -> list[int]:
             if entry + 16 > len(span):
                 break
             _hash, _flags, _other, name, step = struct.unpack_from("<IHHII", span, entry)
+            found.append(name)
+            if not step:
+                break
+            entry += step
+        if not following:
+            break
+        cursor += following
+    return found
+
+
+def _verdef_strings(span: memoryview) -> list[int]:
+    """The names of the versions a library defines (Elf64_Verdef and its Verdaux entries)."""
+    found: list[int] = []
+    cursor, budget = 0, 1 << 12
+    while budget > 0 and cursor + 20 <= len(span):
+        budget -= 1
+        _version, _flags, _index, count, _hash, aux, following = struct.unpack_from("<HHHHIII", span, cursor)
+        entry = cursor + aux
+        for _ in range(min(count, 1 << 12)):
+            if entry + 8 > len(span):
+                break
+            name, step = struct.unpack_from("<II", span, entry)
             found.append(name)
             if not step:
                 break

@@ -233,6 +233,7 @@ class Method:
         timings["verify_library"] = clock() - started
         started = clock()
         chosen, loadable = bind_library(library_bytes, device.type, default_provider(options.provider))
+        del library_bytes  # a renamed copy is what loads: the original need not stay in memory meanwhile
         timings["libtorch" if chosen.needs_torch else "shim"] = clock() - started
         if device.type == "cuda":
             started = clock()

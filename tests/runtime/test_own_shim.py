@@ -266,6 +266,36 @@ def test_the_rename_check_on_names_built_to_be_costly():
         _check_no_overlap(imports[1:], [5], chain)
 
 
+@pytest.mark.parametrize("kind", [6, 0x6FFFFFFF, 0x6FFFFFFE], ids=["dynamic", "versym", "verneed"])
+@pytest.mark.parametrize("field", [4, 40], ids=["retyped", "relinked"])
+def test_a_section_header_that_hides_a_table_from_the_renaming_is_refused(dict_mlp_bundle, kind, field):
+    """The loader finds the dynamic table and the version tables through the
+    dynamic segment, the renaming through the section headers: a header
+    retyped (PROGBITS) or linked to another table would hide a library name
+    from the overlap check, or a symbol version from the version check."""
+    import struct
+
+    library = bytearray(library_of(dict_mlp_bundle.path))
+    rename_imports(bytes(library), RENAMES)  # as it is: renamed
+    offset = struct.unpack_from("<Q", library, 0x28)[0]
+    count = struct.unpack_from("<H", library, 0x3C)[0]
+    (index,) = [index for index in range(count) if struct.unpack_from("<I", library, offset + 64 * index + 4)[0] == kind]
+    struct.pack_into("<I", library, offset + 64 * index + field, 1 if field == 4 else 0)
+    with pytest.raises(BundleError):  # relinked .dynamic: its names are then read from no table at all
+        rename_imports(bytes(library), RENAMES)
+
+
+def test_the_names_of_the_versions_a_library_defines_are_references():
+    import struct
+
+    from cuda_runner.format.elf import _verdef_strings
+
+    first = struct.pack("<HHHHIII", 1, 1, 1, 1, 0, 20, 28) + struct.pack("<II", 5, 0)
+    second = struct.pack("<HHHHIII", 1, 0, 2, 2, 0, 20, 0) + struct.pack("<II", 9, 8) + struct.pack("<II", 13, 0)
+    assert _verdef_strings(memoryview(first + second)) == [5, 9, 13]
+    assert _verdef_strings(memoryview(first[:10])) == []  # cut short: nothing read past the end
+
+
 def test_a_library_without_a_section_table_is_refused(dict_mlp_bundle):
     """The loader reads the dynamic segment; a library whose section headers are
     gone (or lie) must not pass as one with nothing to rename."""
