@@ -280,6 +280,8 @@ def _check_dynamic_agrees(view: memoryview, sections: list[tuple[int, ...]]) -> 
         raise _fail("its section headers and its dynamic segment describe different dynamic tables")
     symbol_index = sections.index(symbol_table)
     for tag, kind in _VERSION_TABLES:
+        if sum(section[1] == kind for section in sections) > 1:  # the renaming would read the first
+            raise _fail("it has more than one symbol version table of a kind")
         if tag in entries:
             at, link = file_offset(entries[tag]), symbol_index if kind == _SHT_GNU_VERSYM else symbol_table[6]
             if not any(section[1] == kind and section[4] == at and section[6] == link for section in sections):

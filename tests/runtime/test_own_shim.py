@@ -285,6 +285,25 @@ def test_a_section_header_that_hides_a_table_from_the_renaming_is_refused(dict_m
         rename_imports(bytes(library), RENAMES)
 
 
+def test_a_second_version_table_is_refused(dict_mlp_bundle):
+    """Two symbol-version tables: the loader reads the one DT_VERSYM names, the
+    renaming would read the first; a copy of the real header made to look like
+    another table (the .dynstr header retyped as a versym linked to the symbols)."""
+    import struct
+
+    library = bytearray(library_of(dict_mlp_bundle.path))
+    offset = struct.unpack_from("<Q", library, 0x28)[0]
+    count = struct.unpack_from("<H", library, 0x3C)[0]
+    kinds = [struct.unpack_from("<I", library, offset + 64 * index + 4)[0] for index in range(count)]
+    versym = kinds.index(0x6FFFFFFF)
+    dynamic_strings = struct.unpack_from("<I", library, offset + 64 * kinds.index(11) + 40)[0]  # .dynsym's sh_link
+    strings = next(index for index, kind in enumerate(kinds) if kind == 3 and index != dynamic_strings)  # .strtab or .shstrtab
+    library[offset + 64 * strings:offset + 64 * strings + 64] = library[offset + 64 * versym:offset + 64 * versym + 64]
+    struct.pack_into("<Q", library, offset + 64 * strings + 24, struct.unpack_from("<Q", library, offset + 64 * versym + 24)[0] + 2)
+    with pytest.raises(BundleError, match="more than one symbol version table"):
+        rename_imports(bytes(library), RENAMES)
+
+
 def test_the_names_of_the_versions_a_library_defines_are_references():
     import struct
 
