@@ -324,40 +324,35 @@ def _other_string_references(view: memoryview, sections: list[tuple[int, ...]], 
     return found
 
 
+# The two version tables as the walk below reads them: a chain of records,
+# each (entry count, [its file name,] offset of its first entry, offset of the
+# next record), and from each a chain of entries (name, offset of the next).
+_VERNEED = (struct.Struct("<2xHIII"), struct.Struct("<8xII"))  # Elf64_Verneed, Elf64_Vernaux
+_VERDEF = (struct.Struct("<6xH4xII"), struct.Struct("<II"))  # Elf64_Verdef, Elf64_Verdaux
+
+
 def _verneed_strings(span: memoryview) -> list[int]:
-    found: list[int] = []
-    cursor, budget = 0, 1 << 12
-    while budget > 0 and cursor + 16 <= len(span):
-        budget -= 1
-        _version, count, file_name, aux, following = struct.unpack_from("<HHIII", span, cursor)
-        found.append(file_name)
-        entry = cursor + aux
-        for _ in range(min(count, 1 << 12)):
-            if entry + 16 > len(span):
-                break
-            _hash, _flags, _other, name, step = struct.unpack_from("<IHHII", span, entry)
-            found.append(name)
-            if not step:
-                break
-            entry += step
-        if not following:
-            break
-        cursor += following
-    return found
+    """The file and version names a library needs."""
+    return _version_strings(span, *_VERNEED)
 
 
 def _verdef_strings(span: memoryview) -> list[int]:
-    """The names of the versions a library defines (Elf64_Verdef and its Verdaux entries)."""
+    """The names of the versions a library defines."""
+    return _version_strings(span, *_VERDEF)
+
+
+def _version_strings(span: memoryview, record: struct.Struct, entry_layout: struct.Struct) -> list[int]:
     found: list[int] = []
     cursor, budget = 0, 1 << 12
-    while budget > 0 and cursor + 20 <= len(span):
+    while budget > 0 and cursor + record.size <= len(span):
         budget -= 1
-        _version, _flags, _index, count, _hash, aux, following = struct.unpack_from("<HHHHIII", span, cursor)
+        count, *own_name, aux, following = record.unpack_from(span, cursor)
+        found += own_name
         entry = cursor + aux
         for _ in range(min(count, 1 << 12)):
-            if entry + 8 > len(span):
+            if entry + entry_layout.size > len(span):
                 break
-            name, step = struct.unpack_from("<II", span, entry)
+            name, step = entry_layout.unpack_from(span, entry)
             found.append(name)
             if not step:
                 break
