@@ -330,14 +330,17 @@ class CudaExecutor(Executor):
         if cuda is None:
             cuda = self.cupy.cuda
         memory = cuda.UnownedMemory(view.address, view.span * itemsize, owner, self.device_index)
-        strides = tuple([stride * itemsize for stride in view.strides])
+        # Row-major: CuPy works the strides out itself, faster than they can be passed.
+        strides = None if view.contiguous else tuple([stride * itemsize for stride in view.strides])
         return self._cupy_ndarray(view.shape, dtype, cuda.MemoryPointer(memory, 0), strides)
 
     def device_inputs(self, arrays: Sequence[Any], names: Sequence[str]) -> list[Any]:
         cupy = self.cupy
-        if all(type(array) is cupy.ndarray for array in arrays):
-            return list(arrays)
-        return [_as_cupy(cupy, name, array) for name, array in zip(names, arrays)]
+        ndarray = cupy.ndarray
+        for array in arrays:
+            if type(array) is not ndarray:
+                return [_as_cupy(cupy, name, array) for name, array in zip(names, arrays)]
+        return list(arrays)
 
     def copy_device(self, array: Any) -> Any:
         # On this lane's stream, as the run that reads it (or the caller, after
@@ -352,13 +355,21 @@ class CudaExecutor(Executor):
         last array that views a handle frees it. Work is ordered on this lane's
         stream; inputs must be ready on it (synchronize the producer's stream)."""
         self.use_device()
-        inputs = [array if array.flags.c_contiguous else self._contiguous(array) for array in arrays]
-        owned, views = self._run([(array.data.ptr, array.shape) for array in inputs])
-        handles = owned.transfer()
-        # One keeper per distinct handle (aliased outputs share theirs).
-        keepers = {handle: _HandleKeeper(self.shim, handle, inputs, self.stream) for handle in set(handles) if handle}
-        device_array = self._device_array
-        return [device_array(view, keepers[handle]) for handle, view in zip(handles, views)]
+        inputs, layouts = [], []
+        for array in arrays:
+            if not array.flags.c_contiguous:
+                array = self._contiguous(array)
+            inputs.append(array)
+            layouts.append((array.data.ptr, array.shape, contiguous_strides(array.shape)))
+        owned, views = self._invoker(layouts)
+        outputs: list[Any] = []
+        keepers: dict[int, _HandleKeeper] = {}
+        for handle, view in zip(owned.transfer(), views):
+            keeper = keepers.get(handle)
+            if keeper is None:  # one keeper per distinct handle: aliased outputs share theirs
+                keeper = keepers[handle] = _HandleKeeper(self.shim, handle, inputs, self.stream)
+            outputs.append(self._device_array(view, keeper))
+        return outputs
 
     def _contiguous(self, array: Any) -> Any:
         with self.stream.as_cupy():

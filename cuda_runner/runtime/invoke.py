@@ -27,7 +27,7 @@ from .container import Container
 from .library import LibraryLease, lease_library
 from .shim import Int64Pointer as _I64P
 from .shim import Shim
-from .tensors import Describer, OwnedHandles, TensorView, wrap_memory
+from .tensors import Describer, OwnedHandles, TensorView, contiguous_strides, wrap_memory
 
 #: (address, shape, strides in elements) of each input, in the library's order.
 InputLayout = tuple[int, tuple[int, ...], tuple[int, ...]]
@@ -162,12 +162,14 @@ class HelperInvoker(Invoker):
         self._inputs = (_Input * max(1, inputs))()
         self._outputs = (_Output * max(1, outputs))()
         self._input_handles = (ctypes.c_void_p * max(1, inputs))()
-        self._output_handles = (ctypes.c_void_p * max(1, outputs))()
-        self._input_count = inputs
+        # One set of output slots for every call (a lane makes one call at a time):
+        # each call's caller takes the handles out of them, or they are freed.
+        self._owned = OwnedHandles(shim, count=outputs)
+        self._input_count, self._output_count = inputs, outputs
         self._frame = _Frame(
             run=container.run_address, container=container.handle_address, stream=stream or None,
             inputs=ctypes.addressof(self._inputs), outputs=ctypes.addressof(self._outputs),
-            input_handles=ctypes.addressof(self._input_handles), output_handles=ctypes.addressof(self._output_handles),
+            input_handles=ctypes.addressof(self._input_handles), output_handles=ctypes.addressof(self._owned.slots),
             input_count=inputs, output_count=outputs, device_type=device_type, device_index=device_index,
         )
         self._address = ctypes.addressof(self._frame)
@@ -186,14 +188,14 @@ class HelperInvoker(Invoker):
             raise ModelRuntimeError("weights must be loaded before Run")
         if len(inputs) != self._input_count:  # a short list would leave the last call's addresses in the frame
             raise ModelRuntimeError(f"internal error: {len(inputs)} inputs for {self._input_count}")
-        layouts = self._layouts
+        items, layouts = self._input_items, self._layouts
         for index, (address, shape, strides) in enumerate(inputs):
-            self._input_items[index].data = address
+            items[index].data = address
             if layouts[index] != (shape, strides):
                 self._set_layout(index, shape, strides)
         # Run writes the output handles straight into `owned`: ours from the moment they exist.
-        owned = OwnedHandles(self._shim, count=len(self._output_items))
-        self._frame.output_handles = ctypes.addressof(owned.slots)
+        owned = self._owned
+        owned.reclaim()
         if self._capture:
             status, printed = self.container.guarded(lambda: self._call(self._address))
         else:
@@ -201,18 +203,19 @@ class HelperInvoker(Invoker):
         if status != 0:
             self._raise(status, printed, owned)
         try:
-            names = self._dtype_names
-            views = []
-            for item in self._output_items:
-                rank, code = item.ndim, item.dtype
-                views.append(TensorView(
-                    item.data or 0, names.get(code) or f"code {code}", tuple(item.sizes[:rank]), tuple(item.strides[:rank]),
-                    item.numel, item.span, item.contiguous != 0,
-                ))
+            return owned, [self._view(item) for item in self._output_items]
         except BaseException:
             owned.release()
             raise
-        return owned, views
+
+    def _view(self, item: _Output) -> TensorView:
+        """One output as the helper described it (it worked out every figure in C).
+        A row-major output's strides are the canonical ones (size-1 dims aside,
+        whose strides address nothing), so they are not read back."""
+        rank, code, contiguous = item.ndim, item.dtype, item.contiguous != 0
+        shape = tuple(item.sizes[:rank])
+        strides = contiguous_strides(shape) if contiguous else tuple(item.strides[:rank])
+        return TensorView(item.data or 0, self._dtype_names.get(code) or f"code {code}", shape, strides, item.numel, item.span, contiguous)
 
     def _set_layout(self, index: int, shape: tuple[int, ...], strides: tuple[int, ...]) -> None:
         sizes = (ctypes.c_int64 * max(1, len(shape)))(*shape)

@@ -193,6 +193,7 @@ class Method:
         self.load_timings = timings
         self._wiring = spec.wiring
         self._names = [input_spec.name for input_spec in spec.inputs]
+        self._output_names = [output_spec.name for output_spec in spec.outputs]
         self._written_inputs = written_inputs(spec)
         self._bfloat16_inputs = [position for position, tensor in enumerate(spec.inputs) if tensor.dtype == "bfloat16"]
         self._copies_inputs = self._written_inputs is None or bool(self._written_inputs)
@@ -552,7 +553,7 @@ class Method:
     def _ordered(self, inputs: Inputs) -> list[Any]:
         """The inputs in the signature's order; names and count checked."""
         names = self._names
-        if isinstance(inputs, Mapping):
+        if type(inputs) is dict or isinstance(inputs, Mapping):  # the exact type first: an ABC check costs more
             if len(inputs) == len(names):
                 try:
                     return [inputs[name] for name in names]
@@ -586,7 +587,7 @@ class Method:
         method returns an input, a copy of that input)."""
         wiring = self._wiring
         if wiring is None:
-            return {output_spec.name: output for output_spec, output in zip(self.spec.outputs, outputs)}
+            return dict(zip(self._output_names, outputs))
         return {output_spec.name: _output_from(source, output_spec, outputs, given, copy) for output_spec, source in zip(self.spec.outputs, wiring.outputs)}
 
     def close(self) -> None:

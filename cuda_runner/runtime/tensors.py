@@ -143,11 +143,18 @@ class OwnedHandles:
     goes by handle value, not by output position.
     """
 
+    # One is made per call: slots, and no more work than the ownership needs.
+    __slots__ = ("_capacity", "_count", "_delete", "slots")
+
     def __init__(self, shim: Shim, handles: list[int] | None = None, *, count: int = 0):
-        self._shim = shim
-        values = handles if handles is not None else []
-        self._count = len(values) if handles is not None else count
-        self.slots = _slots_type(max(1, self._count))(*values)
+        self._count = 0  # until the slots exist
+        self._delete = shim.delete_tensor_object
+        if handles is None:
+            self.slots = _slots_type(max(1, count))()
+        else:
+            count = len(handles)
+            self.slots = _slots_type(max(1, count))(*handles)
+        self._count = self._capacity = count
 
     @property
     def handles(self) -> list[int]:
@@ -157,17 +164,32 @@ class OwnedHandles:
         """Hand the handles, in output order (0 where there is none), to a new
         owner; this object frees nothing after. Aliased outputs repeat a handle."""
         handles = self.handles
-        ctypes.memset(self.slots, 0, ctypes.sizeof(self.slots))
+        self._count = 0  # the slots keep the values, but none is this object's any more
         return handles
 
     def release(self) -> None:
-        for index in range(self._count):
-            handle = self.slots[index]
+        slots, count = self.slots, self._count
+        for index in range(count):
+            handle = slots[index]
             if handle:
-                for other in range(index, self._count):  # an aliased output: once
-                    if self.slots[other] == handle:
-                        self.slots[other] = None
-                self._shim.delete_tensor_object(handle)
+                for other in range(index, count):  # an aliased output: once
+                    if slots[other] == handle:
+                        slots[other] = None
+                self._delete(handle)
+        self._count = 0
+
+    def reclaim(self) -> ctypes.Array:
+        """Own the slots again, empty, for the next Run to fill: what a caller
+        interrupted before taking its handles left in them is freed first.
+        (An invoker keeps one of these for all its calls, one call at a time.)"""
+        if self._count:
+            self.release()
+        slots = self.slots
+        for index in range(len(slots)):
+            slots[index] = None
+        self._count = self._capacity
+        return slots
 
     def __del__(self) -> None:
-        self.release()
+        if self._count:
+            self.release()
