@@ -20,5 +20,12 @@ setup(
             depends=["cuda_runner/native/aoti_shim.map"],
             libraries=["dl"],
         ),
+        # run_device's per-call glue in C; optional: the runtime does the same in Python without it.
+        Extension(
+            "cuda_runner._device_call",
+            sources=["cuda_runner/native/device_call.c"],
+            extra_compile_args=["-O2", "-fvisibility=hidden"],
+            optional=True,
+        ),
     ],
 )

@@ -220,6 +220,7 @@ class CudaExecutor(Executor):
         self._cupy_cuda: Any = None
         self._cupy_ndarray: Any = None
         self._cupy_dtypes: dict[str, tuple[np.dtype, int]] = {}
+        self._device_call: Any = None
 
     @property
     def cupy(self) -> Any:
@@ -227,8 +228,23 @@ class CudaExecutor(Executor):
             cupy = _cupy()
             # Looked up once: run_device makes a CuPy array per output per call.
             self._cupy_cuda, self._cupy_ndarray = cupy.cuda, cupy.ndarray
+            self._device_call = self._make_device_call(cupy)
             self._cupy_module = cupy
         return self._cupy_module
+
+    def _make_device_call(self, cupy: Any) -> Any:
+        """run_device's calls made in C, where the invoker has them (see invoke.py)."""
+        dtypes = {}
+        for code, name in self.shim.dtype_names.items():
+            try:
+                dtype = _cupy_dtype(name)
+            except (InputError, TypeError):
+                continue  # no CuPy array of it: an output of it is refused
+            dtypes[code] = (dtype, dtype.itemsize)
+        native = self._invoker.device_call(cupy.ndarray, cupy.cuda.UnownedMemory, cupy.cuda.MemoryPointer, dtypes)
+        if native is not None:
+            self.stream.hold()  # outputs it made free their memory on this stream: let go once none is left (close)
+        return native
 
     def use_device(self) -> None:
         if self.runtime.getDevice() != self.device_index:
@@ -355,6 +371,14 @@ class CudaExecutor(Executor):
         last array that views a handle frees it. Work is ordered on this lane's
         stream; inputs must be ready on it (synchronize the producer's stream)."""
         self.use_device()
+        native = self._device_call
+        if native is not None and self.container.ready:
+            made = native.run(arrays)
+            if type(made) is list:
+                return made
+            if made is not None:
+                self._invoker.raise_failure(made, native.failed_index, native.run_status)
+            # None: an input it does not take as it is (not row-major, say); the same call in Python
         inputs, layouts = [], []
         for array in arrays:
             if not array.flags.c_contiguous:
@@ -384,6 +408,8 @@ class CudaExecutor(Executor):
             self.stream.synchronize()
         self.pinned.clear()
         self.device_buffers.clear()
+        if self._device_call is not None:
+            self._device_call.close(self.stream.let_go)
         self.stream.destroy()
 
 

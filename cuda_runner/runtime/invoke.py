@@ -19,6 +19,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 from collections.abc import Callable, Sequence
+from typing import Any, NoReturn
 
 from ..errors import BundleError, ModelRuntimeError
 from ..format.manifest import MethodSpec
@@ -117,6 +118,14 @@ class Invoker:
 
     def __call__(self, inputs: Sequence[InputLayout]) -> tuple[OwnedHandles, list[TensorView]]:
         raise NotImplementedError
+
+    def device_call(self, array_type: type, memory_type: Any, pointer_type: Any, dtypes: dict[int, tuple[Any, int]]) -> Any | None:
+        """The same calls made in C for device arrays (cuda_runner/native/device_call.c), or None."""
+        return None
+
+    def raise_failure(self, status: int, failed_index: int, run_status: int, printed: str = "") -> NoReturn:
+        """Raise for a call that failed with `status` (the call helper's codes)."""
+        raise ModelRuntimeError(f"the call failed with status {status}")
 
 
 def make_invoker(
@@ -225,13 +234,42 @@ class HelperInvoker(Invoker):
         self._dims[index] = (sizes, steps)
         self._layouts[index] = (shape, strides)
 
-    def _raise(self, status: int, printed: str, owned: OwnedHandles) -> None:
-        frame = self._frame
-        if status == _WRAP_FAILED:
-            self._shim.check(status, f"create an input tensor handle (input {frame.failed_index})")
-        if status == _RUN_FAILED:
-            self.container.check_run(frame.run_status, printed)
+    def device_call(self, array_type: type, memory_type: Any, pointer_type: Any, dtypes: dict[int, tuple[Any, int]]) -> Any | None:
+        """This invoker's calls made in C, for arrays of `array_type` on the
+        device (cuda_runner/native/device_call.c, with its own frame): None
+        where that module is not built, or where what a failing library
+        prints must be caught around the call (which only Python does)."""
+        if self._capture:
+            return None
+        try:
+            from .. import _device_call
+        except ImportError:
+            return None
+        if _device_call.layout() != (ctypes.sizeof(_Frame), ctypes.sizeof(_Input), ctypes.sizeof(_Output)):
+            return None  # built from another version of the structures: the Python path is right
+        frame, delete = self._frame, self._shim.delete_tensor_object
+        return _device_call.DeviceCall(
+            helper=_address_of(self._call), run=frame.run, container=frame.container, stream=frame.stream,
+            device_type=frame.device_type, device_index=frame.device_index, input_dtypes=[item.dtype for item in self._input_items],
+            output_count=self._output_count, delete=_address_of(delete), array_type=array_type,
+            memory_type=memory_type, pointer_type=pointer_type, dtypes=dtypes, keep=delete, error=ModelRuntimeError,
+        )
+
+    def _raise(self, status: int, printed: str, owned: OwnedHandles) -> NoReturn:
         if status == _DESCRIBE_FAILED:
             owned.release()
-            raise ModelRuntimeError(self._shim.failure(f"read an output tensor's metadata (output {frame.failed_index})"))
+        self.raise_failure(status, self._frame.failed_index, self._frame.run_status, printed)
+
+    def raise_failure(self, status: int, failed_index: int, run_status: int, printed: str = "") -> NoReturn:
+        if status == _WRAP_FAILED:
+            self._shim.check(status, f"create an input tensor handle (input {failed_index})")
+        if status == _RUN_FAILED:
+            self.container.check_run(run_status, printed)
+        if status == _DESCRIBE_FAILED:
+            raise ModelRuntimeError(self._shim.failure(f"read an output tensor's metadata (output {failed_index})"))
         raise ModelRuntimeError(f"the call helper returned an unknown status {status}")
+
+
+def _address_of(function: Any) -> int:
+    """The address of a ctypes foreign function."""
+    return int(ctypes.cast(function, ctypes.c_void_p).value or 0)

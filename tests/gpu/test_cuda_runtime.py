@@ -239,3 +239,35 @@ def test_the_call_helper_and_ctypes_agree_on_the_gpu(cuda_embedder):
             np.testing.assert_array_equal(host_fast[name], host_plain[name])
             np.testing.assert_array_equal(cupy.asnumpy(device_fast[name]), cupy.asnumpy(device_plain[name]))
             assert device_fast[name].strides == device_plain[name].strides
+
+
+def test_run_device_in_c_and_in_python_agree(cuda_dict_mlp):
+    """The lane's C device call (native/device_call.c) where it is built, and
+    the Python path it leaves a non-row-major input to, give the same outputs;
+    outputs outlive the method and free their memory after it closed."""
+    import cupy
+
+    from cuda_runner.runtime.cuda import CudaExecutor
+
+    x = np.random.default_rng(5).standard_normal((16, 6), dtype=np.float32)
+    bias = np.random.default_rng(6).standard_normal(8, dtype=np.float32)
+    model = cuda_runner.load(cuda_dict_mlp.path)
+    lane = model.method()._lanes.first
+    assert isinstance(lane, CudaExecutor)
+    row_major = model.run_device({"x": cupy.asarray(x.T.copy()), "bias": cupy.asarray(bias)})
+    try:
+        from cuda_runner import _device_call  # noqa: F401
+    except ImportError:
+        pytest.skip("the C device call is not built here")
+    assert lane._device_call is not None and lane._device_call.live_keepers > 0
+    transposed = cupy.asarray(x).T  # not row-major: the Python path copies it
+    strided = model.run_device({"x": transposed, "bias": cupy.asarray(bias)})
+    model.method().stream.synchronize()
+    for name in row_major:
+        np.testing.assert_array_equal(cupy.asnumpy(row_major[name]), cupy.asnumpy(strided[name]))
+    expected = model.run({"x": x.T.copy(), "bias": bias})
+    model.close()
+    for name, value in expected.items():
+        np.testing.assert_allclose(cupy.asnumpy(row_major[name]), value, rtol=1e-6, atol=1e-6)
+    del row_major, strided
+    assert lane._device_call.live_keepers == 0 and lane.stream.ptr == 0  # the stream went with the last output
