@@ -504,7 +504,19 @@ def _layers_below(method: Any, device_inputs: dict, stream: Any) -> dict[str, An
         stream.synchronize()
         owned.release()
 
+    _ = executor.cupy  # makes the lane's C device call, as the first run_device would
+    native = getattr(executor, "_device_call", None)
+
+    def glue_in_python() -> None:
+        executor._device_call = None  # the same call with its per-call glue in Python (cuda_runner/native/device_call.c's fallback)
+        try:
+            method.run_device(device_inputs)
+        finally:
+            executor._device_call = native
+        stream.synchronize()
+
     return {
+        **({"Method.run_device, glue in Python (no C device call) + stream sync": glue_in_python} if native is not None else {}),
         "executor.run_device + stream sync": lambda: (executor.run_device(ordered), stream.synchronize()),
         "invoker only (no CuPy outputs) + stream sync": invoke_only,
     }
