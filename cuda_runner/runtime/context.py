@@ -14,6 +14,7 @@ Nothing here imports NumPy, so the CLI can call it before NumPy is loaded.
 from __future__ import annotations
 
 import ctypes
+import os
 import threading
 
 _threads: dict[int, threading.Thread] = {}
@@ -55,9 +56,30 @@ def wait_for_context(device_index: int) -> None:
         thread.join()
 
 
+def _load_without_the_gil(name: str) -> ctypes.CDLL:
+    """ctypes.CDLL(name), with the load itself made while the GIL is free.
+
+    ctypes keeps the GIL while it loads a library, and loading the driver
+    takes about 40 ms on the H200 machine: the imports this thread is meant to
+    overlap would wait for all of it. libc's dlopen called through ctypes is a
+    foreign call, which releases the GIL; ctypes.CDLL then finds the library
+    loaded and only takes another reference to it."""
+    try:
+        dlopen = ctypes.CDLL(None).dlopen
+    except AttributeError:  # a libc without dlopen (it lives in libdl before glibc 2.34): load it the usual way
+        return ctypes.CDLL(name)
+    dlopen.restype, dlopen.argtypes = ctypes.c_void_p, [ctypes.c_char_p, ctypes.c_int]
+    mode = os.RTLD_NOW | os.RTLD_LOCAL
+    # Its reference is never dropped: the driver stays loaded for the life of the
+    # process, as the context retained below does. A failure is left to the load
+    # below, which raises with the loader's reason.
+    dlopen(name.encode(), mode)
+    return ctypes.CDLL(name, mode=mode)
+
+
 def _retain_primary_context(device_index: int) -> None:
     try:
-        driver = ctypes.CDLL("libcuda.so.1")
+        driver = _load_without_the_gil("libcuda.so.1")
         device, context = ctypes.c_int(), ctypes.c_void_p()
         if driver.cuInit(0) != 0 or driver.cuDeviceGet(ctypes.byref(device), device_index) != 0:
             return

@@ -97,3 +97,33 @@ def test_the_hint_imports_nothing_heavy(tmp_path):
     done = subprocess.run([sys.executable, "-c", probe, str(_bundle(tmp_path, "cuda"))], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip() == "[]"
+
+
+def test_the_driver_is_loaded_without_holding_the_gil():
+    """The context thread loads libcuda through libc's dlopen, a foreign call
+    that frees the GIL, so the imports it overlaps keep running. The driver is
+    not on this machine: a large library stands in, loaded in fresh processes,
+    once by a thread while the main thread counts the pauses it sees, and once
+    with ctypes.CDLL, which keeps the GIL for the whole load."""
+    import subprocess
+    import sys
+
+    torch = pytest.importorskip("torch")
+    library = os.path.join(os.path.dirname(torch.__file__), "lib", "libtorch_cpu.so")
+    if not os.path.exists(library):
+        pytest.skip("no large library to load here")
+    probe = (
+        "import sys, threading, time\n"
+        "from cuda_runner.runtime import context\n"
+        "thread = threading.Thread(target=context._load_without_the_gil, args=(sys.argv[1],))\n"
+        "gaps, last = [0.0], time.perf_counter()\n"
+        "thread.start()\n"
+        "while thread.is_alive():\n"
+        "    now = time.perf_counter(); gaps.append(now - last); last = now\n"
+        "print(max(gaps))\n"
+    )
+    held = "import ctypes, sys, time; t = time.perf_counter(); ctypes.CDLL(sys.argv[1]); print(time.perf_counter() - t)"
+    longest_pause = float(subprocess.run([sys.executable, "-c", probe, library], capture_output=True, text=True, check=True).stdout)
+    load_time = float(subprocess.run([sys.executable, "-c", held, library], capture_output=True, text=True, check=True).stdout)
+    # With the GIL kept, the main thread would wait for the whole load.
+    assert longest_pause < load_time / 4, (longest_pause, load_time)
