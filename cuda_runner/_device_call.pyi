@@ -5,9 +5,12 @@ from typing import Any
 def layout() -> tuple[int, int, int]: ...
 
 class DeviceCall:
-    failed_index: int
-    run_status: int
-    live_keepers: int
+    @property
+    def failed_index(self) -> int: ...
+    @property
+    def run_status(self) -> int: ...
+    @property
+    def live_keepers(self) -> int: ...
     def __init__(
         self, *, helper: int, run: int, container: int, stream: int | None, device_type: int, device_index: int, input_dtypes: list[int],
         output_count: int, delete: int, array_type: type, memory_type: Any, pointer_type: Any, dtypes: dict[int, tuple[Any, int]],

@@ -19,9 +19,14 @@
  *
  * Ownership: a Run's output handles are owned by `Keeper` objects from the
  * moment the helper returns, with no Python code in between; a keeper deletes
- * its handle when the last array over it goes. Keepers keep their DeviceCall
+ * its handle when the last array over it goes. An output whose bytes meet an
+ * input's also keeps the run's inputs alive. Keepers keep their DeviceCall
  * (so the shim's delete function) alive, and count themselves on it, so that
  * the lane's stream outlives every output allocated on it (`close`).
+ *
+ * One call at a time: a lane serves one call, and the frame is this object's;
+ * a second call meanwhile (from a getter it runs, or another thread while the
+ * helper runs without the GIL) is refused.
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -81,6 +86,7 @@ typedef struct {
     delete_function delete_handle;
     call_frame frame;
     int64_t **input_dims;   /* per input: sizes then strides, owned here */
+    int64_t *input_bytes;   /* per input: its length in bytes, or -1 when not known */
     PyObject **input_shapes; /* per input: the shape those dims were made from, or NULL */
     PyTypeObject *array_type;
     PyObject *memory_type;
@@ -93,13 +99,14 @@ typedef struct {
     PyObject *on_last;       /* called once closed and no keeper is left */
     Py_ssize_t live_keepers;
     int closed;
+    int busy;  /* in run(): a getter it calls, or another thread while the helper runs, may come back */
 } DeviceCall;
 
 typedef struct {
     PyObject_HEAD
     TensorHandle handle;
     DeviceCall *owner;
-    PyObject *inputs;  /* an output can view an input: they live as long as it */
+    PyObject *inputs;  /* the run's inputs, where this output views one of them; else NULL */
 } Keeper;
 
 static PyObject *interned_flags, *interned_c_contiguous, *interned_data, *interned_ptr, *interned_shape;
@@ -121,14 +128,31 @@ static void call_on_last(DeviceCall *owner) {
     PyErr_Restore(type, value, traceback);
 }
 
+/* Once closed, the last keeper gone and no call in progress: the callback runs. */
+static void maybe_last(DeviceCall *owner) {
+    if (owner->closed && owner->live_keepers == 0 && !owner->busy) call_on_last(owner);
+}
+
+/* A keeper can sit in a cycle (an input's owner that also holds the outputs): it takes part in garbage collection. */
+static int keeper_traverse(Keeper *keeper, visitproc visit, void *arg) {
+    Py_VISIT(keeper->inputs);
+    return 0;
+}
+
+static int keeper_clear(Keeper *keeper) {
+    Py_CLEAR(keeper->inputs);  /* the handle and the owner go in dealloc */
+    return 0;
+}
+
 static void keeper_dealloc(Keeper *keeper) {
+    PyObject_GC_UnTrack(keeper);
     DeviceCall *owner = keeper->owner;
     if (keeper->handle != NULL) owner->delete_handle(keeper->handle);  /* never fails (the shim's contract) */
     Py_XDECREF(keeper->inputs);
     owner->live_keepers -= 1;
-    if (owner->closed && owner->live_keepers == 0) call_on_last(owner);
+    maybe_last(owner);
     Py_DECREF(owner);
-    Py_TYPE(keeper)->tp_free((PyObject *)keeper);
+    PyObject_GC_Del(keeper);
 }
 
 static PyTypeObject KeeperType = {
@@ -136,19 +160,22 @@ static PyTypeObject KeeperType = {
     .tp_name = "cuda_runner._device_call.Keeper",
     .tp_doc = PyDoc_STR("Owns one output handle; deletes it when collected."),
     .tp_basicsize = sizeof(Keeper),
-    .tp_flags = Py_TPFLAGS_DEFAULT,
+    .tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_GC,
     .tp_dealloc = (destructor)keeper_dealloc,
+    .tp_traverse = (traverseproc)keeper_traverse,
+    .tp_clear = (inquiry)keeper_clear,
 };
 
 static Keeper *new_keeper(DeviceCall *owner, TensorHandle handle, PyObject *inputs) {
-    Keeper *keeper = PyObject_New(Keeper, &KeeperType);
+    Keeper *keeper = PyObject_GC_New(Keeper, &KeeperType);
     if (keeper == NULL) return NULL;
     Py_INCREF(owner);
-    Py_INCREF(inputs);
+    Py_XINCREF(inputs);
     keeper->owner = owner;
     keeper->inputs = inputs;
     keeper->handle = handle;
     owner->live_keepers += 1;
+    PyObject_GC_Track(keeper);
     return keeper;
 }
 
@@ -161,8 +188,10 @@ static void free_dims(DeviceCall *self) {
     }
     free(self->input_dims);
     free(self->input_shapes);
+    free(self->input_bytes);
     self->input_dims = NULL;
     self->input_shapes = NULL;
+    self->input_bytes = NULL;
 }
 
 static void device_call_dealloc(DeviceCall *self) {
@@ -188,32 +217,47 @@ static void *address_of(PyObject *value, const char *what) {
     return address;
 }
 
+/* One entry of the dtypes table: code -> (dtype, itemsize). */
+static int read_dtype(DeviceCall *self, PyObject *key, PyObject *value) {
+    long code = PyLong_AsLong(key);
+    PyObject *dtype;
+    Py_ssize_t itemsize;
+    if (code == -1 && PyErr_Occurred()) return -1;
+    if (code < 0 || code >= kDtypeCodes) {
+        PyErr_Format(PyExc_ValueError, "dtype code %ld is out of range", code);
+        return -1;
+    }
+    if (!PyTuple_Check(value) || !PyArg_ParseTuple(value, "On", &dtype, &itemsize)) {
+        if (!PyErr_Occurred() || PyErr_ExceptionMatches(PyExc_SystemError)) {
+            PyErr_Clear();
+            PyErr_Format(PyExc_TypeError, "dtype code %ld: not a (dtype, itemsize) pair", code);
+        }
+        return -1;
+    }
+    if (itemsize <= 0 || itemsize > 64) {  /* the widest dtype is 16 bytes: a bound keeps every byte count in range */
+        PyErr_Format(PyExc_ValueError, "dtype code %ld has item size %zd", code, itemsize);
+        return -1;
+    }
+    Py_INCREF(dtype);
+    Py_XSETREF(self->dtypes[code], dtype);
+    self->itemsizes[code] = itemsize;
+    return 0;
+}
+
 static int read_dtypes(DeviceCall *self, PyObject *dtypes) {
-    PyObject *key, *value;
-    Py_ssize_t position = 0;
     if (!PyDict_Check(dtypes)) {
         PyErr_SetString(PyExc_TypeError, "dtypes must be a dict of code: (dtype, itemsize)");
         return -1;
     }
-    while (PyDict_Next(dtypes, &position, &key, &value)) {
-        long code = PyLong_AsLong(key);
-        PyObject *dtype;
-        Py_ssize_t itemsize;
-        if (code == -1 && PyErr_Occurred()) return -1;
-        if (code < 0 || code >= kDtypeCodes) {
-            PyErr_Format(PyExc_ValueError, "dtype code %ld is out of range", code);
-            return -1;
-        }
-        if (!PyArg_ParseTuple(value, "On", &dtype, &itemsize)) return -1;
-        if (itemsize <= 0) {
-            PyErr_Format(PyExc_ValueError, "dtype code %ld has item size %zd", code, itemsize);
-            return -1;
-        }
-        Py_INCREF(dtype);
-        Py_XSETREF(self->dtypes[code], dtype);
-        self->itemsizes[code] = itemsize;
+    PyObject *items = PyDict_Items(dtypes);  /* a snapshot: reading a code can run Python code, which could change the dict */
+    if (items == NULL) return -1;
+    int status = 0;
+    for (Py_ssize_t i = 0; status == 0 && i < PyList_GET_SIZE(items); ++i) {
+        PyObject *pair = PyList_GET_ITEM(items, i);
+        status = read_dtype(self, PyTuple_GET_ITEM(pair, 0), PyTuple_GET_ITEM(pair, 1));
     }
-    return 0;
+    Py_DECREF(items);
+    return status;
 }
 
 static PyObject *device_call_new(PyTypeObject *type, PyObject *args, PyObject *kwargs) {
@@ -230,9 +274,9 @@ static PyObject *device_call_new(PyTypeObject *type, PyObject *args, PyObject *k
         PyErr_SetString(PyExc_TypeError, "array_type must be a type and error an exception type");
         return NULL;
     }
-    PyObject *dtype_codes = PySequence_Fast(input_dtypes, "input_dtypes must be a sequence of dtype codes");
+    PyObject *dtype_codes = PySequence_Tuple(input_dtypes);  /* a copy: reading a code can run Python code */
     if (dtype_codes == NULL) return NULL;
-    Py_ssize_t input_count = PySequence_Fast_GET_SIZE(dtype_codes);
+    Py_ssize_t input_count = PyTuple_GET_SIZE(dtype_codes);
     if (output_count < 0) {
         Py_DECREF(dtype_codes);
         PyErr_SetString(PyExc_ValueError, "a negative output count");
@@ -255,7 +299,9 @@ static PyObject *device_call_new(PyTypeObject *type, PyObject *args, PyObject *k
     frame->output_handles = calloc((size_t)output_count + 1, sizeof(TensorHandle));
     self->input_dims = calloc((size_t)input_count + 1, sizeof(int64_t *));
     self->input_shapes = calloc((size_t)input_count + 1, sizeof(PyObject *));
-    if (!frame->inputs || !frame->outputs || !frame->input_handles || !frame->output_handles || !self->input_dims || !self->input_shapes) {
+    self->input_bytes = calloc((size_t)input_count + 1, sizeof(int64_t));
+    if (!frame->inputs || !frame->outputs || !frame->input_handles || !frame->output_handles || !self->input_dims || !self->input_shapes ||
+        !self->input_bytes) {
         PyErr_NoMemory();
         goto failed;
     }
@@ -270,8 +316,12 @@ static PyObject *device_call_new(PyTypeObject *type, PyObject *args, PyObject *k
     self->delete_handle = (delete_function)address_of(delete, "the shim's delete function");
     if (self->delete_handle == NULL) goto failed;
     for (Py_ssize_t i = 0; i < input_count; ++i) {
-        long code = PyLong_AsLong(PySequence_Fast_GET_ITEM(dtype_codes, i));
+        long code = PyLong_AsLong(PyTuple_GET_ITEM(dtype_codes, i));
         if (code == -1 && PyErr_Occurred()) goto failed;
+        if (code < INT32_MIN || code > INT32_MAX) {
+            PyErr_Format(PyExc_ValueError, "dtype code %ld is out of range", code);
+            goto failed;
+        }
         frame->inputs[i].dtype = (int32_t)code;
     }
     Py_INCREF(array_type);
@@ -331,11 +381,22 @@ static int set_layout(DeviceCall *self, Py_ssize_t index, PyObject *shape) {
         }
         dims[d] = size;
         dims[rank + d] = running;
-        running *= size > 1 ? size : 1;
+        if (__builtin_mul_overflow(running, size > 1 ? (int64_t)size : 1, &running)) {
+            PyErr_SetString(PyExc_OverflowError, "an array's shape overflows 64-bit strides");
+            free(dims);
+            return -1;
+        }
     }
     free(self->input_dims[index]);
     self->input_dims[index] = dims;
     call_input *input = &self->frame.inputs[index];
+    int32_t code = input->dtype;
+    Py_ssize_t itemsize = code >= 0 && code < kDtypeCodes ? self->itemsizes[code] : 0;
+    int64_t numel = 1, bytes = -1;
+    int overflowed = 0;
+    for (Py_ssize_t d = 0; d < rank; ++d) overflowed |= __builtin_mul_overflow(numel, dims[d], &numel);
+    if (itemsize > 0 && !overflowed && !__builtin_mul_overflow(numel, (int64_t)itemsize, &bytes)) self->input_bytes[index] = bytes;
+    else self->input_bytes[index] = -1;
     input->sizes = dims;
     input->strides = dims + rank;
     input->ndim = rank;
@@ -344,10 +405,23 @@ static int set_layout(DeviceCall *self, Py_ssize_t index, PyObject *shape) {
     return 0;
 }
 
+/* Whether `shape` is exactly the sizes input `index` has now: a plain tuple of
+ * plain ints, read as numbers (an element's own __eq__ is not asked). */
+static int same_layout(DeviceCall *self, Py_ssize_t index, PyObject *shape) {
+    const call_input *input = &self->frame.inputs[index];
+    if (self->input_shapes[index] == NULL || !PyTuple_CheckExact(shape) || PyTuple_GET_SIZE(shape) != input->ndim) return 0;
+    for (Py_ssize_t d = 0; d < input->ndim; ++d) {
+        PyObject *item = PyTuple_GET_ITEM(shape, d);
+        int overflow = 0;
+        if (!PyLong_CheckExact(item) || PyLong_AsLongLongAndOverflow(item, &overflow) != input->sizes[d] || overflow) return 0;
+    }
+    return 1;
+}
+
 /* 1 when every input is in the frame, 0 when the Python path must take the call, -1 on error. */
 static int fill_inputs(DeviceCall *self, PyObject *arrays) {
     for (Py_ssize_t i = 0; i < self->frame.input_count; ++i) {
-        PyObject *array = PySequence_Fast_GET_ITEM(arrays, i);
+        PyObject *array = PyTuple_GET_ITEM(arrays, i);
         int accepted = accepts(self, array);
         if (accepted != 1) return accepted;
         PyObject *memory = PyObject_GetAttr(array, interned_data);
@@ -360,8 +434,7 @@ static int fill_inputs(DeviceCall *self, PyObject *arrays) {
         if (address == NULL && PyErr_Occurred()) return -1;
         PyObject *shape = PyObject_GetAttr(array, interned_shape);
         if (shape == NULL) return -1;
-        PyObject *known = self->input_shapes[i];
-        int same = known == NULL ? 0 : PyObject_RichCompareBool(known, shape, Py_EQ);
+        int same = same_layout(self, i, shape);
         if (same == 0) same = set_layout(self, i, shape) == 0 ? 1 : -1;
         Py_DECREF(shape);
         if (same < 0) return -1;
@@ -386,8 +459,10 @@ static PyObject *tuple_of(const int64_t *values, int64_t rank, int64_t scale) {
     PyObject *tuple = PyTuple_New((Py_ssize_t)rank);
     if (tuple == NULL) return NULL;
     for (int64_t d = 0; d < rank; ++d) {
-        PyObject *item = PyLong_FromLongLong(values[d] * scale);
+        long long value;
+        PyObject *item = __builtin_mul_overflow(values[d], scale, &value) ? NULL : PyLong_FromLongLong(value);
         if (item == NULL) {
+            if (!PyErr_Occurred()) PyErr_SetString(PyExc_OverflowError, "an output's strides overflow 64 bits");
             Py_DECREF(tuple);
             return NULL;
         }
@@ -404,8 +479,13 @@ static PyObject *output_array(DeviceCall *self, const call_output *output, PyObj
         return NULL;
     }
     Py_ssize_t itemsize = self->itemsizes[code];
+    long long length;
+    if (__builtin_mul_overflow(output->span, (long long)itemsize, &length)) {
+        PyErr_SetString(PyExc_OverflowError, "an output's length overflows 64 bits");
+        return NULL;
+    }
     PyObject *address = PyLong_FromVoidPtr(output->data);
-    PyObject *nbytes = PyLong_FromLongLong(output->span * (long long)itemsize);
+    PyObject *nbytes = PyLong_FromLongLong(length);
     PyObject *memory = NULL, *pointer = NULL, *shape = NULL, *strides = NULL, *array = NULL;
     if (address == NULL || nbytes == NULL) goto done;
     PyObject *memory_args[] = {address, nbytes, keeper, self->device_index};
@@ -439,6 +519,33 @@ done:
     return array;
 }
 
+/* Whether output `index` may view memory of an input: its byte range meets one
+ * of theirs (or a length is not known). Only such outputs keep the inputs alive:
+ * an output fed back in as the next call's input must not keep every earlier one. */
+static int views_an_input(const DeviceCall *self, Py_ssize_t index) {
+    const call_output *output = &self->frame.outputs[index];
+    int32_t code = output->dtype;
+    Py_ssize_t itemsize = code >= 0 && code < kDtypeCodes ? self->itemsizes[code] : 0;
+    long long length;
+    if (itemsize == 0 || __builtin_mul_overflow(output->span, (long long)itemsize, &length)) return 1;
+    if (length == 0) return 0;
+    uintptr_t start = (uintptr_t)output->data, end = start + (uintptr_t)length;
+    for (int64_t i = 0; i < self->frame.input_count; ++i) {
+        int64_t bytes = self->input_bytes[i];
+        if (bytes < 0) return 1;
+        uintptr_t input_start = (uintptr_t)self->frame.inputs[i].data;
+        if (bytes > 0 && start < input_start + (uintptr_t)bytes && input_start < end) return 1;
+    }
+    return 0;
+}
+
+/* Whether any output with the same handle as output `index` (aliases share a keeper) views an input. */
+static int handle_views_an_input(const DeviceCall *self, Py_ssize_t index) {
+    for (Py_ssize_t j = index; j < (Py_ssize_t)self->frame.output_count; ++j)
+        if (self->frame.output_handles[j] == self->frame.output_handles[index] && views_an_input(self, j)) return 1;
+    return 0;
+}
+
 /* The outputs as arrays, each handle owned by a keeper from the start. */
 static PyObject *adopt_outputs(DeviceCall *self, PyObject *inputs) {
     Py_ssize_t count = (Py_ssize_t)self->frame.output_count;
@@ -462,7 +569,7 @@ static PyObject *adopt_outputs(DeviceCall *self, PyObject *inputs) {
             }
         }
         if (keepers[kept] == NULL) {
-            keepers[kept] = new_keeper(self, handles[kept], inputs);
+            keepers[kept] = new_keeper(self, handles[kept], handle_views_an_input(self, kept) ? inputs : NULL);
             if (keepers[kept] == NULL) break;
         }
     }
@@ -495,16 +602,33 @@ PyDoc_STRVAR(run_doc,
              "(the caller takes the call); otherwise the helper's failure status, with failed_index and\n"
              "run_status set and every output handle already freed.");
 
+static PyObject *run_once(DeviceCall *self, PyObject *given);
+
 static PyObject *device_call_run(DeviceCall *self, PyObject *given) {
     if (self->closed) {
         PyErr_SetString(PyExc_RuntimeError, "the device call is closed");
         return NULL;
     }
-    PyObject *arrays = PySequence_Fast(given, "run() takes a sequence of arrays");
+    /* One call at a time: the frame is this object's. A getter that calls back,
+     * or a second thread while the GIL is released, is refused. */
+    if (self->busy) {
+        PyErr_SetString(PyExc_RuntimeError, "the device call is already running a call");
+        return NULL;
+    }
+    self->busy = 1;
+    PyObject *result = run_once(self, given);
+    self->busy = 0;
+    maybe_last(self);  /* closed during the call: the callback waited for it */
+    return result;
+}
+
+static PyObject *run_once(DeviceCall *self, PyObject *given) {
+    /* A tuple of its own: the attributes read below run Python code, which could change a list given. */
+    PyObject *arrays = PySequence_Tuple(given);
     if (arrays == NULL) return NULL;
     PyObject *result = NULL;
-    if (PySequence_Fast_GET_SIZE(arrays) != (Py_ssize_t)self->frame.input_count) {
-        PyErr_Format(PyExc_ValueError, "%zd inputs for %lld", PySequence_Fast_GET_SIZE(arrays), (long long)self->frame.input_count);
+    if (PyTuple_GET_SIZE(arrays) != (Py_ssize_t)self->frame.input_count) {
+        PyErr_Format(PyExc_ValueError, "%zd inputs for %lld", PyTuple_GET_SIZE(arrays), (long long)self->frame.input_count);
         goto done;
     }
     int filled = fill_inputs(self, arrays);
@@ -538,7 +662,7 @@ static PyObject *device_call_close(DeviceCall *self, PyObject *on_last) {
     self->closed = 1;
     Py_INCREF(on_last);
     Py_XSETREF(self->on_last, on_last);
-    if (self->live_keepers == 0) call_on_last(self);
+    maybe_last(self);  /* else when the last output goes, or the call in progress ends */
     Py_RETURN_NONE;
 }
 

@@ -222,3 +222,96 @@ def test_the_structures_are_the_helpers(compiled):
     from cuda_runner.runtime.invoke import _Frame, _Input, _Output
 
     assert device_call.layout() == (ctypes.sizeof(_Frame), ctypes.sizeof(_Input), ctypes.sizeof(_Output))
+
+
+def _referents(keeper: Any) -> list[Any]:
+    return gc.get_referents(keeper)
+
+
+def test_only_an_output_that_views_an_input_keeps_the_inputs(compiled, shim_counts):
+    """Aliased outputs share one keeper; the view of an input keeps the inputs
+    alive, the others do not (an output fed back in must not keep every earlier one)."""
+    import weakref
+
+    with cuda_runner.load(compiled("views", "cpu").path, provider="shim") as model:
+        method = model.method()
+        _, native = _native(method)
+        before = shim_counts()
+        host = np.arange(12, dtype=np.float32).reshape(4, 3)
+        given = FakeArray.of(host)
+        alive = weakref.ref(given)
+        doubled, again, view = native.run([given])
+        assert doubled.data.mem.owner is again.data.mem.owner
+        assert view.data.mem.owner is not doubled.data.mem.owner
+        assert not any(isinstance(item, tuple) for item in _referents(doubled.data.mem.owner))
+        assert (given,) in _referents(view.data.mem.owner)
+        np.testing.assert_array_equal(doubled.host(), host * 2)
+        np.testing.assert_array_equal(view.host(), host[1:])
+        del given, host
+        assert alive() is not None  # the view's keeper holds it
+        del doubled, again
+        np.testing.assert_array_equal(view.host(), np.arange(3, 12, dtype=np.float32).reshape(3, 3))
+        del view
+        assert alive() is None and shim_counts() == before
+
+
+def test_a_keeper_in_a_cycle_is_collected(compiled, shim_counts):
+    """An object that owns an input's memory and also holds the outputs: a cycle
+    through the keeper, which the garbage collector breaks."""
+    with cuda_runner.load(compiled("views", "cpu").path, provider="shim") as model:
+        method = model.method()
+        _, native = _native(method)
+        before = shim_counts()
+        for _ in range(20):
+            host = np.arange(12, dtype=np.float32).reshape(4, 3)
+            holder = SimpleNamespace(array=host, outputs=None)
+            given = FakeArray(host.shape, host.dtype, FakePointer(FakeMemory(host.ctypes.data, host.nbytes, holder, 0), 0))
+            holder.outputs = native.run([given])
+            del host, holder, given
+        gc.collect()
+        assert native.live_keepers == 0 and shim_counts() == before
+
+
+class _CallingBack(FakeArray):
+    """An array whose shape getter runs `on_shape` first, once."""
+
+    on_shape: Any = None
+
+    @property  # type: ignore[override]
+    def shape(self) -> tuple[int, ...]:
+        hook, self.on_shape = self.on_shape, None
+        if hook is not None:
+            hook()
+        return self._shape
+
+    @shape.setter
+    def shape(self, value: tuple[int, ...]) -> None:
+        self._shape = value
+
+
+def test_one_call_at_a_time(compiled):
+    """A getter that calls back into the same device call is refused; a close
+    made during a call waits for its end, and for its outputs, before letting
+    the stream go."""
+    with cuda_runner.load(compiled("dict_mlp", "cpu").path, provider="shim") as model:
+        method = model.method()
+        _, native = _native(method, array_type=_CallingBack)
+        host = _inputs("dict_mlp", 2)
+        given = [_CallingBack.of(host["x"]), _CallingBack.of(host["bias"])]
+        refused, released, seen = [], [], []
+
+        def call_back() -> None:
+            try:
+                native.run(given)
+            except RuntimeError as error:
+                refused.append(str(error))
+            native.close(lambda: released.append("let go"))
+            seen.append(list(released))
+
+        given[0].on_shape = call_back
+        outputs = native.run(given)
+        assert refused == ["the device call is already running a call"]
+        assert seen == [[]] and released == []  # not during the call, nor while its outputs live
+        assert isinstance(outputs, list)
+        del outputs
+        assert released == ["let go"]
