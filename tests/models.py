@@ -96,6 +96,21 @@ def writer():
 BUILDERS["writer"] = writer
 
 
+class Views(torch.nn.Module):
+    """Outputs that share memory: one tensor twice, and a view of an input."""
+
+    def forward(self, x: torch.Tensor):
+        doubled = x * 2
+        return doubled, doubled, x[1:]
+
+
+def views():
+    return Views().eval(), (torch.arange(12.0).reshape(4, 3),), None
+
+
+BUILDERS["views"] = views
+
+
 class PrefillDecode(torch.nn.Module):
     """`forward` and `decode` read one Linear (`shared`); only `forward` has a head:
     what a bundle with shared weights is compiled from."""

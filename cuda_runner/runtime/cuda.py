@@ -21,7 +21,7 @@ from typing import Any
 import numpy as np
 
 from ..arrays import numpy_dtype
-from ..errors import DeviceError, InputError
+from ..errors import DeviceError, InputError, ModelRuntimeError
 from . import pinned
 from .container import Container
 from .executor import Executor
@@ -335,13 +335,19 @@ class CudaExecutor(Executor):
 
     # -- device arrays in, device arrays out ------------------------------------
 
-    def _device_array(self, view: TensorView, owner: Any) -> Any:
-        """A CuPy array over an output's memory (bfloat16 as its uint16 bits)."""
-        known = self._cupy_dtypes.get(view.dtype)
+    def _device_dtype(self, name: str) -> tuple[np.dtype, int]:
+        """The CuPy dtype of an output, and its item size (bfloat16 as its uint16 bits)."""
+        known = self._cupy_dtypes.get(name)
         if known is None:
-            dtype = _cupy_dtype(view.dtype)
-            known = self._cupy_dtypes[view.dtype] = (dtype, dtype.itemsize)
-        dtype, itemsize = known
+            try:
+                dtype = _cupy_dtype(name)
+            except (InputError, TypeError):
+                raise ModelRuntimeError(f"an output has dtype {name}, which run_device cannot return as a device array") from None
+            known = self._cupy_dtypes[name] = (dtype, dtype.itemsize)
+        return known
+
+    def _device_array(self, view: TensorView, dtype: np.dtype, itemsize: int, owner: Any) -> Any:
+        """A CuPy array over an output's memory."""
         cuda = self._cupy_cuda
         if cuda is None:
             cuda = self.cupy.cuda
@@ -386,13 +392,20 @@ class CudaExecutor(Executor):
             inputs.append(array)
             layouts.append((array.data.ptr, array.shape, contiguous_strides(array.shape)))
         owned, views = self._invoker(layouts)
-        outputs: list[Any] = []
-        keepers: dict[int, _HandleKeeper] = {}
-        for handle, view in zip(owned.transfer(), views):
-            keeper = keepers.get(handle)
-            if keeper is None:  # one keeper per distinct handle: aliased outputs share theirs
-                keeper = keepers[handle] = _HandleKeeper(self.shim, handle, inputs, self.stream)
-            outputs.append(self._device_array(view, keeper))
+        handles = owned.transfer()
+        # Every handle has its keeper before any array is made, so an output that
+        # cannot be made (a dtype CuPy lacks) leaves nothing unowned. One keeper
+        # per distinct handle: aliased outputs share theirs.
+        keepers = {handle: _HandleKeeper(self.shim, handle, self.stream) for handle in dict.fromkeys(handles) if handle}
+        spans = [(array.data.ptr, array.nbytes) for array in inputs]
+        outputs = []
+        for index, (handle, view) in enumerate(zip(handles, views)):
+            if not handle:
+                raise ModelRuntimeError(f"the model returned no tensor for output {index}")
+            dtype, itemsize = self._device_dtype(view.dtype)
+            if _views_any(view.address, view.span * itemsize, spans):
+                keepers[handle].keep(inputs)
+            outputs.append(self._device_array(view, dtype, itemsize, keepers[handle]))
         return outputs
 
     def _contiguous(self, array: Any) -> Any:
@@ -449,23 +462,33 @@ class _HandleKeeper:
     """Owner of one output handle behind CuPy arrays; deletes it when the last
     array viewing it is collected (CuPy's UnownedMemory holds this owner).
 
-    It also keeps the run's inputs alive, since an output can view an input.
+    An output that views an input's memory also keeps the run's inputs alive
+    (`keep`); the others do not, so that an output fed back in as the next
+    call's input does not keep every earlier one.
     """
 
     __slots__ = ("_delete", "_handle", "_inputs", "_stream")
 
-    def __init__(self, shim: Shim, handle: int, inputs: list[Any], stream: Stream):
+    def __init__(self, shim: Shim, handle: int, stream: Stream):
         self._delete = shim.delete_tensor_object
         self._handle = handle
-        self._inputs = inputs
+        self._inputs: list[Any] | None = None
         self._stream = stream
         stream.hold()  # its memory is freed on this stream: it must still exist then
+
+    def keep(self, inputs: list[Any]) -> None:
+        self._inputs = inputs
 
     def __del__(self) -> None:
         try:
             self._delete(self._handle)
         finally:
             self._stream.let_go()
+
+
+def _views_any(address: int, nbytes: int, spans: list[tuple[int, int]]) -> bool:
+    """Whether the bytes [address, address + nbytes) meet any of `spans` (address, length)."""
+    return nbytes > 0 and any(length > 0 and address < start + length and start < address + nbytes for start, length in spans)
 
 
 def _is_pooled(array: np.ndarray) -> bool:

@@ -271,3 +271,28 @@ def test_run_device_in_c_and_in_python_agree(cuda_dict_mlp):
         np.testing.assert_allclose(cupy.asnumpy(row_major[name]), value, rtol=1e-6, atol=1e-6)
     del row_major, strided
     assert lane._device_call.live_keepers == 0 and lane.stream.ptr == 0  # the stream went with the last output
+
+
+@pytest.mark.parametrize("glue", ["c", "python"])
+def test_an_output_that_views_an_input_keeps_it_alive(compiled, glue):
+    """`x[1:]` returned by the model is a view of the caller's array: dropping
+    the caller's last reference must not free it under the output, on either path."""
+    import cupy
+
+    with cuda_runner.load(compiled("views", "cuda").path) as model:
+        lane = model.method()._lanes.first
+        model.run_device({"x": cupy.zeros((4, 3), cupy.float32)})  # the lane's first call makes its C device call
+        if glue == "python" and lane._device_call is not None:
+            native, lane._device_call = lane._device_call, None
+            native.close(lane.stream.let_go)  # as the lane's close would
+        elif glue == "c" and lane._device_call is None:
+            pytest.skip("the C device call is not built here")
+        x = cupy.arange(12, dtype=cupy.float32).reshape(4, 3)
+        doubled, again, view = model.run_device({"x": x}).values()
+        del x
+        reused = [cupy.full((4, 3), 7.0, cupy.float32) for _ in range(20)]  # the pool hands freed blocks out again
+        model.method().stream.synchronize()
+        np.testing.assert_array_equal(cupy.asnumpy(view), np.arange(3, 12, dtype=np.float32).reshape(3, 3))
+        np.testing.assert_array_equal(cupy.asnumpy(doubled), np.arange(12, dtype=np.float32).reshape(4, 3) * 2)
+        assert doubled.data.mem.owner is again.data.mem.owner
+        del reused
