@@ -24,6 +24,7 @@ setup(
         Extension(
             "cuda_runner._device_call",
             sources=["cuda_runner/native/device_call.c"],
+            depends=["cuda_runner/native/call_frame.h"],
             extra_compile_args=["-O2", "-fvisibility=hidden"],
             optional=True,
         ),

@@ -15,15 +15,13 @@
 #include <stddef.h>
 #include <stdint.h>
 
+#include "call_frame.h"
+
 #ifndef CALL_HELPER_ABI  /* tests build other versions to check that a reader falls back */
 #define CALL_HELPER_ABI 1
 #endif
 
 #define EXPORT __attribute__((visibility("default")))
-
-typedef void *TensorHandle;
-typedef int32_t (*run_function)(void *container, TensorHandle *inputs, size_t input_count, TensorHandle *outputs,
-                                size_t output_count, void *stream, void *proxy_executor);
 
 /* libtorch's C shim (torch/csrc/inductor/aoti_torch/c/shim.h): every call returns 0 on success. */
 extern int32_t aoti_torch_create_tensor_from_blob_v2(void *data, int64_t ndim, const int64_t *sizes, const int64_t *strides,
@@ -37,50 +35,6 @@ extern int32_t aoti_torch_get_sizes(TensorHandle tensor, int64_t **result);
 extern int32_t aoti_torch_get_strides(TensorHandle tensor, int64_t **result);
 extern int32_t aoti_torch_get_dtype(TensorHandle tensor, int32_t *result);
 extern int32_t aoti_torch_layout_strided(void);
-
-typedef struct {
-    void *data;
-    const int64_t *sizes;
-    const int64_t *strides;
-    int64_t ndim;
-    int32_t dtype;
-    int32_t reserved;
-} call_input;
-
-typedef struct {
-    TensorHandle handle;   /* owned by the caller after a call that got this far */
-    void *data;
-    const int64_t *sizes;  /* valid while `handle` lives */
-    const int64_t *strides;
-    int64_t ndim;
-    int64_t numel;
-    int64_t span;          /* elements from the first one addressed to one past the last; 0 when empty */
-    int32_t dtype;
-    int32_t contiguous;    /* row-major, ignoring the strides of size-1 dims */
-} call_output;
-
-typedef struct {
-    run_function run;
-    void *container;
-    void *stream;
-    call_input *inputs;
-    call_output *outputs;
-    TensorHandle *input_handles;   /* scratch: input_count entries */
-    TensorHandle *output_handles;  /* scratch: output_count entries */
-    int64_t input_count;
-    int64_t output_count;
-    int32_t device_type;
-    int32_t device_index;
-    int32_t run_status;            /* out: Run's status when it failed */
-    int32_t failed_index;          /* out: the input or output that failed */
-} call_frame;
-
-enum {
-    CALL_OK = 0,
-    CALL_WRAP_FAILED = 1,      /* an input could not be wrapped: nothing ran, nothing is owned */
-    CALL_RUN_FAILED = 2,       /* Run failed: it took the input handles; no outputs */
-    CALL_DESCRIBE_FAILED = 3,  /* an output could not be read: every output handle is the caller's to free */
-};
 
 EXPORT int32_t cuda_runner_call_abi(void) { return CALL_HELPER_ABI; }
 

@@ -13,8 +13,8 @@
  * falls back to the same work in Python otherwise, and for any input it does
  * not take (not exactly the array type it was given, or not row-major).
  *
- * The frame it fills is its own (not the Python invoker's), laid out as the
- * call helper's ABI 1 (cuda_runner/runtime/invoke.py checks the sizes). The
+ * The frame it fills is its own (not the Python invoker's): the call helper's
+ * ABI 1, from call_frame.h (cuda_runner/runtime/invoke.py checks the sizes). The
  * array types are parameters, so tests can drive it without CuPy.
  *
  * Ownership: a Run's output handles are owned by `Keeper` objects from the
@@ -34,46 +34,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-typedef void *TensorHandle;
-typedef int32_t (*run_function)(void *, TensorHandle *, size_t, TensorHandle *, size_t, void *, void *);
-
-/* The call helper's ABI 1 structures (call_helper.c). */
-typedef struct {
-    void *data;
-    const int64_t *sizes;
-    const int64_t *strides;
-    int64_t ndim;
-    int32_t dtype;
-    int32_t reserved;
-} call_input;
-
-typedef struct {
-    TensorHandle handle;
-    void *data;
-    const int64_t *sizes;
-    const int64_t *strides;
-    int64_t ndim;
-    int64_t numel;
-    int64_t span;
-    int32_t dtype;
-    int32_t contiguous;
-} call_output;
-
-typedef struct {
-    run_function run;
-    void *container;
-    void *stream;
-    call_input *inputs;
-    call_output *outputs;
-    TensorHandle *input_handles;
-    TensorHandle *output_handles;
-    int64_t input_count;
-    int64_t output_count;
-    int32_t device_type;
-    int32_t device_index;
-    int32_t run_status;
-    int32_t failed_index;
-} call_frame;
+#include "call_frame.h"
 
 typedef int32_t (*helper_function)(call_frame *);
 typedef int32_t (*delete_function)(TensorHandle);
@@ -642,7 +603,7 @@ static PyObject *run_once(DeviceCall *self, PyObject *given) {
     Py_BEGIN_ALLOW_THREADS
     status = self->call(&self->frame);
     Py_END_ALLOW_THREADS
-    if (status != 0) {
+    if (status != CALL_OK) {
         delete_outputs(self, 0, (Py_ssize_t)self->frame.output_count);
         result = PyLong_FromLong(status);
         goto done;

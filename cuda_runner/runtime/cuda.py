@@ -236,11 +236,8 @@ class CudaExecutor(Executor):
         """run_device's calls made in C, where the invoker has them (see invoke.py)."""
         dtypes = {}
         for code, name in self.shim.dtype_names.items():
-            try:
-                dtype = _cupy_dtype(name)
-            except (InputError, TypeError):
-                continue  # no CuPy array of it: an output of it is refused
-            dtypes[code] = (dtype, dtype.itemsize)
+            with contextlib.suppress(ModelRuntimeError):  # no CuPy array of it: an output of it is refused
+                dtypes[code] = self._device_dtype(name)
         native = self._invoker.device_call(cupy.ndarray, cupy.cuda.UnownedMemory, cupy.cuda.MemoryPointer, dtypes)
         if native is not None:
             self.stream.hold()  # outputs it made free their memory on this stream: let go once none is left (close)
