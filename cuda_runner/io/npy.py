@@ -18,18 +18,18 @@ from __future__ import annotations
 import errno
 import io
 import os
-import sys
 import zipfile
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import BinaryIO
+from typing import BinaryIO, Literal
 
 import numpy as np
 
 from ..arrays import allocation_problem, shape_text
 from ..errors import DeviceError, InputError
 from ..files import open_regular, write_file
+from .npy_header import HeaderError, parse_header, read_prefix
 
 # An archive member's header is tiny; more than this is not an .npy header.
 _MAX_HEADER_BYTES = 1 << 20
@@ -42,6 +42,7 @@ class ArrayHeader:
     dtype: np.dtype
     shape: tuple[int, ...]
     fortran_order: bool
+    data_offset: int = 0  # where the data starts, in the file or archive member
 
     @property
     def nbytes(self) -> int:
@@ -59,48 +60,50 @@ def _bfloat16() -> np.dtype:
 
 
 def _parse_header(handle: BinaryIO, where: str) -> ArrayHeader:
-    start = handle.tell()
+    """The header at the handle's position, read by io/npy_header.py (never by
+    NumPy's reader, whose tokenizer errors escape its own checks); the handle
+    is left at the first byte of data."""
     try:
-        return _parse_header_once(handle, where)
-    except InputError as error:
-        # A 'bfloat16' descriptor is known to NumPy only once ml_dtypes is imported.
-        if "bfloat16" not in str(error) or "ml_dtypes" in sys.modules:
-            raise
-    _bfloat16()
-    handle.seek(start)
-    return _parse_header_once(handle, where)
+        prefix = _read_exactly(handle, 10)
+        if prefix[6:8] in (b"\x02\x00", b"\x03\x00"):
+            prefix += _read_exactly(handle, 2)
+        version, length, _ = read_prefix(prefix)
+        if length > _MAX_HEADER_BYTES:
+            raise HeaderError(f"its header declares {length} bytes, more than an .npy header takes")
+        raw = _read_exactly(handle, length)
+        header = parse_header(version, raw, len(prefix) + length)
+    except HeaderError as error:
+        raise InputError(f"{where} is not a valid .npy file: {error}") from None
+    return ArrayHeader(_header_dtype(header.descr, where), header.shape, header.fortran_order, header.data_offset)
 
 
-def _parse_header_once(handle: BinaryIO, where: str) -> ArrayHeader:
+def _read_exactly(handle: BinaryIO, count: int) -> bytes:
+    data = handle.read(count)
+    if len(data) != count:
+        raise HeaderError("it ends inside its header")
+    return data
+
+
+def _header_dtype(descr: str, where: str) -> np.dtype:
+    """The dtype a header's descr names, if it is a plain one (one number per element)."""
+    if descr == "bfloat16":
+        return _bfloat16()
     try:
-        version = np.lib.format.read_magic(handle)
-        if version == (1, 0):
-            shape, fortran_order, dtype = np.lib.format.read_array_header_1_0(handle, max_header_size=_MAX_HEADER_BYTES)
-        elif version in ((2, 0), (3, 0)):
-            shape, fortran_order, dtype = np.lib.format.read_array_header_2_0(handle, max_header_size=_MAX_HEADER_BYTES)
-        else:
-            raise ValueError(f"unsupported .npy version {version}")
-    except (ValueError, OSError, EOFError, SyntaxError, TypeError, RecursionError, MemoryError) as error:
-        raise InputError(f"{where} is not a valid .npy file: {_first_line(error)}") from None
+        dtype = np.dtype(descr)
+    except (TypeError, ValueError, SyntaxError, RecursionError, MemoryError) as error:
+        raise InputError(f"{where} is not a valid .npy file: its dtype {descr[:40]!r} is unknown ({_first_line(error)})") from None
     if dtype.hasobject:
         raise InputError(f"{where} holds Python objects; only plain numeric arrays are accepted (files are never unpickled)")
-    if any(not isinstance(size, int) or size < 0 for size in shape):
-        raise InputError(f"{where} is not a valid .npy file: its header declares the shape {shape}")
-    dtype = np.dtype(dtype)
-    if dtype == _SAVED_BFLOAT16 and dtype.fields is None:
-        dtype = _bfloat16()
-    return ArrayHeader(dtype, tuple(shape), bool(fortran_order))
+    if dtype.fields is not None or dtype.subdtype is not None:
+        raise InputError(f"{where} holds a structured or sub-array dtype ({descr[:40]!r}), which is no model input")
+    if dtype == _SAVED_BFLOAT16:
+        return _bfloat16()
+    return dtype
 
 
 # What np.save writes for ml_dtypes' bfloat16 (it has no name for it): a bare
 # 2-byte void. No other array is saved that way, so it is read as bfloat16.
 _SAVED_BFLOAT16 = np.dtype("V2")
-
-
-def _bfloat16_if_saved_by_numpy(array: np.ndarray) -> np.ndarray:
-    if array.dtype == _SAVED_BFLOAT16 and array.dtype.fields is None:
-        return array.view(_bfloat16())
-    return array
 
 
 def _first_line(error: BaseException) -> str:
@@ -113,8 +116,7 @@ def read_array_header(path: str | os.PathLike[str]) -> ArrayHeader:
     try:
         with open_regular(path, "an .npy file") as handle:
             header = _parse_header(handle, str(path))
-            data_offset = handle.tell()
-            available = os.fstat(handle.fileno()).st_size - data_offset
+            available = os.fstat(handle.fileno()).st_size - header.data_offset
     except OSError as error:
         raise InputError(f"cannot read {path}: {error.strerror or error}") from None
     if header.nbytes > available:
@@ -123,13 +125,28 @@ def read_array_header(path: str | os.PathLike[str]) -> ArrayHeader:
 
 
 def load_array(path: str | os.PathLike[str]) -> np.ndarray:
-    """A .npy file, memory-mapped where possible; object arrays are refused."""
+    """A .npy file, memory-mapped (read-only) where it holds any data; object arrays are refused."""
     path = Path(path)
-    read_array_header(path)
+    header = read_array_header(path)
+    order: Literal["C", "F"] = "F" if header.fortran_order else "C"
+    if header.nbytes == 0:  # an empty file region cannot be mapped
+        return np.empty(header.shape, header.dtype, order=order)
     try:
-        return _bfloat16_if_saved_by_numpy(np.load(path, mmap_mode="r", allow_pickle=False))
-    except (ValueError, OSError, EOFError) as error:
+        return np.memmap(path, header.dtype, mode="r", offset=header.data_offset, shape=header.shape, order=order)
+    except (ValueError, OSError) as error:
         raise InputError(f"cannot read {path}: {_first_line(error)}") from None
+
+
+def _read_data(member: io.BufferedIOBase, header: ArrayHeader) -> np.ndarray:
+    """An archive member's data, after its header, into a new (writable) array."""
+    buffer = bytearray(header.nbytes)
+    view, filled = memoryview(buffer), 0
+    while filled < header.nbytes:
+        count = member.readinto(view[filled:])
+        if not count:
+            raise EOFError(f"its data ends after {filled} of {header.nbytes} bytes")
+        filled += count
+    return np.ndarray(header.shape, header.dtype, buffer, order="F" if header.fortran_order else "C")
 
 
 class NpzArchive:
@@ -181,7 +198,7 @@ class NpzArchive:
             raise InputError(f"cannot read {where} of shape {shape_text(header.shape)}: {problem}")
         try:
             with self._zip.open(self._members[key]) as member:
-                return _bfloat16_if_saved_by_numpy(np.lib.format.read_array(member, allow_pickle=False, max_header_size=_MAX_HEADER_BYTES))
+                return _read_data(member, _parse_header(member, where))  # type: ignore[arg-type]
         except (zipfile.BadZipFile, OSError, EOFError, ValueError, RuntimeError) as error:
             raise InputError(f"cannot read {where}: {_first_line(error)}") from None
 
