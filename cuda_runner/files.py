@@ -142,7 +142,8 @@ def require_folder(path: str | os.PathLike[str], what: str) -> None:
 
 # The set record: its file name (beside the set's files) and its format.
 SET_RECORD = ".cuda-runner-set.json"
-_RECORD_SCHEMA = "cuda-runner/set-record/1"
+# Version 2 adds the set's provenance (what wrote it); a version 1 record never matches.
+_RECORD_SCHEMA = "cuda-runner/set-record/2"
 _RECORD_LIMIT = 1 << 20  # bytes; a record names a few files
 
 
@@ -310,12 +311,13 @@ class _Commit:
                     os.unlink(backup)
 
 
-def write_files(writers: Mapping[Path, Writer], *, record: Path | None = None) -> list[Path]:
+def write_files(writers: Mapping[Path, Writer], *, record: Path | None = None, provenance: Mapping[str, Any] | None = None) -> list[Path]:
     """Write every file or none (see the module docstring); returns the paths.
 
     With `record`, the transaction also writes the set record there (in the
     folder of the files): moved aside before the first rename, written after
-    the last, so that it exists only while the files are one whole set."""
+    the last, so that it exists only while the files are one whole set. It
+    keeps `provenance` (JSON values: what wrote the set) for set_record_matches."""
     paths = [Path(path) for path in writers]
     every = [*paths, *([record] if record is not None else [])]
     if len({os.path.abspath(path) for path in every}) != len(every):
@@ -337,7 +339,7 @@ def write_files(writers: Mapping[Path, Writer], *, record: Path | None = None) -
                 temps[path] = _write_temp(path, write)
             record_temp = None
             if record is not None:
-                document = _record_document({path.name: temps[path] for path in paths})
+                document = _record_document({path.name: temps[path] for path in paths}, provenance)
                 record_temp = temps[record] = _write_temp(record, functools.partial(_write_bytes, document))
             _rename_all(temps, record, record_temp)
             for folder in folders:
@@ -380,7 +382,8 @@ def _write_bytes(data: bytes, handle: BinaryIO) -> None:
     handle.write(data)
 
 
-def _file_digest(path: Path) -> str:
+def file_digest(path: Path) -> str:
+    """The xxh3-128 digest of a file's bytes, as set records name them."""
     digest = xxhash.xxh3_128()
     with open(path, "rb") as handle:
         while chunk := handle.read(1 << 20):
@@ -388,22 +391,26 @@ def _file_digest(path: Path) -> str:
     return f"xxh3-128:{digest.hexdigest()}"
 
 
-def _record_document(files: Mapping[str, Path]) -> bytes:
+def _record_document(files: Mapping[str, Path], provenance: Mapping[str, Any] | None) -> bytes:
     """The set record for files (by name) as written to `files[name]`: size,
-    digest and identity (inode and mtime survive the rename into place)."""
+    digest and identity (inode and mtime survive the rename into place), and
+    the set's provenance."""
     entries = {}
     for name, temp in files.items():
         info = os.stat(temp)
-        entries[name] = {"size": info.st_size, "digest": _file_digest(temp), "inode": info.st_ino, "mtime_ns": info.st_mtime_ns}
-    return json.dumps({"schema": _RECORD_SCHEMA, "files": entries}, sort_keys=True).encode()
+        entries[name] = {"size": info.st_size, "digest": file_digest(temp), "inode": info.st_ino, "mtime_ns": info.st_mtime_ns}
+    return json.dumps({"schema": _RECORD_SCHEMA, "provenance": provenance, "files": entries}, sort_keys=True).encode()
 
 
-def set_record_matches(record: Path, paths: Sequence[Path]) -> bool:
-    """Whether `record` names exactly the files `paths` and each is as the
-    transaction that wrote the record left it: same size, and the same inode
-    and mtime or else (a copied folder) the same digest."""
+def set_record_matches(record: Path, paths: Sequence[Path], provenance: Mapping[str, Any] | None = None) -> bool:
+    """Whether `record` names exactly the files `paths`, each as the
+    transaction that wrote the record left it (same size, and the same inode
+    and mtime or else, a copied folder, the same digest), and was written with
+    this `provenance`: the same model, method and inputs."""
     document = _read_record(record)
     if document is None:
+        return False
+    if document.get("provenance") != json.loads(json.dumps(provenance, sort_keys=True)):  # compared as JSON values
         return False
     entries = document.get("files")
     if not isinstance(entries, dict) or set(entries) != {path.name for path in paths}:
@@ -419,7 +426,7 @@ def set_record_matches(record: Path, paths: Sequence[Path]) -> bool:
         if (entry.get("inode"), entry.get("mtime_ns")) == (info.st_ino, info.st_mtime_ns):
             continue
         try:
-            if entry.get("digest") != _file_digest(path):
+            if entry.get("digest") != file_digest(path):
                 return False
         except OSError:
             return False

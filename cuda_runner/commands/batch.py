@@ -13,14 +13,14 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from ..errors import CudaRunnerError, ExitCode, InputError
-from ..files import require_folder
+from ..files import file_digest, require_folder
 from ..format.manifest import MethodSpec
 from ..io.inputs import ArchiveFile, ArrayFile, GivenInputs, resolve_inputs
 from ..io.outputs import OutputPlan, output_filenames, safe_filename, write_outputs
@@ -119,7 +119,8 @@ class BatchResult:
 
     @property
     def verdict(self) -> str:
-        return "PASSED" if self.exit_code == 0 else "FAILED"
+        """As for one run: FAILED for outputs outside tolerance (exit 1), ERROR where a set was refused or failed (2, 3, 4)."""
+        return {0: "PASSED", 1: "FAILED"}.get(self.exit_code, "ERROR")
 
     @property
     def sets_per_second(self) -> float:
@@ -143,22 +144,32 @@ class BatchResult:
         }
 
 
-def _destinations(request: BatchRequest, spec: MethodSpec, name: str) -> tuple[OutputPlan, list[Path]]:
+def _destinations(request: BatchRequest, spec: MethodSpec, name: str, provenance: Mapping[str, Any] | None) -> tuple[OutputPlan, list[Path]]:
+    """Where a set's outputs go, with the set record that lets --resume tell a
+    whole set, written by this model from these inputs, from any other."""
     stem = safe_filename(name)
     if request.out_format == "npz":
         archive = request.out_dir / f"{stem}.npz"
-        return OutputPlan(archive=archive), [archive]
+        return OutputPlan(archive=archive, record=True, provenance=provenance), [archive]
     folder = request.out_dir / stem
     files = output_filenames([output.name for output in spec.outputs])
-    # The set record lets --resume tell a whole set from one whose renames a kill cut short.
-    return OutputPlan(directory=folder, record=True), [folder / files[output.name] for output in spec.outputs]
+    return OutputPlan(directory=folder, record=True, provenance=provenance), [folder / files[output.name] for output in spec.outputs]
 
 
-def _complete(request: BatchRequest, spec: MethodSpec, name: str) -> bool:
-    """Whether a set's outputs were all written by one run (an .npz is one
-    rename; a folder's files are several, so its set record must match them)."""
-    plan, _ = _destinations(request, spec, name)
-    return plan.complete([output.name for output in spec.outputs])
+def set_provenance(model: str, method: str, input_set: InputSet) -> dict[str, Any] | None:
+    """What a set's outputs are made from: the model (its content digest), the
+    method, and every input file by name with its digest. None where an input
+    cannot be read: the set is then run, and says why it fails."""
+    inputs = {}
+    for entry in input_set.plan.entries:
+        path = getattr(entry, "path", None)
+        if path is None:
+            continue
+        try:
+            inputs[Path(path).name] = file_digest(Path(path))
+        except OSError:
+            return None
+    return {"model": model, "method": method, "inputs": inputs}
 
 
 @dataclass(frozen=True)
@@ -168,11 +179,24 @@ class _Runner:
     spec: MethodSpec
     run: Callable[[dict[str, Any]], dict[str, Any]]
     lanes: int
+    model: str = ""  # the model file's identity, for set records
 
 
-def _run_set(request: BatchRequest, runner: _Runner, input_set: InputSet) -> SetResult:
+def _run_or_skip(request: BatchRequest, runner: _Runner, input_set: InputSet) -> SetResult:
+    """A set run, or (with --resume) skipped, or only compared again, where its
+    outputs are complete: written whole by this model and method from these inputs."""
+    provenance = set_provenance(runner.model, runner.spec.name, input_set)
+    plan, _ = _destinations(request, runner.spec, input_set.name, provenance)
+    if request.resume and provenance is not None and plan.complete([output.name for output in runner.spec.outputs]):
+        if request.expected_dir is None:
+            return SetResult(input_set.name, "skipped")
+        return _recheck(request, runner, input_set, provenance)
+    return _run_set(request, runner, input_set, provenance)
+
+
+def _run_set(request: BatchRequest, runner: _Runner, input_set: InputSet, provenance: Mapping[str, Any] | None) -> SetResult:
     started = time.perf_counter()
-    plan, paths = _destinations(request, runner.spec, input_set.name)
+    plan, paths = _destinations(request, runner.spec, input_set.name, provenance)
     try:
         inputs = resolve_inputs(runner.spec, input_set.plan)
         outputs = runner.run(inputs.arrays)
@@ -192,17 +216,17 @@ def _run_set(request: BatchRequest, runner: _Runner, input_set: InputSet) -> Set
     return result
 
 
-def _recheck(request: BatchRequest, runner: _Runner, input_set: InputSet) -> SetResult:
+def _recheck(request: BatchRequest, runner: _Runner, input_set: InputSet, provenance: Mapping[str, Any]) -> SetResult:
     """A set whose outputs are complete: compared again with the reference, so that
     a resumed job never turns an earlier failure into a pass."""
     started = time.perf_counter()
-    plan, paths = _destinations(request, runner.spec, input_set.name)
+    plan, paths = _destinations(request, runner.spec, input_set.name, provenance)
     source = plan.archive if plan.archive is not None else plan.directory
     assert source is not None and request.expected_dir is not None
     try:
         outputs = load_reference(source, [output.name for output in runner.spec.outputs])
     except CudaRunnerError:
-        return _run_set(request, runner, input_set)  # unreadable: run the set again
+        return _run_set(request, runner, input_set, provenance)  # unreadable: run the set again
     result = SetResult(input_set.name, "skipped", files=paths)
     try:
         reference = _reference(request.expected_dir, input_set.name, runner.spec)
@@ -240,6 +264,7 @@ def run_batch(request: BatchRequest, progress: Progress = lambda done, total: No
     try:
         if request.batch_size > 1:
             batch_dim(opened.method)  # refuse before loading anything
+        model_identity = opened.reader.identity()
     except BaseException:
         opened.close()
         raise
@@ -247,7 +272,7 @@ def run_batch(request: BatchRequest, progress: Progress = lambda done, total: No
         opened.close()  # each device opens the bundle for itself
         with load_pool(request.bundle, request.devices, request.load, methods=[name], data=request.data) as pool:
             method = pool.method(name)
-            runner = _Runner(method.spec, lambda arrays: pool.run(arrays, name), method.lanes * len(pool.models))
+            runner = _Runner(method.spec, lambda arrays: pool.run(arrays, name), method.lanes * len(pool.models), model_identity)
             results = _run_all(request, runner, sets, progress)
             device = ",".join(str(device) for device in pool.devices)
             load_timings = pool.models[0].load_timings(name)
@@ -255,7 +280,7 @@ def run_batch(request: BatchRequest, progress: Progress = lambda done, total: No
         with load_model(opened.reader, request.device, request.load, methods=[name], open_seconds=opened.seconds) as model:
             method = model.method(name)
             load_timings = model.load_timings(name)
-            results = _run_all(request, _Runner(method.spec, method.run, method.lanes), sets, progress)
+            results = _run_all(request, _Runner(method.spec, method.run, method.lanes, model_identity), sets, progress)
             device = str(method.device)
     return BatchResult(request.bundle, name, device, results, time.perf_counter() - started, load_timings, request.batch_size)
 
@@ -266,7 +291,7 @@ def _run_all(request: BatchRequest, runner: _Runner, sets: list[InputSet], progr
     stacker = Stacker(runner.spec, runner.run, request.batch_size, runner.lanes)
     try:
         # Enough sets in flight to fill every lane's stack.
-        return list(_pipelined(request, _Runner(runner.spec, stacker.run, runner.lanes * request.batch_size), sets, progress))
+        return list(_pipelined(request, _Runner(runner.spec, stacker.run, runner.lanes * request.batch_size, runner.model), sets, progress))
     finally:
         stacker.close()
 
@@ -296,13 +321,8 @@ def _pipelined(request: BatchRequest, runner: _Runner, sets: list[InputSet], pro
             while not stop and index < len(sets) and len(pending) < 2 * workers:
                 input_set = sets[index]
                 index += 1
-                if request.resume and _complete(request, runner.spec, input_set.name):
-                    if request.expected_dir is not None:
-                        pending.append((input_set, pool.submit(run_set, _recheck, input_set)))
-                    else:
-                        pending.append((input_set, SetResult(input_set.name, "skipped")))
-                else:
-                    pending.append((input_set, pool.submit(run_set, _run_set, input_set)))
+                # On a worker: telling whether a set is complete reads its inputs (their digests).
+                pending.append((input_set, pool.submit(run_set, _run_or_skip, input_set)))
             if not pending:
                 break
             _, entry = pending.pop(0)

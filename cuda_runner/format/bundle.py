@@ -272,6 +272,11 @@ class BundleReader:
     def version(self) -> str:
         return f"{self.header.major}.{self.header.minor}"
 
+    def identity(self) -> str:
+        """The digest of the header and manifest: the manifest names every
+        segment with its digest, so no two bundles of other contents share it."""
+        return f"bundle:{segment_digest(self._parsed_prefix)}"
+
     def _entry(self, name: str) -> SegmentEntry:
         entry = self.manifest.segment(name)
         if entry is None:

@@ -33,7 +33,7 @@ from typing import Any, BinaryIO
 from ..errors import BundleError, IncompatibleBundleError, InputError
 from ..files import open_regular
 from . import executorch as et
-from .digest import in_background
+from .digest import in_background, segment_digest
 from .elf import LibraryFacts, read_library_facts
 from .manifest import (
     CONSTANT_OUTPUTS,
@@ -104,6 +104,7 @@ class ProgramReader:
         self._weight_segments = 0
         self._decoded = 0  # payload bytes decoded, over all methods
         self._verified: set[str] = set()
+        self._identity: str | None = None
         try:
             self._open(None if data is None else Path(data))
         except BaseException:
@@ -233,6 +234,14 @@ class ProgramReader:
         return name
 
     # -- the reader interface -------------------------------------------------
+
+    def identity(self) -> str:
+        """The digest of the program's bytes and its data file's: a program
+        carries no digests of its own to name it by."""
+        if self._identity is None:
+            parts = [f"{role}={segment_digest(memoryview(self._maps[role]))}" for role in ("pte", "ptd") if role in self._maps]
+            self._identity = f"program:{segment_digest(';'.join(parts).encode())}"
+        return self._identity
 
     @property
     def version(self) -> str:

@@ -35,6 +35,11 @@ class ModelReader(Protocol):
         """The format version, for reports."""
         ...
 
+    def identity(self) -> str:
+        """A digest naming exactly this model's contents ("xxh3-128:..."): what a
+        batch's set records name as the model that wrote a set (commands/batch.py)."""
+        ...
+
     def segment(self, name: str, *, verify: bool = True) -> memoryview:
         """A zero-copy view of a segment, its digest checked (where it has one) unless verify=False."""
         ...

@@ -7,6 +7,7 @@ import unicodedata
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -35,13 +36,29 @@ def safe_filename(name: str) -> str:
 class OutputPlan:
     """Where outputs go. `bf16_as` converts bfloat16 outputs on the way out
     (e.g. "float32", for readers without ml_dtypes); None keeps them.
-    `record`: the directory also gets a set record (files.py), so that
-    `complete()` can tell a whole set from one cut short by a kill."""
+    `record`: the outputs also get a set record (files.py), so that
+    `complete()` can tell a whole set from one cut short by a kill, or written
+    by another model or from other inputs (`provenance` names what wrote it).
+    The record of a directory is inside it; an archive's is beside it."""
 
     directory: Path | None = None
     archive: Path | None = None
     bf16_as: str | None = None
     record: bool = False
+    provenance: Mapping[str, Any] | None = None
+
+    @property
+    def record_path(self) -> Path | None:
+        """Where the set record goes, where there is one."""
+        if not self.record:
+            return None
+        if self.directory is not None:
+            if self.archive is not None:
+                raise ValueError("a set record covers the files of one folder, not an archive beside them")
+            return self.directory / SET_RECORD
+        if self.archive is not None:
+            return self.archive.with_name(f".{self.archive.name}{SET_RECORD}")
+        return None
 
     @property
     def writes(self) -> bool:
@@ -63,17 +80,16 @@ class OutputPlan:
                 raise InputError(f"{self.directory} exists and is not a directory")
 
     def complete(self, names: list[str]) -> bool:
-        """Whether the outputs `names` are all there, written whole by one write:
-        the archive is one file renamed into place; a directory needs its set
-        record (without `record`, every file existing is all that can be told)."""
-        if self.archive is not None and not self.archive.is_file():
-            return False
-        if self.directory is not None:
-            paths = [self.directory / filename for filename in output_filenames(names).values()]
-            if self.record:
-                return set_record_matches(self.directory / SET_RECORD, paths)
-            return all(path.is_file() for path in paths)
-        return self.archive is not None
+        """Whether the outputs `names` are all there, written whole by one write
+        with this plan's provenance: with `record`, the set record must match
+        them; without it, every file existing is all that can be told."""
+        paths = [self.directory / filename for filename in output_filenames(names).values()] if self.directory is not None else []
+        if self.archive is not None:
+            paths.append(self.archive)
+        record = self.record_path
+        if record is not None:
+            return set_record_matches(record, paths, self.provenance)
+        return bool(paths) and all(path.is_file() for path in paths)
 
 
 def output_filenames(names: list[str]) -> dict[str, str]:
@@ -115,10 +131,5 @@ def write_outputs(plan: OutputPlan, outputs: Mapping[str, np.ndarray]) -> dict[s
         writers[plan.archive] = npz_writer(arrays)
         for name in arrays:
             files[name].append(plan.archive)
-    record = None
-    if plan.record and plan.directory is not None:
-        if plan.archive is not None:
-            raise ValueError("a set record covers the files of one folder, not an archive beside them")
-        record = plan.directory / SET_RECORD
-    write_files(writers, record=record)
+    write_files(writers, record=plan.record_path, provenance=plan.provenance)
     return files

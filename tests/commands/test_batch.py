@@ -132,7 +132,8 @@ def test_expected_dir_compares_every_set(dict_mlp_bundle, sets, tmp_path):
     (sets / "z_bad.npz").unlink()
     reference = tmp_path / "ref"
     assert cli("run", str(dict_mlp_bundle.path), "--batch", str(sets), "--out-dir", str(reference), "--out-format", "npz").returncode == 0
-    assert sorted(p.name for p in reference.iterdir()) == ["s0.npz", "s1.npz", "s2.npz", "s3.npz", "s4.npz"]
+    assert sorted(p.name for p in reference.iterdir() if not p.name.startswith(".")) == ["s0.npz", "s1.npz", "s2.npz", "s3.npz", "s4.npz"]
+    assert (reference / ".s0.npz.cuda-runner-set.json").is_file()  # each archive's set record, beside it
     same = cli("run", str(dict_mlp_bundle.path), "--batch", str(sets), "--out-dir", str(tmp_path / "o2"), "--expected-dir", str(reference))
     assert same.returncode == 0, same.stdout + same.stderr
     assert same.stdout.strip().splitlines()[-1] == "VERDICT: PASSED"
@@ -328,3 +329,57 @@ def test_a_batch_over_several_devices_starts_no_context_on_the_default_one(dict_
     assert prepared == []
     run_batch(BatchRequest(dict_mlp_bundle.path, sets, out_dir=tmp_path / "one"))
     assert prepared == [None]
+
+
+def _with_other_weights(bundle, destination):
+    """The same bundle (library, signature) with every float32 weight doubled:
+    another model, whose outputs a record of the first must not stand for."""
+    from cuda_runner.format.bundle import open_bundle, write_bundle
+
+    with open_bundle(bundle) as reader:
+        segments = {entry.name: bytes(reader.segment(entry.name)) for entry in reader.manifest.segments}
+        weights = reader.manifest.methods["forward"].weights_segment
+        segments[weights] = (np.frombuffer(segments[weights], np.float32) * 2).tobytes()
+        write_bundle(destination, reader.manifest, segments)
+    return destination
+
+
+@pytest.mark.parametrize("out_format", ["npy", "npz"])
+def test_resume_reruns_sets_another_model_wrote(dict_mlp_bundle, sets, tmp_path, out_format):
+    """A set record names the model that wrote it (its digest), the method and
+    the inputs: resuming into OUT from another bundle of the same signature runs every set."""
+    (sets / "z_bad.npz").unlink()
+    out = tmp_path / "out"
+    other = _with_other_weights(dict_mlp_bundle.path, tmp_path / "other.bundle")
+    command = ["--batch", str(sets), "--out-dir", str(out), "--out-format", out_format]
+    assert cli("run", str(dict_mlp_bundle.path), *command).returncode == 0
+    again = cli("run", str(other), *command, "--resume", "--json")
+    assert again.returncode == 0, again.stderr
+    assert {entry["status"] for entry in json.loads(again.stdout)["sets"]} == {"passed"}  # none skipped
+    with cuda_runner.load(other) as model:
+        expected = model.run(_set(2, batch=3))["logits"]
+    written = np.load(out / "s2.npz")["logits"] if out_format == "npz" else np.load(out / "s2" / "logits.npy")
+    np.testing.assert_array_equal(written, expected)
+    third = cli("run", str(other), *command, "--resume", "--json")  # and now they are the other model's: skipped
+    assert {entry["status"] for entry in json.loads(third.stdout)["sets"]} == {"skipped"}
+
+
+def test_resume_reruns_a_set_copied_from_another_or_whose_inputs_changed(dict_mlp_bundle, sets, tmp_path):
+    import shutil
+
+    (sets / "z_bad.npz").unlink()
+    out = tmp_path / "out"
+    command = ["run", str(dict_mlp_bundle.path), "--batch", str(sets), "--out-dir", str(out)]
+    assert cli(*command).returncode == 0
+    shutil.rmtree(out / "s1")
+    shutil.copytree(out / "s0", out / "s1")  # s0's outputs, byte for byte, record included
+    np.savez(sets / "s3.npz", **_set(33, batch=4))  # s3's inputs change after it was written
+    again = cli(*command, "--resume", "--json")
+    statuses = {entry["name"]: entry["status"] for entry in json.loads(again.stdout)["sets"]}
+    assert statuses == {"s0": "skipped", "s1": "passed", "s2": "skipped", "s3": "passed", "s4": "skipped"}
+    with cuda_runner.load(dict_mlp_bundle.path) as model:
+        for name, inputs in (("s1", _set(1, batch=2)), ("s3", _set(33, batch=4))):
+            np.testing.assert_array_equal(np.load(out / name / "logits.npy"), model.run(inputs)["logits"])
+    record = json.loads((out / "s3" / ".cuda-runner-set.json").read_text())
+    assert record["provenance"]["method"] == "forward" and set(record["provenance"]["inputs"]) == {"s3.npz"}
+    assert record["provenance"]["model"].startswith("bundle:xxh3-128")
