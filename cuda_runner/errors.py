@@ -12,6 +12,8 @@ dimension); the command line maps subjects to its own flags.
 from __future__ import annotations
 
 import enum
+import errno
+import os
 
 
 class ExitCode(enum.IntEnum):
@@ -90,3 +92,31 @@ class Interrupted(BaseException):
     def __init__(self, signal_number: int):
         super().__init__(f"interrupted by signal {signal_number}")
         self.signal_number = signal_number
+
+
+# What an error says when the process ran out of file descriptors: not the
+# file's fault, nor a bug, but a limit the user sets.
+TOO_MANY_FILES = "too many open files in this process (raise the limit: ulimit -n)"
+_TOO_MANY_FILES_TEXT = os.strerror(errno.EMFILE)  # "Too many open files", as dlopen and libraries word it
+
+
+def too_many_open_files(error: BaseException | None) -> bool:
+    """Whether `error`, or an error it was raised from or while handling, is
+    the process running out of file descriptors (EMFILE, ENFILE)."""
+    seen = 0
+    while error is not None and seen < 16:
+        if isinstance(error, OSError) and error.errno in (errno.EMFILE, errno.ENFILE):
+            return True
+        if _TOO_MANY_FILES_TEXT in str(error):
+            return True
+        error = error.__cause__ or error.__context__
+        seen += 1
+    return False
+
+
+def os_error(error: OSError, message: str, kind: type[CudaRunnerError]) -> CudaRunnerError:
+    """The error to raise for an OSError: `kind(message: reason)`, except that
+    running out of file descriptors is the one line that names ulimit -n."""
+    if too_many_open_files(error):
+        return DeviceError(f"{message}: {TOO_MANY_FILES}")
+    return kind(f"{message}: {error.strerror or error}")

@@ -51,7 +51,7 @@ from typing import Any, BinaryIO
 
 import xxhash
 
-from .errors import CudaRunnerError, InputError, WriteError
+from .errors import CudaRunnerError, InputError, WriteError, os_error
 
 _TEMP_PATTERN = re.compile(r"^\..+\.([0-9a-f]{8})\.(\d{1,10})\.[0-9a-f]{8}\.(?:tmp|old)$")
 # This machine's tag in temp names (os.uname and xxhash rather than socket and
@@ -82,7 +82,7 @@ def _stat(path: Path) -> os.stat_result:
         dangling = os.path.islink(path)
         raise InputError(f"{path} does not exist" + (" (a symbolic link to nothing)" if dangling else "")) from None
     except OSError as error:
-        raise InputError(f"cannot read {path}: {error.strerror or error}") from None
+        raise os_error(error, f"cannot read {path}", InputError) from None
 
 
 def open_regular(path: str | os.PathLike[str], what: str, *, not_regular: type[CudaRunnerError] = InputError) -> BinaryIO:
@@ -98,7 +98,7 @@ def open_regular(path: str | os.PathLike[str], what: str, *, not_regular: type[C
     try:
         fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
     except OSError as error:
-        raise InputError(f"cannot read {path}: {error.strerror or error}") from None
+        raise os_error(error, f"cannot read {path}", InputError) from None
     try:
         mode = os.fstat(fd).st_mode
         if not stat.S_ISREG(mode):
@@ -116,7 +116,7 @@ def read_small(path: str | os.PathLike[str], what: str, limit: int, *, not_regul
         try:
             data = handle.read(limit + 1)
         except OSError as error:
-            raise InputError(f"cannot read {path}: {error.strerror or error}") from None
+            raise os_error(error, f"cannot read {path}", InputError) from None
     if len(data) > limit:
         raise not_regular(f"{path} is larger than {what} can be ({limit} bytes)")
     return data
@@ -159,7 +159,7 @@ def check_destination(path: Path) -> None:
     try:
         _check_destination(path)
     except OSError as error:  # a folder on the way that cannot be searched, say
-        raise InputError(f"{path}: cannot write there: {error.strerror or error}") from None
+        raise os_error(error, f"{path}: cannot write there", InputError) from None
 
 
 def _check_destination(path: Path) -> None:
@@ -352,8 +352,19 @@ def write_files(writers: Mapping[Path, Writer], *, record: Path | None = None, p
                 os.unlink(temp)
         _remove_folders(created)
         if isinstance(error, OSError):
-            raise WriteError(f"cannot write {error.filename or 'output'}: {error.strerror or error}") from None
+            raise os_error(error, f"cannot write {_destination_of(error.filename) or 'output'}", WriteError) from None
         raise
+
+
+def _destination_of(filename: object) -> str | None:
+    """The file a writer meant, for a message: a temp file's destination, else the name itself."""
+    if not isinstance(filename, (str, os.PathLike)):
+        return None
+    path = Path(filename)
+    match = _TEMP_PATTERN.match(path.name)
+    if match is None:
+        return str(path)
+    return str(path.with_name(path.name[1:match.start(1) - 1]))  # ".NAME.HOST.PID.RANDOM.tmp" -> NAME
 
 
 def _rename_all(temps: dict[Path, Path], record: Path | None = None, record_temp: Path | None = None) -> None:

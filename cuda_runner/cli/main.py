@@ -24,7 +24,7 @@ from typing import Annotated, Any, Optional
 
 import typer
 
-from ..errors import CudaRunnerError, ExitCode, Interrupted
+from ..errors import TOO_MANY_FILES, CudaRunnerError, ExitCode, Interrupted, too_many_open_files
 from ..version import __version__
 from . import options as parse
 from .render import printable
@@ -121,6 +121,10 @@ def handles_errors(command: Callable[..., Any]) -> Callable[..., Any]:
             _report(f"{error}{_hint(error)}", int(error.exit_code), type(error).__name__)
         except MemoryError:
             _report("out of host memory", int(ExitCode.RUNTIME), "MemoryError")
+        except Exception as error:
+            if not too_many_open_files(error):
+                raise  # a bug: run() reports it as one
+            _report(TOO_MANY_FILES, int(ExitCode.RUNTIME), "DeviceError")
 
     return wrapper
 
@@ -777,6 +781,33 @@ def _command_of(argv: list[str]) -> str | None:
     return next((arg for arg in argv if not arg.startswith("-")), None)
 
 
+# File descriptors a command may need at once: the Python runtime, the model
+# file and its memfd copies, the CUDA driver's devices, and in a batch a few
+# per worker thread (an input archive, a temp output, a folder lock).
+MIN_OPEN_FILES = 64
+
+
+def _file_limit_short() -> str | None:
+    """Why this process cannot open the files a command needs, or None. A soft
+    limit below MIN_OPEN_FILES is first raised as far as the hard limit allows
+    (any process may), so that only a hard limit that low is refused, before
+    anything runs instead of at whichever file happens to be the last."""
+    import resource
+
+    try:
+        soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+        if soft != resource.RLIM_INFINITY and soft < MIN_OPEN_FILES:
+            wanted = MIN_OPEN_FILES if hard == resource.RLIM_INFINITY else min(hard, MIN_OPEN_FILES)
+            if wanted > soft:
+                resource.setrlimit(resource.RLIMIT_NOFILE, (wanted, hard))
+                soft = wanted
+    except (OSError, ValueError):
+        return None  # not ours to judge
+    if soft >= MIN_OPEN_FILES:
+        return None
+    return f"this process may open only {soft} files, fewer than the {MIN_OPEN_FILES} cuda-runner needs (raise the limit: ulimit -n {MIN_OPEN_FILES})"
+
+
 def run(argv: list[str]) -> int:
     """Run the command line; returns the exit code (tests call this in-process)."""
     _State.verbose = _State.quiet = _State.printed_document = False
@@ -786,6 +817,9 @@ def run(argv: list[str]) -> int:
     _State.command = _command_of(argv[:end])
     _State.batch = any(arg == "--batch" or arg.startswith("--batch=") for arg in argv[:end])
     try:
+        short = _file_limit_short()
+        if short is not None:
+            return _fail(short, int(ExitCode.RUNTIME), "DeviceError")
         try:
             result = app(args=argv, prog_name="cuda-runner", standalone_mode=False)
             return int(result) if isinstance(result, int) else 0
@@ -801,6 +835,8 @@ def run(argv: list[str]) -> int:
         except _StreamGone:
             raise
         except Exception as error:  # a bug: still one line, and a way to report it
+            if too_many_open_files(error):
+                return _fail(TOO_MANY_FILES, int(ExitCode.RUNTIME), "DeviceError")
             message = f"internal error: {type(error).__name__}: {error}; please report it with the output of -v"
             return _fail(message, int(ExitCode.RUNTIME), "InternalError")
     except _StreamGone as gone:

@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ..errors import CudaRunnerError, ExitCode, InputError
+from ..errors import CudaRunnerError, ExitCode, InputError, WriteError, os_error
 from ..files import file_digest, require_folder
 from ..format.manifest import MethodSpec
 from ..io.inputs import ArchiveFile, ArrayFile, GivenInputs, resolve_inputs
@@ -272,6 +272,7 @@ def run_batch(request: BatchRequest, progress: Progress = lambda done, total: No
         opened.close()  # each device opens the bundle for itself
         with load_pool(request.bundle, request.devices, request.load, methods=[name], data=request.data) as pool:
             method = pool.method(name)
+            _make_out_dir(request.out_dir)
             runner = _Runner(method.spec, lambda arrays: pool.run(arrays, name), method.lanes * len(pool.models), model_identity)
             results = _run_all(request, runner, sets, progress)
             device = ",".join(str(device) for device in pool.devices)
@@ -280,9 +281,19 @@ def run_batch(request: BatchRequest, progress: Progress = lambda done, total: No
         with load_model(opened.reader, request.device, request.load, methods=[name], open_seconds=opened.seconds) as model:
             method = model.method(name)
             load_timings = model.load_timings(name)
+            _make_out_dir(request.out_dir)
             results = _run_all(request, _Runner(method.spec, method.run, method.lanes, model_identity), sets, progress)
             device = str(method.device)
     return BatchResult(request.bundle, name, device, results, time.perf_counter() - started, load_timings, request.batch_size)
+
+
+def _make_out_dir(folder: Path) -> None:
+    """OUT, made once before sets run: a set that fails removes the folders it
+    made, and OUT made by one set could otherwise go from under another's."""
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+    except OSError as error:
+        raise os_error(error, f"cannot make {folder}", WriteError) from None
 
 
 def _run_all(request: BatchRequest, runner: _Runner, sets: list[InputSet], progress: Progress) -> list[SetResult]:

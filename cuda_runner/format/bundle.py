@@ -29,7 +29,7 @@ from typing import Any, BinaryIO, Union
 
 import xxhash
 
-from ..errors import BundleError, InputError, WriteError
+from ..errors import BundleError, InputError, WriteError, os_error
 from ..files import open_regular, write_file
 from .digest import DIGEST_ALGORITHM, TreeHasher, in_background, segment_digest
 from .manifest import MAX_SEGMENTS, Manifest, SegmentEntry, manifest_from_json
@@ -482,7 +482,7 @@ def write_bundle(
     try:
         return write_file(path, lambda handle: _write_contents(handle, manifest, len(encoded), segments, alignment))
     except OSError as error:
-        raise WriteError(f"cannot write bundle {path}: {error.strerror or error}") from error
+        raise os_error(error, f"cannot write bundle {path}", WriteError) from error
 
 
 def _write_contents(handle: BinaryIO, manifest: Manifest, manifest_size: int, segments: Mapping[str, SegmentSource], alignment: int) -> None:

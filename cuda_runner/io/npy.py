@@ -15,7 +15,7 @@ about 1 s of CPU (it registers NumPy loops), which every run would pay.
 
 from __future__ import annotations
 
-import errno
+import encodings.cp437  # noqa: F401  (zipfile decodes names with it, imported at once: with no file descriptor left, a later import fails)
 import io
 import os
 import zipfile
@@ -27,7 +27,7 @@ from typing import BinaryIO, Literal
 import numpy as np
 
 from ..arrays import allocation_problem, shape_text
-from ..errors import DeviceError, InputError
+from ..errors import InputError, os_error
 from ..files import open_regular, write_file
 from .npy_header import HeaderError, parse_header, read_prefix
 
@@ -118,7 +118,7 @@ def read_array_header(path: str | os.PathLike[str]) -> ArrayHeader:
             header = _parse_header(handle, str(path))
             available = os.fstat(handle.fileno()).st_size - header.data_offset
     except OSError as error:
-        raise InputError(f"cannot read {path}: {error.strerror or error}") from None
+        raise os_error(error, f"cannot read {path}", InputError) from None
     if header.nbytes > available:
         raise InputError(f"{path} is truncated: its header declares {header.nbytes} bytes of data, the file holds {available}")
     return header
@@ -133,7 +133,9 @@ def load_array(path: str | os.PathLike[str]) -> np.ndarray:
         return np.empty(header.shape, header.dtype, order=order)
     try:
         return np.memmap(path, header.dtype, mode="r", offset=header.data_offset, shape=header.shape, order=order)
-    except (ValueError, OSError) as error:
+    except OSError as error:
+        raise os_error(error, f"cannot read {path}", InputError) from None
+    except ValueError as error:
         raise InputError(f"cannot read {path}: {_first_line(error)}") from None
 
 
@@ -162,9 +164,7 @@ class NpzArchive:
             self._zip = zipfile.ZipFile(stream)
         except OSError as error:
             stream.close()
-            if error.errno in (errno.EMFILE, errno.ENFILE):  # not the file's fault: say whose it is
-                raise DeviceError(f"cannot read {self.label}: too many open files in this process (raise the limit: ulimit -n)") from None
-            raise InputError(f"cannot read {self.label} as an .npz archive: {_first_line(error)}") from None
+            raise os_error(error, f"cannot read {self.label} as an .npz archive", InputError) from None
         except (zipfile.BadZipFile, EOFError, ValueError) as error:
             stream.close()
             raise InputError(f"cannot read {self.label} as an .npz archive: {_first_line(error)}") from None
@@ -184,7 +184,9 @@ class NpzArchive:
         try:
             with self._zip.open(self._members[key]) as member:
                 header = _parse_header(member, where)  # type: ignore[arg-type]
-        except (zipfile.BadZipFile, OSError, EOFError, ValueError, RuntimeError) as error:
+        except OSError as error:
+            raise os_error(error, f"cannot read {where}", InputError) from None
+        except (zipfile.BadZipFile, EOFError, ValueError, RuntimeError) as error:
             raise InputError(f"cannot read {where}: {_first_line(error)}") from None
         if header.nbytes > self._members[key].file_size:
             raise InputError(f"{where} is truncated: its header declares {header.nbytes} bytes of data")
@@ -199,7 +201,9 @@ class NpzArchive:
         try:
             with self._zip.open(self._members[key]) as member:
                 return _read_data(member, _parse_header(member, where))  # type: ignore[arg-type]
-        except (zipfile.BadZipFile, OSError, EOFError, ValueError, RuntimeError) as error:
+        except OSError as error:
+            raise os_error(error, f"cannot read {where}", InputError) from None
+        except (zipfile.BadZipFile, EOFError, ValueError, RuntimeError) as error:
             raise InputError(f"cannot read {where}: {_first_line(error)}") from None
 
     def load_all(self) -> dict[str, np.ndarray]:

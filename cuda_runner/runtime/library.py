@@ -18,7 +18,7 @@ import shutil
 import threading
 from typing import Any
 
-from ..errors import BundleError, ModelRuntimeError
+from ..errors import TOO_MANY_FILES, BundleError, DeviceError, ModelRuntimeError, too_many_open_files
 
 try:  # hashlib's BLAKE2 itself, without hashlib, which loads OpenSSL: about 7 ms of every run's start
     from _blake2 import blake2b
@@ -95,6 +95,8 @@ class ModelLibrary:
         try:
             self._cdll = self._open(data, label)
         except OSError as error:
+            if too_many_open_files(error):  # dlopen says so only in its text
+                raise DeviceError(f"cannot load model library {label!r}: {TOO_MANY_FILES}") from error
             raise ModelRuntimeError(f"cannot load model library {label!r}: {error}") from error
         self.handle: int | None = self._cdll._handle
 
