@@ -37,8 +37,8 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from cuda_runner.errors import InputError  # noqa: E402
-from cuda_runner.io.npy import ArrayHeader, _parse_header  # noqa: E402
+from cuda_runner.errors import InputError
+from cuda_runner.io.npy import ArrayHeader, _parse_header
 
 ALPHABET = "{}()[],:'\"\\ \n\t#LluUbr0123456789-+.xe_TrueFalsN\x00\x7f\xe9"
 DTYPES = ["<f4", "<f8", "<f2", "|u1", "|i1", "<i2", "<i4", "<i8", "|b1", "|V2", "bfloat16", ">f4", "<c8", "<U3", "|O", "<M8[ns]"]
@@ -46,8 +46,11 @@ DTYPES = ["<f4", "<f8", "<f2", "|u1", "|i1", "<i2", "<i4", "<i8", "|b1", "|V2", 
 
 def written_header(dtype: str, shape: tuple[int, ...], fortran: bool, version: tuple[int, int]) -> bytes:
     """A header as NumPy's writer makes it (the bfloat16 descr as cuda-runner writes it)."""
-    text = "{'descr': %r, 'fortran_order': %r, 'shape': %r, }" % (dtype, fortran, shape)
-    return frame(text, version)
+    return frame(_header_text(dtype, shape, fortran), version)
+
+
+def _header_text(dtype: str, shape: tuple[int, ...], fortran: bool) -> str:
+    return f"{{'descr': {dtype!r}, 'fortran_order': {fortran!r}, 'shape': {shape!r}, }}"
 
 
 def frame(text: str, version: tuple[int, int], length_delta: int = 0) -> bytes:
@@ -127,7 +130,7 @@ def numpy_reads(data: bytes) -> tuple[np.dtype, tuple[int, ...], bool] | BaseExc
             warnings.simplefilter("ignore")  # Python 2 headers are read with a warning
             version = np.lib.format.read_magic(handle)
             shape, fortran, dtype = _numpy_header_reader()(handle, version, max_header_size=1 << 20)
-    except BaseException as error:  # noqa: BLE001  (any refusal counts, whatever its kind)
+    except BaseException as error:  # any refusal counts, whatever its kind
         return error
     return np.dtype(dtype), tuple(shape), bool(fortran)
 
@@ -144,7 +147,7 @@ def violation(data: bytes) -> str | None:
     theirs = numpy_reads(data)
     try:
         ours = ours_reads(data)
-    except BaseException as error:  # noqa: BLE001
+    except BaseException as error:
         return f"cuda-runner's parser raised {type(error).__name__}: {error}"
     if isinstance(ours, InputError):
         return None  # refusing is always allowed
@@ -189,7 +192,7 @@ def corpus(count: int, seed: int) -> list[bytes]:
     entries += [written_header(*case) for case in valid]
     while len(entries) < count:
         dtype, shape, fortran, version = rng.choice(valid)
-        text = "{'descr': %r, 'fortran_order': %r, 'shape': %r, }" % (dtype, fortran, shape)
+        text = _header_text(dtype, shape, fortran)
         kind = rng.randrange(10)
         if kind == 0:  # the frame itself: a wrong length, version or magic
             data = bytearray(frame(text, version, rng.choice((-64, -1, 1, 64, 1 << 20))))
