@@ -228,6 +228,7 @@ def rename_imports(data: bytes | memoryview, renames: dict[str, str]) -> bytearr
 _PT_LOAD, _PT_DYNAMIC = 1, 2
 _PROGRAM = struct.Struct("<IIQQQQQQ")
 _DT_STRTAB, _DT_SYMTAB, _DT_STRSZ, _DT_RELA, _DT_RELASZ, _DT_JMPREL, _DT_PLTRELSZ = 5, 6, 10, 7, 8, 23, 2
+_DT_SYMENT, _DT_REL, _DT_PLTREL = 11, 17, 20
 # The version tables the loader finds through the dynamic segment, and the section type each must have.
 _VERSION_TABLES = ((0x6FFFFFF0, _SHT_GNU_VERSYM), (0x6FFFFFFC, _SHT_GNU_VERDEF), (0x6FFFFFFE, _SHT_GNU_VERNEED))
 _RELA = struct.Struct("<QQq")
@@ -265,11 +266,7 @@ def _check_dynamic_agrees(view: memoryview, sections: list[tuple[int, ...]]) -> 
     _kind, _flags, offset, _vaddr, _paddr, filesz, _memsz, _align = dynamic[0]
     if offset + filesz > len(view):
         raise _fail("its dynamic segment lies outside the file")
-    entries: dict[int, int] = {}
-    for tag, value in _DYNAMIC.iter_unpack(view[offset:offset + filesz - filesz % _DYNAMIC.size]):
-        if tag == 0:
-            break
-        entries.setdefault(tag, value)
+    entries = _loader_entries(view[offset:offset + filesz - filesz % _DYNAMIC.size])
     symbol_table = symbols[0]
     strings = sections[symbol_table[6]]
     if (_DT_SYMTAB not in entries or _DT_STRTAB not in entries or file_offset(entries[_DT_SYMTAB]) != symbol_table[4]
@@ -296,6 +293,30 @@ def _check_dynamic_agrees(view: memoryview, sections: list[tuple[int, ...]]) -> 
         for _offset, info, _addend in _RELA.iter_unpack(view[start:start + size - size % _RELA.size]):
             if info >> 32 >= count:
                 raise _fail("a relocation names a symbol outside its dynamic symbol table")
+
+
+# Tags the loader reads every entry of; for any other tag it keeps the last
+# entry it meets (glibc's elf_get_dynamic_info stores each in one slot).
+_MULTI_VALUED_TAGS = frozenset({_DT_NEEDED, 0x7FFFFFFD, 0x7FFFFFFF})  # DT_NEEDED, DT_AUXILIARY, DT_FILTER
+
+
+def _loader_entries(table: memoryview) -> dict[int, int]:
+    """The dynamic segment's entries as the loader reads them: up to the first
+    DT_NULL, one value per tag. A tag given twice is refused: this module and
+    the loader would each read another of its values (the first, the last),
+    and a second DT_STRTAB or DT_SYMTAB would bind imports the renaming never saw."""
+    entries: dict[int, int] = {}
+    for tag, value in _DYNAMIC.iter_unpack(table):
+        if tag == 0:
+            break
+        if tag in entries and tag not in _MULTI_VALUED_TAGS:
+            raise _fail(f"its dynamic table gives tag {tag:#x} twice, which the loader reads as one value")
+        entries[tag] = value
+    else:  # the loader would read on past the segment's end, into whatever memory follows it
+        raise _fail("its dynamic table has no DT_NULL entry to end it")
+    if entries.get(_DT_SYMENT, _SYMBOL.size) != _SYMBOL.size or entries.get(_DT_PLTREL, _DT_RELA) != _DT_RELA or _DT_REL in entries:
+        raise _fail("its dynamic table describes its symbols or relocations in a layout other than x86-64's")
+    return entries
 
 
 def _symbol_versions(view: memoryview, sections: list[tuple[int, ...]], dynsym_index: int) -> memoryview | None:
