@@ -240,6 +240,8 @@ struct Storage {
   CUstream stream = nullptr;  // where CUDA memory was allocated, for a free outside any stream guard
 };
 
+struct Group;
+
 struct Tensor {
   Storage *storage = nullptr;
   int64_t offset = 0;  // in elements
@@ -248,10 +250,46 @@ struct Tensor {
   int64_t *sizes = inline_dims;
   int64_t *strides = inline_dims + kInlineDims;
   int64_t inline_dims[2 * kInlineDims];
+  Group *group = nullptr;  // made while a capture was open (see Group)
 };
 
 std::atomic<int64_t> live_tensors{0};
 std::atomic<int64_t> live_storages{0};
+
+// Tensors made on one thread while a capture is open. The AOTInductor runtime
+// takes a handle of its own (new_tensor_handle) to each constant the caller
+// binds as user-managed, and never deletes it, not even when the container is
+// deleted: one tensor and one storage reference per bound constant per load.
+// The runtime opens a capture around the binding call and, once the container
+// is gone, releases what is still alive of it. A captured tensor deleted by
+// its owner leaves the group first, so nothing is freed twice, whatever a
+// later torch's container does with its handles.
+struct Group {
+  std::vector<Tensor *> members;
+};
+
+std::mutex group_lock;
+thread_local Group *capturing = nullptr;
+
+void join_group(Tensor *tensor) {
+  Group *group = capturing;
+  if (group == nullptr) return;
+  std::lock_guard<std::mutex> hold(group_lock);
+  group->members.push_back(tensor);
+  tensor->group = group;
+}
+
+void leave_group(Tensor *tensor) {
+  std::lock_guard<std::mutex> hold(group_lock);
+  auto &members = tensor->group->members;
+  for (auto it = members.begin(); it != members.end(); ++it) {
+    if (*it == tensor) {
+      members.erase(it);
+      break;
+    }
+  }
+  tensor->group = nullptr;
+}
 
 Storage *new_storage() {
   Storage *storage = new (std::nothrow) Storage();
@@ -303,10 +341,12 @@ Tensor *new_tensor(Storage *storage, int64_t offset, int64_t dim, const int64_t 
     memcpy(tensor->strides, strides, sizeof(int64_t) * dim);
   }
   live_tensors.fetch_add(1, std::memory_order_relaxed);
+  join_group(tensor);
   return tensor;
 }
 
 void delete_tensor(Tensor *tensor) {
+  if (tensor->group != nullptr) leave_group(tensor);
   release_storage(tensor->storage);
   if (tensor->sizes != tensor->inline_dims) delete[] tensor->sizes;
   live_tensors.fetch_sub(1, std::memory_order_relaxed);
@@ -683,6 +723,28 @@ EXPORT size_t cudarunner_dtype_element_size(int32_t dtype) { return element_size
 // ---------------------------------------------------------------- our own entry points
 EXPORT int32_t cudarunner_shim_abi_version() { return SHIM_ABI_VERSION; }
 EXPORT const char *cudarunner_shim_last_error() { return last_error.c_str(); }
+
+// A capture (see Group): begin returns it, end stops adding to it on this
+// thread, release deletes every tensor of it still alive, and the group.
+EXPORT void *cudarunner_shim_capture_begin() {
+  Group *group = new (std::nothrow) Group();
+  capturing = group;
+  return group;
+}
+EXPORT void cudarunner_shim_capture_end(void *) { capturing = nullptr; }
+EXPORT int64_t cudarunner_shim_capture_release(void *handle) {
+  Group *group = static_cast<Group *>(handle);
+  if (group == nullptr) return 0;
+  std::vector<Tensor *> members;
+  {
+    std::lock_guard<std::mutex> hold(group_lock);
+    members.swap(group->members);
+    for (Tensor *tensor : members) tensor->group = nullptr;
+  }
+  for (Tensor *tensor : members) delete_tensor(tensor);
+  delete group;
+  return static_cast<int64_t>(members.size());
+}
 
 // Live tensors and storages, so that tests can check that a run leaks none.
 EXPORT int64_t cudarunner_shim_live_tensors() { return live_tensors.load(); }

@@ -98,7 +98,10 @@ def bind_constants(
             )
             handles.append(handle)
             pairs += [(name, handle) for name in internal[constant.fqn]]
-        container.bind_constants(pairs)
+        # The library takes a handle of its own to each constant and never lets
+        # it go: released after the container (shim.capture).
+        with shim.capture(container.release_after_delete):
+            container.bind_constants(pairs)
     except BaseException:
         if not shared:
             memory.release()

@@ -34,6 +34,7 @@ class Container:
     def __init__(self, library: ModelLibrary, device: str, num_models: int = 1):
         self.library = library
         self._bind()
+        self._after_delete: list[Callable[[], None]] = []
         self._handle = Handle()
         self._check(self._create(ctypes.byref(self._handle), num_models, device.encode(), None), f"create the model container on {device}")
         self.num_models = num_models
@@ -209,10 +210,17 @@ class Container:
         """The address of the library's Run, for native callers (the call helper)."""
         return int(ctypes.cast(self._run, ctypes.c_void_p).value or 0)
 
+    def release_after_delete(self, release: Callable[[], None]) -> None:
+        """Call `release` once the container is deleted (what it held and never let go)."""
+        self._after_delete.append(release)
+
     def delete(self) -> None:
         if self._handle:
             self._delete(self._handle)
             self._handle = Handle()
+        releases, self._after_delete = self._after_delete, []
+        for release in releases:
+            release()
 
 
 class ConstantEntry(ctypes.Structure):

@@ -9,12 +9,13 @@ under another prefix (runtime/providers.py).
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import functools
 import importlib.util
 import os
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -85,6 +86,25 @@ class Shim:
         self.device_cuda = self._code(torch_cpu, "aoti_torch_device_type_cuda")
         self.layout_strided = self._code(torch_cpu, "aoti_torch_layout_strided")
         self.library_dir = Path(library._name).parent
+        self._capture = _Capture.of(library)
+
+    @contextlib.contextmanager
+    def capture(self, keep: Callable[[Callable[[], None]], None]) -> Iterator[None]:
+        """Tensors the provider makes on this thread inside the block are
+        released by the callable handed to `keep`, to be called once nothing
+        that may hold them is left (cuda-runner's shim: the handles a
+        container takes to user-managed constants and never deletes; libtorch
+        offers no such thing, and the block is then only a block)."""
+        if self._capture is None:
+            yield
+            return
+        capture = self._capture
+        group = capture.begin()
+        try:
+            yield
+        finally:
+            capture.end(group)
+            keep(lambda: capture.release(group))
 
     @staticmethod
     def _code(library: Any, symbol: str) -> int:
@@ -107,6 +127,25 @@ class Shim:
         """The message for a failed call: what the runtime was doing, and the provider's reason where it keeps one."""
         reason = self._last_error() if self._last_error is not None else ""
         return f"{self.label} shim call failed: {what}" + (f" ({reason})" if reason else "")
+
+
+class _Capture:
+    """cuda-runner's shim's tensor captures (aoti_shim.cpp, `Group`)."""
+
+    def __init__(self, library: ctypes.CDLL):
+        self.begin = library.cudarunner_shim_capture_begin
+        self.begin.restype, self.begin.argtypes = ctypes.c_void_p, ()
+        self.end = library.cudarunner_shim_capture_end
+        self.end.restype, self.end.argtypes = None, (ctypes.c_void_p,)
+        self.release = library.cudarunner_shim_capture_release
+        self.release.restype, self.release.argtypes = ctypes.c_int64, (ctypes.c_void_p,)
+
+    @staticmethod
+    def of(library: ctypes.CDLL) -> _Capture | None:
+        try:
+            return _Capture(library)
+        except AttributeError:
+            return None
 
 
 class _Prefixed:

@@ -80,6 +80,28 @@ def test_both_methods_match_eager_and_load_the_shared_weight_once(two_methods):
 
 
 @pytest.mark.heavy
+def test_load_and_close_leave_no_shim_tensor_behind(two_methods):
+    """Constants bound by name (user-managed): the library takes a handle of its
+    own to each and never deletes it, not even with its container; one tensor
+    and one storage stayed behind per constant per load (20 cycles: 1 -> 21)."""
+    import ctypes
+
+    from cuda_runner.runtime.providers import load_own_provider, own_shim_path
+
+    path, _ = two_methods
+    load_own_provider("cpu")
+    shim = ctypes.CDLL(str(own_shim_path()))
+    for name in ("cudarunner_shim_live_tensors", "cudarunner_shim_live_storages"):
+        getattr(shim, name).restype = ctypes.c_int64
+    before = shim.cudarunner_shim_live_tensors(), shim.cudarunner_shim_live_storages()
+    for _ in range(20):
+        with cuda_runner.load(path, "cpu", provider="shim") as model:
+            for name, args in EXAMPLES.items():
+                model.run({"x": args[0].numpy()}, method=name)
+    assert (shim.cudarunner_shim_live_tensors(), shim.cudarunner_shim_live_storages()) == before
+
+
+@pytest.mark.heavy
 def test_inspect_says_which_methods_share_a_segment(two_methods):
     path, _ = two_methods
     text = cli("inspect", str(path))
