@@ -22,6 +22,7 @@
 #include <dlfcn.h>
 #include <pthread.h>
 
+#include <algorithm>
 #include <atomic>
 #include <cmath>
 #include <cstdarg>
@@ -355,11 +356,37 @@ void delete_tensor(Tensor *tensor) {
 
 Tensor *as_tensor(void *handle) { return static_cast<Tensor *>(handle); }
 
+// The element count, saturated at INT64_MAX: a broadcast view (zero strides)
+// may have more elements than any memory, though it addresses few.
 int64_t numel_of(int64_t dim, const int64_t *sizes) {
   int64_t count = 1;
-  for (int64_t d = 0; d < dim; ++d) count *= sizes[d];
+  for (int64_t d = 0; d < dim; ++d) {
+    if (sizes[d] == 0) return 0;
+    if (__builtin_mul_overflow(count, sizes[d], &count)) count = INT64_MAX;
+  }
   return count;
 }
+
+// Whether no two elements of this layout share memory: dims sorted by
+// stride, each stride must step past everything the smaller ones address.
+// Dims of size 1 address nothing new; a dim of stride 0 and size above 1 overlaps.
+bool non_overlapping(int64_t dim, const int64_t *sizes, const int64_t *strides) {
+  std::vector<std::pair<int64_t, int64_t>> dims;  // (stride, size)
+  for (int64_t d = 0; d < dim; ++d) {
+    if (sizes[d] == 0) return true;
+    if (sizes[d] != 1) dims.emplace_back(strides[d], sizes[d]);
+  }
+  std::sort(dims.begin(), dims.end());
+  int64_t reach = 0;  // elements addressed by the dims so far, from the first
+  for (auto [stride, size] : dims) {
+    if (stride <= reach) return false;
+    int64_t step;
+    if (__builtin_mul_overflow(size - 1, stride, &step) || __builtin_add_overflow(reach, step, &reach)) return false;
+  }
+  return true;
+}
+
+bool non_overlapping(const Tensor *tensor) { return non_overlapping(tensor->dim, tensor->sizes, tensor->strides); }
 
 // Elements from the first one addressed to one past the last; 0 when empty.
 // False for negative sizes or strides, or a span that overflows.
@@ -393,6 +420,24 @@ bool is_contiguous(const Tensor *tensor) {
 char *data_of(const Tensor *tensor) {
   if (tensor->storage == nullptr || tensor->storage->data == nullptr) return nullptr;
   return static_cast<char *>(tensor->storage->data) + tensor->offset * static_cast<int64_t>(element_size(tensor->dtype));
+}
+
+// The bytes a tensor's elements occupy, from its first to one past its last; false when it has none.
+bool byte_range(const Tensor *tensor, uintptr_t *begin, uintptr_t *end) {
+  int64_t span = 0;
+  if (data_of(tensor) == nullptr || !span_of(tensor->dim, tensor->sizes, tensor->strides, &span) || span == 0) return false;
+  *begin = reinterpret_cast<uintptr_t>(data_of(tensor));
+  *end = *begin + static_cast<uintptr_t>(span) * element_size(tensor->dtype);
+  return true;
+}
+
+// Whether two tensors' element bytes meet (on one device: addresses of two devices never compare).
+bool ranges_meet(const Tensor *a, const Tensor *b) {
+  uintptr_t a_begin, a_end, b_begin, b_end;
+  if (!byte_range(a, &a_begin, &a_end) || !byte_range(b, &b_begin, &b_end)) return false;
+  int32_t a_device = a->storage ? a->storage->device_type : kDeviceCpu, b_device = b->storage ? b->storage->device_type : kDeviceCpu;
+  if (a_device != b_device) return false;
+  return a_begin < b_end && b_begin < a_end;
 }
 
 Status check_shape(int64_t dim, const int64_t *sizes, const int64_t *strides) {
@@ -530,6 +575,13 @@ Status copy_into(Tensor *destination, const Tensor *source) {
   for (int64_t d = 0; d < source->dim; ++d)
     if (destination->sizes[d] != source->sizes[d]) return fail("copy between tensors of different sizes");
   if (numel_of(source->dim, source->sizes) == 0) return kOk;
+  // As libtorch refuses them: a destination whose elements share memory, and
+  // a source that partly overlaps it (read after written: wrong numbers).
+  if (!non_overlapping(destination)) return fail("copy_: more than one element of the written-to tensor refers to a single memory location");
+  if (ranges_meet(destination, source)) {
+    if (data_of(destination) == data_of(source) && same_layout(destination, source)) return kOk;  // a copy onto itself
+    return fail("copy_: the source and the destination overlap in memory");
+  }
   size_t size = element_size(source->dtype);
   int32_t to_device = device_of(destination), from_device = device_of(source);
   int32_t index = to_device == kDeviceCuda ? destination->storage->device_index : from_device == kDeviceCuda ? source->storage->device_index : 0;
@@ -605,6 +657,14 @@ void matmul(T *out, const int64_t *out_strides, const T *self, const int64_t *se
 
 Status cpu_addmm(Tensor *out, const Tensor *self, const Tensor *a, const Tensor *b, double beta, double alpha) {
   if (a->dim != 2 || b->dim != 2 || out->dim != 2) return fail("addmm/mm needs 2-D matrices");
+  for (const Tensor *matrix : {static_cast<const Tensor *>(out), a, b}) if (require_data(matrix) != kOk) return kFailure;
+  if (self != nullptr && require_data(self) != kOk) return kFailure;
+  // out is written while a, b and self are read: they may not share its memory
+  // (self may be out itself, which is read before it is written).
+  if (!non_overlapping(out)) return fail("addmm/mm: more than one element of out refers to a single memory location");
+  if (ranges_meet(out, a) || ranges_meet(out, b)) return fail("addmm/mm: out overlaps an input matrix in memory");
+  if (self != nullptr && ranges_meet(out, self) && !(data_of(out) == data_of(self) && same_layout(out, self)))
+    return fail("addmm: out overlaps the added matrix in memory");
   int64_t m = a->sizes[0], k = a->sizes[1], n = b->sizes[1];
   if (b->sizes[0] != k || out->sizes[0] != m || out->sizes[1] != n) return fail("addmm/mm: matrix sizes do not match");
   if (a->dtype != b->dtype || out->dtype != a->dtype) return fail("addmm/mm: mixed dtypes");
@@ -955,7 +1015,11 @@ EXPORT Status cudarunner__reinterpret_tensor(void *handle, int64_t dim, const in
   GUARD_NULL(handle);
   GUARD_NULL(result);
   Tensor *source = as_tensor(handle);
-  return make_view(source, dim, sizes, strides, source->offset + offset_increment, result);
+  int64_t offset;
+  if (__builtin_add_overflow(source->offset, offset_increment, &offset)) return fail("_reinterpret_tensor: the offset overflows");
+  // Unlike libtorch's, which trusts it: a view past its storage would let the
+  // next clone or copy read or write past the allocation.
+  return make_view(source, dim, sizes, strides, offset, result, true);
 }
 
 EXPORT Status cudarunner_as_strided(void *handle, const int64_t *sizes, const int64_t *strides, void **result) {
@@ -1065,49 +1129,77 @@ EXPORT Status cudarunner_tensor_copy_(void *source, void *destination) {
   return copy_into(as_tensor(destination), as_tensor(source));
 }
 
+// A tensor over memory it does not own (a stack object: never counted, never freed).
+struct BorrowedView {
+  Storage storage;
+  Tensor tensor;
+  std::vector<int64_t> dims;
+
+  BorrowedView(const Tensor *like, void *data, size_t bytes, int32_t device_type, int32_t device_index, std::vector<int64_t> sizes,
+               std::vector<int64_t> strides)
+      : dims(2 * sizes.size()) {
+    storage.data = data;
+    storage.bytes = bytes;
+    storage.device_type = device_type;
+    storage.device_index = device_index;
+    storage.references = 2;  // never released through the tensor
+    tensor.storage = &storage;
+    tensor.dim = static_cast<int64_t>(sizes.size());
+    tensor.dtype = like->dtype;
+    tensor.sizes = dims.data();
+    tensor.strides = dims.data() + sizes.size();
+    std::copy(sizes.begin(), sizes.end(), tensor.sizes);
+    std::copy(strides.begin(), strides.end(), tensor.strides);
+  }
+  ~BorrowedView() {
+    tensor.storage = nullptr;
+    tensor.sizes = tensor.inline_dims;  // the vector owns the dims
+  }
+};
+
 EXPORT Status cudarunner_zero_(void *handle) {
   GUARD_NULL(handle);
   Tensor *tensor = as_tensor(handle);
   if (numel_of(tensor->dim, tensor->sizes) == 0) return kOk;
   if (require_data(tensor) != kOk) return kFailure;
+  // Zeros written twice to one element are still zeros: dims of stride 0 (a
+  // broadcast view, whose element count may exceed any memory) are written
+  // once. What remains must address each element once.
+  std::vector<int64_t> sizes, strides;
+  for (int64_t d = 0; d < tensor->dim; ++d) {
+    if (tensor->sizes[d] != 1 && tensor->strides[d] != 0) {
+      sizes.push_back(tensor->sizes[d]);
+      strides.push_back(tensor->strides[d]);
+    }
+  }
+  if (!non_overlapping(static_cast<int64_t>(sizes.size()), sizes.data(), strides.data()))
+    return fail("zero_: the tensor's elements overlap in memory in a way this shim does not write");
   size_t size = element_size(tensor->dtype);
-  if (is_contiguous(tensor)) {
-    size_t bytes = numel_of(tensor->dim, tensor->sizes) * size;
-    if (device_of(tensor) == kDeviceCpu) {
+  int32_t device = device_of(tensor), index = device == kDeviceCuda ? tensor->storage->device_index : 0;
+  BorrowedView target(tensor, tensor->storage->data, tensor->storage->bytes, device, index, sizes, strides);
+  target.tensor.offset = tensor->offset;
+  int64_t count = numel_of(target.tensor.dim, target.tensor.sizes);  // at most the span: no element twice
+  if (is_contiguous(&target.tensor)) {
+    size_t bytes = static_cast<size_t>(count) * size;
+    if (device == kDeviceCpu) {
       memset(data_of(tensor), 0, bytes);
       return kOk;
     }
-    int32_t index = tensor->storage->device_index;
     DeviceScope scope(index);
     if (scope.status() != kOk) return kFailure;
     CU(driver.cuMemsetD8Async(reinterpret_cast<CUdeviceptr>(data_of(tensor)), 0, bytes, stream_for(index)), "cuMemsetD8Async");
     return kOk;
   }
-  // Strided: copy from a contiguous block of zeros.
-  std::vector<int64_t> strides(tensor->dim);
+  // Strided: copied from a contiguous block of zeros.
+  std::vector<int64_t> contiguous(sizes.size());
   int64_t step = 1;
-  for (int64_t d = tensor->dim - 1; d >= 0; --d) {
-    strides[d] = step;
-    step *= tensor->sizes[d];
+  for (int64_t d = static_cast<int64_t>(sizes.size()) - 1; d >= 0; --d) {
+    contiguous[d] = step;
+    step *= sizes[d];
   }
-  std::vector<char> zeros(numel_of(tensor->dim, tensor->sizes) * size, 0);
-  Storage storage;
-  storage.data = zeros.data();
-  storage.bytes = zeros.size();
-  storage.references = 2;  // never released through the tensor below
-  Tensor source;
-  source.storage = &storage;
-  source.dim = tensor->dim;
-  source.dtype = tensor->dtype;
-  std::vector<int64_t> dims(2 * tensor->dim);
-  source.sizes = dims.data();
-  source.strides = dims.data() + tensor->dim;
-  memcpy(source.sizes, tensor->sizes, sizeof(int64_t) * tensor->dim);
-  memcpy(source.strides, strides.data(), sizeof(int64_t) * tensor->dim);
-  Status status = copy_into(tensor, &source);
-  source.storage = nullptr;
-  source.sizes = source.inline_dims;  // the vector owns the dims
-  return status;
+  std::vector<char> zeros(static_cast<size_t>(count) * size, 0);
+  BorrowedView source(tensor, zeros.data(), zeros.size(), kDeviceCpu, 0, sizes, contiguous);
+  return copy_into(&target.tensor, &source.tensor);
 }
 
 #define ITEM(name, type, code) \
@@ -1238,6 +1330,9 @@ EXPORT Status cudarunner_cpu_bmm_out(void *out, void *a, void *b) {
   GUARD_NULL(b);
   Tensor *o = as_tensor(out), *x = as_tensor(a), *y = as_tensor(b);
   if (o->dim != 3 || x->dim != 3 || y->dim != 3 || x->sizes[0] != y->sizes[0] || o->sizes[0] != x->sizes[0]) return fail("bmm needs 3-D batches of one size");
+  for (Tensor *batch : {o, x, y}) if (require_data(batch) != kOk) return kFailure;
+  if (!non_overlapping(o)) return fail("bmm: more than one element of out refers to a single memory location");
+  if (ranges_meet(o, x) || ranges_meet(o, y)) return fail("bmm: out overlaps an input in memory");
   for (int64_t batch = 0; batch < x->sizes[0]; ++batch) {
     Tensor o2, x2, y2;
     for (auto [target, source] : {std::pair<Tensor *, Tensor *>{&o2, o}, {&x2, x}, {&y2, y}}) {

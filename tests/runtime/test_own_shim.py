@@ -155,6 +155,105 @@ def test_bad_arguments_fail_with_a_reason_and_never_crash(lib, case):
     assert live(lib) == before
 
 
+def _view(lib, base: int, sizes, strides, offset=0) -> int:
+    view = H()
+    assert lib.cudarunner__reinterpret_tensor(H(base), ctypes.c_int64(len(sizes)), dims(*sizes), dims(*strides), ctypes.c_int64(offset),
+                                              ctypes.byref(view)) == 0
+    return view.value
+
+
+def test_zero_of_a_broadcast_view_writes_each_element_once_and_refuses_what_it_cannot(lib):
+    """zero_ of a zero-stride view whose element count overflows returned 0 and zeroed nothing."""
+    before = live(lib)
+    array = np.arange(1, 9, dtype=np.float32)
+    base = wrap(lib, array)
+    broadcast = _view(lib, base, (1 << 62, 4), (0, 1))  # 2^64 elements, four bytes apart... four floats
+    assert lib.cudarunner_zero_(H(broadcast)) == 0
+    np.testing.assert_array_equal(array, [0, 0, 0, 0, 5, 6, 7, 8])
+    every_other = _view(lib, base, (2,), (2,), 4)
+    array[:] = 1
+    assert lib.cudarunner_zero_(H(every_other)) == 0
+    np.testing.assert_array_equal(array, [1, 1, 1, 1, 0, 1, 0, 1])
+    overlapping = _view(lib, base, (3, 3), (1, 1))  # element 1 is [0, 1] and [1, 0]: no loop writes each once
+    status = lib.cudarunner_zero_(H(overlapping))
+    assert status == 1 and b"overlap" in lib.cudarunner_shim_last_error()
+    for handle in (base, broadcast, every_other, overlapping):
+        lib.cudarunner_delete_tensor_object(H(handle))
+    assert live(lib) == before
+
+
+def test_a_gemm_whose_out_shares_memory_with_an_input_is_refused(lib):
+    """cpu_mm_out with out aliasing an input, or with a zero-stride out, returned 0 with wrong numbers."""
+    before = live(lib)
+    rng = np.random.default_rng(3)
+    a, b = rng.standard_normal((4, 4)).astype(np.float32), rng.standard_normal((4, 4)).astype(np.float32)
+    ha, hb = wrap(lib, a), wrap(lib, b)
+    original = a.copy()
+    assert lib.cudarunner_cpu_mm_out(H(ha), H(ha), H(hb)) == 1  # out is a
+    np.testing.assert_array_equal(a, original)  # refused before anything was written
+    out = np.zeros((4, 4), np.float32)
+    ho = wrap(lib, out)
+    column = _view(lib, ho, (4, 4), (1, 0))  # every column the same four floats
+    assert lib.cudarunner_cpu_mm_out(H(column), H(ha), H(hb)) == 1
+    part = _view(lib, ha, (2, 4), (4, 1), 8)  # the last two rows of a, as out of a 2x4 product of a's first rows
+    top = _view(lib, ha, (2, 4), (4, 1))
+    assert lib.cudarunner_cpu_mm_out(H(part), H(top), H(hb)) == 0  # apart in memory: fine
+    np.testing.assert_allclose(a[2:], original[:2] @ b, rtol=1e-5)
+    total = np.ones((4, 4), np.float32)
+    ht = wrap(lib, total)
+    assert lib.cudarunner_cpu_addmm_out(H(ht), H(ht), H(hb), H(hb), ctypes.c_double(1.0), ctypes.c_double(1.0)) == 0  # out is self: allowed
+    np.testing.assert_allclose(total, 1 + b @ b, rtol=1e-5)
+    for handle in (ha, hb, ho, column, part, top, ht):
+        lib.cudarunner_delete_tensor_object(H(handle))
+    assert live(lib) == before
+
+
+def test_copy_between_overlapping_views_is_refused(lib):
+    """copy_ between views that overlap returned 0 with wrong numbers (an element read after it was written)."""
+    before = live(lib)
+    array = np.arange(8, dtype=np.float32)
+    base = wrap(lib, array)
+    head, shifted = _view(lib, base, (6,), (1,)), _view(lib, base, (6,), (1,), 2)
+    assert lib.cudarunner_copy_(H(shifted), H(head), 0) == 1
+    np.testing.assert_array_equal(array, np.arange(8))
+    assert lib.cudarunner_copy_(H(head), H(head), 0) == 0  # onto itself: nothing to do
+    repeated = _view(lib, base, (3,), (0,))
+    source = wrap(lib, np.array([7, 8, 9], np.float32))
+    assert lib.cudarunner_copy_(H(repeated), H(source), 0) == 1  # three values into one element
+    for handle in (base, head, shifted, repeated, source):
+        lib.cudarunner_delete_tensor_object(H(handle))
+    assert live(lib) == before
+
+
+_PAST_THE_STORAGE = """
+import ctypes, sys
+import numpy as np
+sys.path.insert(0, sys.argv[1])
+from test_own_shim import H, dims, wrap
+from cuda_runner.runtime.providers import load_own_provider, own_shim_path
+load_own_provider("cpu")
+lib = ctypes.CDLL(str(own_shim_path()))
+lib.cudarunner_shim_last_error.restype = ctypes.c_char_p
+base = wrap(lib, np.zeros(4, np.float32))
+view, clone = H(), H()
+status = lib.cudarunner__reinterpret_tensor(H(base), ctypes.c_int64(1), dims(1 << 24), dims(1), ctypes.c_int64(0), ctypes.byref(view))
+if status == 0:
+    lib.cudarunner_clone(view, ctypes.byref(clone))
+print(status, lib.cudarunner_shim_last_error().decode())
+"""
+
+
+def test_a_reinterpreted_view_past_its_storage_is_refused():
+    """_reinterpret_tensor past the storage, then clone, was a SIGSEGV (in a process of its own here)."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    result = subprocess.run([sys.executable, "-c", _PAST_THE_STORAGE, str(Path(__file__).parent)], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr[-500:]
+    assert result.stdout.strip() == "1 a view reaches past the end of its storage"
+
+
 def test_deleters_never_fail_and_codes_are_libtorchs(lib):
     # Generated code deletes from destructors, where a failure status ends the process.
     assert lib.cudarunner_delete_tensor_object(None) == 0
