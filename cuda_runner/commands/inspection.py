@@ -225,11 +225,10 @@ def program_json(info: ProgramInfo, shim_check: dict[str, tuple[list[str] | None
 
 def _provider_needs(reader: Any, spec: MethodSpec) -> tuple[bool | None, str]:
     """Which shim provider the method's library would run on, read from its file (nothing is loaded)."""
-    from ..format.elf import read_library_facts
     from ..runtime.providers import runs_on
 
     try:
-        return runs_on(read_library_facts(reader.segment(spec.library_segment, verify=False)))
+        return runs_on(reader.segment(spec.library_segment, verify=False))
     except (BundleError, OSError) as error:
         return None, f"the library cannot be read: {error}"
 

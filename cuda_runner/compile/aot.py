@@ -218,13 +218,11 @@ def _math_attention(torch: Any) -> Any:
 
 def _check_standalone(library: bytes) -> None:
     """Refuse a --standalone library that still imports what only libtorch provides."""
-    from ..format.elf import read_library_facts
-    from ..runtime.providers import missing_from_own_shim
+    from ..runtime.providers import own_shim_refusal
 
-    missing = missing_from_own_shim([read_library_facts(library)])
-    if missing:
-        shown = ", ".join(missing[:8]) + (f" and {len(missing) - 8} more" if len(missing) > 8 else "")
-        raise CompileError(f"--standalone: the compiled library still needs {shown} from libtorch, which cuda-runner's shim does not provide; "
+    refusal = own_shim_refusal(library)
+    if refusal is not None:
+        raise CompileError(f"--standalone: the compiled library cannot run without libtorch: {refusal}; "
                            "compile without --standalone to run it on libtorch")
 
 

@@ -12,7 +12,7 @@ is loaded from a private copy whose imports are renamed to match
 Each library is bound to one provider, chosen before it is loaded, and both
 providers can serve libraries in one process.
 
-The choice (`choose_provider`), for `provider="auto"`:
+The choice (`bind_library`, by `own_shim_refusal`'s rule, which `inspect` reports too), for `provider="auto"`:
 - CPU libraries: our shim when it provides every function the library imports,
   and either the library calls no compute kernel from its provider or libtorch
   is not installed; libtorch otherwise (its GEMM and convolution kernels are
@@ -128,49 +128,56 @@ def libtorch_installed() -> bool:
     return importlib.util.find_spec("torch") is not None
 
 
-def runs_on(facts: LibraryFacts) -> tuple[bool, str]:
-    """(needs libtorch, where it runs and why), as `inspect` reports a library under provider auto."""
+def own_shim_refusal(library: bytes | memoryview, facts: LibraryFacts | None = None) -> str | None:
+    """Why cuda-runner's shim cannot serve this library, or None: the one rule
+    behind `inspect`, `compile --standalone`, `--provider shim` and `auto`.
+    It lacks a function the library imports, or the library's imports cannot
+    be renamed to bind to it (an import that asks for a symbol version, say)."""
+    facts = facts if facts is not None else read_library_facts(library)
     missing = missing_from_own_shim([facts])
     if missing:
-        return True, f"libtorch (cuda-runner's shim lacks {_listed(missing)})"
+        return f"cuda-runner's shim lacks {_listed(missing)}"
+    try:
+        rename_imports(library, RENAMES)
+    except BundleError as error:
+        return f"its imports cannot be bound to cuda-runner's shim ({str(error).removeprefix('model library: ')})"
+    return None
+
+
+def runs_on(library: bytes | memoryview) -> tuple[bool, str]:
+    """(needs libtorch, where it runs and why), as `inspect` reports a library under provider auto."""
+    facts = read_library_facts(library)
+    refusal = own_shim_refusal(library, facts)
+    if refusal is not None:
+        return True, f"libtorch ({refusal})"
     kernels = sorted(name for name in provider_imports(facts) if is_compute_kernel(name))
     if kernels:
         return False, f"libtorch where it is installed, for its {_listed(kernels)}; else cuda-runner's shim (no torch needed)"
     return False, "cuda-runner's shim (no torch needed)"
 
 
-def choose_provider(libraries: Iterable[bytes | memoryview | LibraryFacts], device_type: str, preference: str = "auto") -> Provider:
-    """The provider these libraries (a method's model library and call helper) run on, loaded."""
-    facts = [item if isinstance(item, LibraryFacts) else read_library_facts(item) for item in libraries]
-    check_provider(preference)
-    missing = missing_from_own_shim(facts)
-    if preference == LIBTORCH_NAME:
-        return load_libtorch_provider(device_type)
-    if preference == "shim":
-        if missing:
-            raise DeviceError(f"cuda-runner's shim lacks {_listed(missing)}, which this model library imports; run it with --provider auto or libtorch")
-        return load_own_provider(device_type)
-    computes = any(is_compute_kernel(name) for item in facts for name in provider_imports(item))
-    if not missing and (not computes or not libtorch_installed()):
-        return load_own_provider(device_type)
-    if libtorch_installed():
-        return load_libtorch_provider(device_type)
-    raise DeviceError(
-        f"this model library needs libtorch (cuda-runner's shim lacks {_listed(missing)}); "
-        "install it with: pip install 'cuda-runner[torch]', or compile the model with --standalone")
-
-
 def bind_library(library: bytes, device_type: str, preference: str = "auto") -> tuple[Provider, bytes | bytearray]:
-    """The provider a model library runs on, loaded, and the bytes to load for it.
-    A library whose imports cannot be renamed safely (format.elf.rename_imports)
-    runs on libtorch where the choice was ours to make."""
-    chosen = choose_provider([library], device_type, preference)
-    try:
-        return chosen, chosen.prepare(library)
-    except BundleError:
-        if preference != "auto" or not libtorch_installed():
-            raise
+    """The provider a model library runs on, loaded, and the bytes to load for
+    it (for our shim, the copy with its imports renamed), by own_shim_refusal's rule."""
+    check_provider(preference)
+    if preference == LIBTORCH_NAME:
         return load_libtorch_provider(device_type), library
+    facts = read_library_facts(library)
+    missing = missing_from_own_shim([facts])
+    computes = any(is_compute_kernel(name) for name in provider_imports(facts))
+    refusal: str | None = f"cuda-runner's shim lacks {_listed(missing)}" if missing else None
+    if refusal is None and (preference == "shim" or not computes or not libtorch_installed()):
+        try:
+            return load_own_provider(device_type), rename_imports(library, RENAMES)
+        except BundleError as error:
+            refusal = f"its imports cannot be bound to cuda-runner's shim ({str(error).removeprefix('model library: ')})"
+    if preference == "shim":
+        raise DeviceError(f"{refusal}; run it with --provider auto or libtorch")
+    if libtorch_installed():
+        return load_libtorch_provider(device_type), library
+    raise DeviceError(
+        f"this model library needs libtorch ({refusal}); "
+        "install it with: pip install 'cuda-runner[torch]', or compile the model with --standalone")
 
 
 def _listed(names: list[str]) -> str:

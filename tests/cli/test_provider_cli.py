@@ -80,3 +80,45 @@ def test_compile_standalone_for_cpu_writes_a_bundle_that_runs_without_torch(tmp_
     result = run_cli("run", str(bundle), "--random-inputs", "--provider", "shim", "--json", env=no_torch_env)
     assert result.returncode == 0, result.stderr
     assert json.loads(result.stdout)["outputs"]
+
+
+VERSIONED = """
+extern int aoti_torch_get_dim(void *, long *);
+int model_run(void *handle, long *dim) { return aoti_torch_get_dim(handle, dim); }
+"""
+
+
+def _library_with_a_versioned_import(folder) -> bytes:
+    """A library whose aoti_torch_ import asks for a symbol version (linked against a provider that defines one)."""
+    import shutil
+
+    if shutil.which("gcc") is None:
+        pytest.skip("needs gcc")
+    (folder / "provider.c").write_text("int aoti_torch_get_dim(void *h, long *d) { *d = 0; return 0; }\n")
+    (folder / "provider.map").write_text("TORCH_2 { global: aoti_torch_get_dim; local: *; };\n")
+    (folder / "model.c").write_text(VERSIONED)
+    subprocess.run(["gcc", "-shared", "-fPIC", "-o", str(folder / "libprovider.so"), str(folder / "provider.c"),
+                    f"-Wl,--version-script={folder / 'provider.map'}"], check=True)
+    subprocess.run(["gcc", "-shared", "-fPIC", "-o", str(folder / "model.so"), str(folder / "model.c"), f"-L{folder}", "-lprovider"], check=True)
+    return (folder / "model.so").read_bytes()
+
+
+def test_inspect_and_run_use_one_rule_for_a_library_the_shim_cannot_bind(tmp_path, no_torch_env):
+    """A versioned aoti_torch_ import: inspect said "runs on: cuda-runner's shim" while run --provider shim refused it."""
+    from forge import forge, method
+
+    library = _library_with_a_versioned_import(tmp_path)
+    bundle = tmp_path / "versioned.bundle"
+    bundle.write_bytes(forge({"format": "cuda-runner-bundle", "methods": {"forward": method(weights=None)}}, {"m_so": library}))
+    reason = "its imports cannot be bound to cuda-runner's shim (its import 'aoti_torch_get_dim' asks for a symbol version"
+    shown = cli("inspect", str(bundle))
+    assert shown.returncode == 0, shown.stderr
+    assert f"runs on: libtorch ({reason}" in shown.stdout
+    document = json.loads(cli("inspect", str(bundle), "--json").stdout)
+    assert document["methods"]["forward"]["needs_libtorch"] is True
+    refused = cli("run", str(bundle), "--random-inputs", "--shape", "x=2x4", "--provider", "shim")
+    assert refused.returncode == 4
+    assert refused.error_lines[0].startswith(f"error: {reason}")
+    without_torch = run_cli("run", str(bundle), "--random-inputs", "--shape", "x=2x4", env=no_torch_env)
+    assert without_torch.returncode == 4
+    assert f"needs libtorch ({reason}" in without_torch.stderr

@@ -494,9 +494,11 @@ def test_a_library_that_needs_libtorch_on_a_machine_without_it_is_one_clear_erro
     from cuda_runner.runtime import providers
 
     monkeypatch.setattr(providers, "libtorch_installed", lambda: False)
-    facts = LibraryFacts(needed=(), undefined=("aoti_torch_cpu_convolution", "aoti_torch_empty_strided"), kernels=())
-    with pytest.raises(DeviceError, match=r"needs libtorch \(cuda-runner's shim lacks aoti_torch_cpu_convolution\); install it with") as refused:
-        providers.choose_provider([facts], "cpu")
+    facts = LibraryFacts(needed=(), undefined=("aoti_torch_proxy_executor_call_function", "aoti_torch_empty_strided"), kernels=())
+    monkeypatch.setattr(providers, "read_library_facts", lambda library: facts)
+    lacks = r"cuda-runner's shim lacks aoti_torch_proxy_executor_call_function"
+    with pytest.raises(DeviceError, match=rf"needs libtorch \({lacks}\); install it with") as refused:
+        providers.bind_library(b"", "cpu")
     assert refused.value.exit_code == 4
-    with pytest.raises(DeviceError, match="lacks aoti_torch_cpu_convolution"):
-        providers.choose_provider([facts], "cpu", "shim")
+    with pytest.raises(DeviceError, match=lacks):
+        providers.bind_library(b"", "cpu", "shim")
