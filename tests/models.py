@@ -76,17 +76,22 @@ BUILDERS["linear"] = linear
 
 class Writer(torch.nn.Module):
     """Writes what a run changes: its buffer adds up every x it is given (a KV
-    cache in miniature), and it doubles its input y in place."""
+    cache in miniature), a step counter counts the runs (a new value from
+    buffers alone, which Inductor's constant folding once froze), and it
+    doubles its input y in place. `offset` is a buffer no run writes."""
 
     def __init__(self) -> None:
         super().__init__()
         self.register_buffer("total", torch.full((4,), 0.5))
+        self.register_buffer("steps", torch.zeros((), dtype=torch.int64))
+        self.register_buffer("offset", torch.tensor([0.25, -0.5, 0.75, -1.0]))
         self.scale = torch.nn.Parameter(torch.tensor([1.0, 2.0, 3.0, 4.0]))
 
     def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         self.total.add_(x)
+        self.steps.add_(1)
         y.mul_(2.0)
-        return self.total * self.scale + y
+        return self.total * self.scale + y + self.offset * x + self.steps
 
 
 def writer():

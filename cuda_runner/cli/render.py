@@ -238,6 +238,9 @@ def _wiring_lines(spec: MethodSpec) -> list[str]:
     mutated = spec.compile_options.get(MUTATED_BUFFERS_OPTION)
     if mutated:
         lines.append(clean(f"  state: {', '.join(str(name) for name in mutated[:8])}{' ...' if len(mutated) > 8 else ''} change on every run (kept between calls; one lane)"))
+        if spec.compile_options.get("joint_graph_constant_folding") is not False:
+            lines.append("  state caveat: compiled with Inductor's joint-graph constant folding on, which freezes a buffer whose new value "
+                         "comes from buffers alone (a step counter): recompile with this cuda-runner to keep such a buffer")
     return lines
 
 

@@ -20,7 +20,7 @@ from typing import Any
 from ..errors import CompileError, InputError
 from ..files import check_destination, require_regular
 from ..format import Manifest, MethodSpec, write_bundle
-from ..format.manifest import CALL_HELPER, MUTATED_BUFFERS_OPTION, MUTATED_INPUTS_OPTION, method_name_problem
+from ..format.manifest import CALL_HELPER, MUTATED_BUFFERS_OPTION, MUTATED_INPUTS_OPTION, READ_ONLY_BUFFERS_OPTION, method_name_problem
 from ..version import __version__
 from . import sharing
 from .aot import DEFAULT_CPU_TARGET, NO_GPU, Progress, check_cpu_target, check_device, check_options, compile_program, import_torch
@@ -288,6 +288,10 @@ def with_call_helper(methods: Mapping[str, MethodSpec], segments: dict[str, Any]
 class _WrittenState:
     buffers: list[str]  # buffers a run writes to (state the next run sees)
     inputs: list[str]  # inputs a run writes into, in the signature's order
+    read_only: list[str]  # the program's other buffers
+
+    def options(self) -> dict[str, list[str]]:
+        return {MUTATED_BUFFERS_OPTION: self.buffers, READ_ONLY_BUFFERS_OPTION: self.read_only, MUTATED_INPUTS_OPTION: self.inputs}
 
 
 def _written_state(program: Any) -> _WrittenState | None:
@@ -299,15 +303,17 @@ def _written_state(program: Any) -> _WrittenState | None:
     that fails: the bundle then says nothing, and the runtime assumes what it
     does for older bundles (state wherever the library has buffers, read-only
     inputs copied)."""
-    if not _may_write(program):
-        return _WrittenState([], [])  # no op that writes: the retrace (seconds on a large model) is not needed
+    if not _may_write(program):  # no op that writes: the retrace (seconds on a large model) is not needed
+        return _WrittenState([], [], sorted(set(program.graph_signature.buffers)))
     try:
         functional = program.run_decompositions({})
     except Exception:  # torch raises anything here; what is written is then not recorded
         return None
     signature = functional.graph_signature
     written_inputs = set(signature.user_inputs_to_mutate.values())
-    return _WrittenState(sorted(set(signature.buffers_to_mutate.values())), [name for name in signature.user_inputs if name in written_inputs])
+    written_buffers = set(signature.buffers_to_mutate.values())
+    return _WrittenState(sorted(written_buffers), [name for name in signature.user_inputs if name in written_inputs],
+                         sorted(set(signature.buffers) - written_buffers))
 
 
 def _may_write(program: Any) -> bool:
@@ -341,6 +347,12 @@ def _compile_method(
     written = _written_state(program)
     args, kwargs = _example_inputs(program, device)
     progress(f"compiling method {method!r} for {device}")
+    if written is not None and written.buffers and "joint_graph_constant_folding" not in options:
+        # Inductor's joint-graph constant folding takes buffers for constants:
+        # a buffer's new value computed from buffers alone (a step counter's
+        # add_(1)) was folded into the code, so every run wrote the same value
+        # and nothing was kept between calls (torch's own aoti_load_package too).
+        options = {**options, "joint_graph_constant_folding": False}
     compiled = compile_program(program, args, kwargs, device, progress, options, cpu_target, standalone)
     segments: dict[str, Any] = {f"{method}_so_blob": compiled.library, f"{method}_weights_blob": compiled.weights}
     spec = MethodSpec(
@@ -354,7 +366,7 @@ def _compile_method(
         torch_version=torch.__version__,
         compile_options={
             **compiled.options,
-            **({} if written is None else {MUTATED_BUFFERS_OPTION: written.buffers, MUTATED_INPUTS_OPTION: written.inputs}),
+            **({} if written is None else written.options()),
         },
     )
     if source.sample_inputs is not None:

@@ -47,6 +47,11 @@ LIBRARY_CHECKS_OPTION = "library_checks_required"
 # A compile_options key: the buffers a run writes to (torch.export's
 # buffers_to_mutate), recorded at compile time; [] says a run changes no state.
 MUTATED_BUFFERS_OPTION = "mutated_buffers"
+# A compile_options key: the program's buffers a run never writes (recorded
+# beside MUTATED_BUFFERS_OPTION), so that every buffer the library has is
+# accounted for: one named in neither list means the manifest does not
+# describe the library.
+READ_ONLY_BUFFERS_OPTION = "read_only_buffers"
 # A compile_options key: the inputs a run writes into (torch.export's
 # user_inputs_to_mutate); the runtime hands the library private copies of them.
 MUTATED_INPUTS_OPTION = "mutated_inputs"

@@ -138,14 +138,22 @@ class Container:
 
     def has_buffers(self) -> bool | None:
         """Whether any constant is a module buffer (state a run may change); None if the library cannot say."""
+        buffers = self.buffer_fqns()
+        return None if buffers is None else bool(buffers)
+
+    def buffer_fqns(self) -> frozenset[str] | None:
+        """The original names of the constants that are module buffers; None if the library cannot say."""
         if self._constant_type is None:
             return None
+        found = set()
         for index in range(self.num_constants):
             kind = ctypes.c_int32()
             self._check(self._constant_type(self._handle, index, ctypes.byref(kind)), "query a constant's type")
             if kind.value == _BUFFER_CONSTANT:
-                return True
-        return False
+                fqn = ctypes.c_char_p()
+                self._check(self._constant_fqn(self._handle, index, ctypes.byref(fqn)), "query a constant's original name")
+                found.add((fqn.value or b"").decode("utf-8", "replace"))
+        return frozenset(found)
 
     def bind_constants(self, pairs: list[tuple[str, int]]) -> None:
         """Point the library's constants at tensors the caller keeps alive

@@ -30,7 +30,15 @@ import numpy as np
 
 from ..arrays import dtype_name
 from ..errors import BundleError, ClosedError, InputError, ModelRuntimeError
-from ..format.manifest import LIBRARY_CHECKS_OPTION, MUTATED_BUFFERS_OPTION, MUTATED_INPUTS_OPTION, MethodSpec, OutputSource, TensorSpec
+from ..format.manifest import (
+    LIBRARY_CHECKS_OPTION,
+    MUTATED_BUFFERS_OPTION,
+    MUTATED_INPUTS_OPTION,
+    READ_ONLY_BUFFERS_OPTION,
+    MethodSpec,
+    OutputSource,
+    TensorSpec,
+)
 from ..format.source import ModelReader
 from ..format.validation import validate_inputs
 from ..io.inputs import ResolvedInputs
@@ -269,6 +277,7 @@ class Method:
             one_lane = options.cuda_graph or bool(spec.compile_options.get(MUTATED_BUFFERS_OPTION))
             container = _create_container(library, spec, device, 1 if one_lane else options.lanes, check_inputs)
             timings["create_container"] = clock() - started
+            stateful = changes_state(spec, container)  # checked against the library before anything is fed to it
             make = _executor_factory(chosen.shim, device, container, spec, helper)
             executors.append(make())
             started = clock()
@@ -295,7 +304,6 @@ class Method:
             raise
         finally:
             weights.release()
-        stateful = changes_state(spec, container)
         # Calls of a method with state must see each other's writes in order: one lane.
         lanes = _Lanes(make, 1 if options.cuda_graph or stateful else options.lanes, executors[0])
         method = cls(spec, device, library, container, lanes, timings, check_inputs)
@@ -734,11 +742,26 @@ WARM_UP_BYTES = 256 << 20
 def changes_state(spec: MethodSpec, container: Container) -> bool:
     """Whether a run may change what the next run sees: buffers compile found
     mutated, or, where nothing says (ExecuTorch programs, older bundles), any
-    buffer the library has."""
+    buffer the library has. What the manifest says is checked against the
+    library's own list of its buffers: each must be named as written or as
+    read-only, or the bundle is refused (a manifest whose list of written
+    buffers was emptied would give a stateful method several lanes and a
+    reset_state that resets nothing). A bundle made before compile recorded
+    read-only buffers cannot be checked so: a buffer it does not name as
+    written is taken to be."""
     mutated = spec.compile_options.get(MUTATED_BUFFERS_OPTION)
-    if mutated is not None:
+    if mutated is None:
+        return container.has_buffers() is not False
+    library_buffers = container.buffer_fqns()
+    if library_buffers is None:
         return bool(mutated)
-    return container.has_buffers() is not False
+    read_only = spec.compile_options.get(READ_ONLY_BUFFERS_OPTION)
+    unaccounted = sorted(library_buffers - set(mutated) - set(read_only or ()))
+    if unaccounted and read_only is not None:
+        shown = ", ".join(repr(name[:80]) for name in unaccounted[:5])
+        raise BundleError(f"method {spec.name!r}: its library has the buffer(s) {shown}, which the manifest names neither as written nor as "
+                          "read-only: the manifest does not describe its library")
+    return bool(mutated) or bool(unaccounted)
 
 
 def signature_needs_library_checks(spec: MethodSpec) -> bool:

@@ -39,7 +39,8 @@ def test_compile_records_the_buffer_and_the_input_a_run_writes(writer_bundle):
     """torch.export's default IR leaves its mutation tables empty; they are read from its functional form."""
     path, _ = writer_bundle
     options = cuda_runner.read_manifest(path).methods["forward"].compile_options
-    assert options["mutated_buffers"] == ["total"]
+    assert options["mutated_buffers"] == ["steps", "total"]
+    assert options["read_only_buffers"] == ["offset"]
     assert options["mutated_inputs"] == ["y"]
 
 
@@ -121,6 +122,64 @@ def test_calls_made_while_a_reset_runs_wait_for_it_instead_of_failing(writer_bun
         model.reset_state()
         np.testing.assert_allclose(_steps(method, INPUTS[:1])[0], expected[0], rtol=1e-6)
     assert failures == []
+
+
+def test_a_step_counter_is_kept_between_calls(writer_bundle):
+    """steps.add_(1) computes the new value from buffers alone: Inductor's
+    joint-graph constant folding froze it into the code (every run wrote 1),
+    torch's own aoti_load_package alike; compile now turns that folding off
+    for a module that writes buffers."""
+    path, _ = writer_bundle
+    assert cuda_runner.read_manifest(path).methods["forward"].compile_options["joint_graph_constant_folding"] is False
+    zeros = np.zeros(4, np.float32)
+    with cuda_runner.load(path) as model:
+        outputs = [next(iter(model.run([zeros, zeros]).values())) for _ in range(3)]
+    steps = [output - outputs[0] for output in outputs]  # x = y = 0: only the counter moves
+    np.testing.assert_allclose(steps, [np.zeros(4), np.ones(4), np.full(4, 2.0)])
+
+
+def _edited(path, destination, **changes):
+    """The bundle with its method's compile options changed (None removes one): a manifest that lies."""
+    import dataclasses
+
+    from cuda_runner.format.bundle import open_bundle, write_bundle
+
+    with open_bundle(path) as reader:
+        spec = reader.manifest.methods["forward"]
+        options = {key: value for key, value in {**spec.compile_options, **changes}.items() if value is not None}
+        manifest = dataclasses.replace(reader.manifest, methods={"forward": dataclasses.replace(spec, compile_options=options)})
+        write_bundle(destination, manifest, {entry.name: bytes(reader.segment(entry.name)) for entry in reader.manifest.segments})
+    return destination
+
+
+def test_a_manifest_whose_written_buffers_were_emptied_is_refused(writer_bundle, tmp_path):
+    """It gave a stateful method two lanes and a reset_state that did nothing:
+    the library's own list of its buffers has one the manifest now names nowhere."""
+    from helpers import cli
+
+    from cuda_runner.errors import BundleError
+
+    path, _ = writer_bundle
+    lying = _edited(path, tmp_path / "lying.bundle", mutated_buffers=[])
+    with pytest.raises(BundleError, match=r"buffer\(s\) 'steps', 'total'.*neither as written nor as read-only"):
+        cuda_runner.load(lying, lanes=2)
+    result = cli("run", str(lying), "--inputs", "x=4xf32=1 1 1 1", "--inputs", "y=4xf32=1 1 1 1")
+    assert result.returncode == 3 and len(result.error_lines) == 1
+
+
+def test_a_bundle_that_names_no_read_only_buffers_takes_the_others_as_written(writer_bundle, tmp_path):
+    """Bundles from before read_only_buffers was recorded: a buffer not named as
+    written may be, so the method keeps one lane and its reset works."""
+    path, factory = writer_bundle
+    older = _edited(path, tmp_path / "older.bundle", mutated_buffers=[], read_only_buffers=None)
+    expected = _eager_steps(factory)
+    with cuda_runner.load(older, lanes=2) as model:
+        method = model.method()
+        assert method.stateful and method.lanes == 1
+        for got, want in zip(_steps(method), expected):
+            np.testing.assert_allclose(got, want, rtol=1e-6)
+        model.reset_state()
+        np.testing.assert_allclose(_steps(method, INPUTS[:1])[0], expected[0], rtol=1e-6)
 
 
 def test_a_module_that_writes_nothing_records_so(dict_mlp_bundle):
