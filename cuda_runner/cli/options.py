@@ -188,7 +188,8 @@ def exclusive(**given: object) -> None:
 SUBJECT_HINTS = {
     "shape": "give sizes with --shape NAME=DIMS",
     "range": "see --range",
-    "method": "choose with --method",
+    "method": "choose one with --method",
+    "inputs": "give them with --inputs NAME=FILE.npy, or generate them with --random-inputs",
     "device": "choose with --device",
     "cast": "--cast allows a conversion that keeps every value",
     "samples": "compile with --sample-inputs to store samples",

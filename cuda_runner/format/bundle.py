@@ -175,7 +175,8 @@ def _check_header_fields(header: Header, file_size: int) -> None:
     if header.manifest_offset != HEADER_SIZE:
         raise BundleError(f"header field manifest_offset is {header.manifest_offset}, expected {HEADER_SIZE}")
     if header.file_size != file_size:
-        raise BundleError(f"header field file_size says {header.file_size} bytes but the file has {file_size} (truncated or appended to?)")
+        raise BundleError(f"header field file_size says {header.file_size} bytes but the file has {file_size}: it was cut short or added to on "
+                          "its way here (an interrupted copy or download); copy it again from where it was built")
     if not MIN_ALIGNMENT <= header.alignment <= MAX_ALIGNMENT or header.alignment & (header.alignment - 1):
         raise BundleError(f"header field alignment {header.alignment} is not a power of two in [{MIN_ALIGNMENT}, {MAX_ALIGNMENT}]")
     if header.reserved != 0:

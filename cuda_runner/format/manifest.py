@@ -283,7 +283,7 @@ def choose_method(available: list[str], requested: str | None) -> str:
             return available[0]
         if "forward" in available:
             return "forward"
-        raise InputError(f"the bundle has several methods ({', '.join(available)}); choose one", subject="method")
+        raise InputError(f"the bundle has several methods ({', '.join(available)})", subject="method")
     if requested not in available:
         raise InputError(f"the bundle has no method {requested!r}; it has: {', '.join(available) or 'none'}", subject="method")
     return requested

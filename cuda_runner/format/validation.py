@@ -69,7 +69,7 @@ def _check_names(method: MethodSpec, given: Mapping[str, object]) -> None:
             parts.append(f"unexpected {', '.join(map(repr, unexpected))}")
         raise InputError(
             f"method {method.name!r} takes {len(expected)} input(s) ({', '.join(expected) or 'none'}), "
-            f"got {len(given)}: {'; '.join(parts)}"
+            f"got {len(given)}: {'; '.join(parts)}", subject="inputs" if missing else None,
         )
 
 

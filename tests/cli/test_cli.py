@@ -271,3 +271,25 @@ def test_native_errors_reach_the_user_as_one_line(embedder_bundle, tmp_path):
     assert result.returncode == 4, result.stderr
     lines = result.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("error: "), result.stderr
+
+
+def test_messages_say_what_to_do(dict_mlp_bundle, tmp_path):
+    """From a newcomer: no inputs said only "missing 'x'", a truncated bundle what
+    was wrong but not what to do, and a bundle of several methods "choose one (choose with --method)"."""
+    from forge import forge, method
+
+    no_inputs = cli("run", str(dict_mlp_bundle.path))
+    assert no_inputs.returncode == 2
+    assert no_inputs.error_lines == ["error: method 'forward' takes 2 input(s) (x, bias), got 0: missing 'x', 'bias' "
+                                     "(give them with --inputs NAME=FILE.npy, or generate them with --random-inputs)"]
+    truncated = tmp_path / "cut.bundle"
+    truncated.write_bytes(dict_mlp_bundle.path.read_bytes()[:100_000])
+    cut = cli("run", str(truncated), "--random-inputs")
+    assert cut.returncode == 3
+    assert cut.error_lines[0].endswith("it was cut short or added to on its way here (an interrupted copy or download); copy it again from where it was built")
+    several = tmp_path / "two.bundle"
+    several.write_bytes(forge({"methods": {"encode": method("a_so", "a_w"), "decode": method("b_so", "b_w")}},
+                              {"a_so": b"\x7fELF" + bytes(60), "a_w": b"", "b_so": b"\x7fELF" + bytes(60), "b_w": b""}))
+    ambiguous = cli("run", str(several), "--random-inputs", "--shape", "x=2x4")
+    assert ambiguous.returncode == 2
+    assert ambiguous.error_lines == ["error: the bundle has several methods (encode, decode) (choose one with --method)"]
