@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from ..errors import CompileError, InputError
+from ..errors import CompileError, CudaRunnerError, InputError
 from ..files import check_destination, require_regular
 from ..format import Manifest, MethodSpec, write_bundle
 from ..format.manifest import CALL_HELPER, MUTATED_BUFFERS_OPTION, MUTATED_INPUTS_OPTION, READ_ONLY_BUFFERS_OPTION, method_name_problem
@@ -316,6 +316,22 @@ def _written_state(program: Any) -> _WrittenState | None:
                          sorted(set(signature.buffers) - written_buffers))
 
 
+def _with_library_buffers(written: _WrittenState, library: bytes, device: str) -> _WrittenState:
+    """The read-only buffers as the compiled library has them: module buffers
+    no run writes, and the buffers the compiler made (frozen parameters, which
+    the program never had). The runtime checks every buffer the library has
+    against the two lists; where the library cannot be asked, the program's list stands."""
+    from .sharing import library_buffers
+
+    try:
+        found = library_buffers(library, device)
+    except (CudaRunnerError, OSError):
+        return written
+    if found is None:
+        return written
+    return dataclasses.replace(written, read_only=sorted(found - set(written.buffers)))
+
+
 def _may_write(program: Any) -> bool:
     """Whether any op of the program (its subgraphs included) may write to a
     tensor: an ATen op whose schema says so, or anything this cannot tell
@@ -354,6 +370,8 @@ def _compile_method(
         # and nothing was kept between calls (torch's own aoti_load_package too).
         options = {**options, "joint_graph_constant_folding": False}
     compiled = compile_program(program, args, kwargs, device, progress, options, cpu_target, standalone)
+    if written is not None:
+        written = _with_library_buffers(written, compiled.library, device)
     segments: dict[str, Any] = {f"{method}_so_blob": compiled.library, f"{method}_weights_blob": compiled.weights}
     spec = MethodSpec(
         name=method,

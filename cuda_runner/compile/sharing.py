@@ -25,8 +25,9 @@ storage, never shared, so each method's state stays its own as with blobs.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -66,6 +67,21 @@ class StoredConstant:
 def library_constants(library: bytes, device: str) -> list[LibraryConstant]:
     """The blob constants of a compiled library, in blob order: the library is
     loaded (on the compile device) and asked."""
+    with _asked(library, device) as container:
+        return [LibraryConstant(info.fqn, info.dtype_code, info.nbytes) for info in container.constants() if not info.folded]
+
+
+def library_buffers(library: bytes, device: str) -> frozenset[str] | None:
+    """The original names of a compiled library's buffer constants (module
+    buffers, and those the compiler makes, such as frozen parameters); None
+    where the library cannot say."""
+    with _asked(library, device) as container:
+        return container.buffer_fqns()
+
+
+@contextlib.contextmanager
+def _asked(library: bytes, device: str) -> Iterator[Any]:
+    """A container of the library, loaded on the compile device, to be asked about its constants."""
     from ..runtime.container import Container
     from ..runtime.library import lease_library
     from ..runtime.providers import bind_library
@@ -75,7 +91,7 @@ def library_constants(library: bytes, device: str) -> list[LibraryConstant]:
     try:
         container = Container(lease.library, device)
         try:
-            return [LibraryConstant(info.fqn, info.dtype_code, info.nbytes) for info in container.constants() if not info.folded]
+            yield container
         finally:
             container.delete()
     finally:
