@@ -23,7 +23,17 @@ from ..format import Manifest, MethodSpec, write_bundle
 from ..format.manifest import CALL_HELPER, MUTATED_BUFFERS_OPTION, MUTATED_INPUTS_OPTION, READ_ONLY_BUFFERS_OPTION, method_name_problem
 from ..version import __version__
 from . import sharing
-from .aot import DEFAULT_CPU_TARGET, NO_GPU, Progress, check_cpu_target, check_device, check_options, compile_program, import_torch
+from .aot import (
+    DEFAULT_CPU_TARGET,
+    NO_GPU,
+    Progress,
+    check_cpu_target,
+    check_device,
+    check_options,
+    compile_program,
+    import_torch,
+    torch_talking_to_itself,
+)
 from .signature import dim_names_from_dynamic_shapes, program_signature
 
 __all__ = ["MethodSource", "check_programs", "compile_methods", "compile_module", "compile_programs", "export_method", "export_module"]
@@ -233,7 +243,8 @@ def compile_sources(
         if problem:
             raise InputError(f"method name {method!r} {problem}")
     for method, source in sources.items():
-        spec, method_segments, programs[method] = _compile_method(torch, method, source, device, progress, user_options, cpu_target, standalone)
+        with torch_talking_to_itself():
+            spec, method_segments, programs[method] = _compile_method(torch, method, source, device, progress, user_options, cpu_target, standalone)
         methods[method] = spec
         segments.update(method_segments)
     if share_weights and len(methods) > 1:

@@ -182,7 +182,7 @@ def compile_program(
             options["aot_inductor.check_lowerbound"] = False
         progress("compiling with AOTInductor (this takes tens of seconds)")
         try:
-            with _math_attention(torch) if standalone else contextlib.nullcontext(), _torch_talking_to_itself():
+            with _math_attention(torch) if standalone else contextlib.nullcontext(), torch_talking_to_itself():
                 library_path = Path(torch._inductor.aot_compile(program.module(), example_args, dict(example_kwargs), options=options))
         except Exception as error:  # inductor raises many types; report one line
             raise CompileError(f"AOTInductor compile failed: {type(error).__name__}: {_first_line(error)}") from error
@@ -211,7 +211,7 @@ def compile_program(
 
 
 @contextlib.contextmanager
-def _torch_talking_to_itself() -> Iterator[None]:
+def torch_talking_to_itself() -> Iterator[None]:
     """Silence what torch warns about its own code: torch 2.13 deep-copies its
     graphs through a TreeSpec check it deprecated itself (a FutureWarning on
     every compile, which no caller can act on). Other warnings pass."""
