@@ -58,7 +58,8 @@ def compile_fixture(folder: Path, builder: str, device: str = "cpu") -> Compiled
             sample_inputs=samples() if samples else None, options=OPTIONS.get(builder),
         )
     # torch 2.13 warned on every compile about a check of its own (demo.sh showed it): compile keeps it quiet.
-    assert not [warning for warning in caught if "LeafSpec" in str(warning.message)], "torch's own FutureWarning reached the caller"
+    leaked = [f"{warning.filename}:{warning.lineno}" for warning in caught if "LeafSpec" in str(warning.message)]
+    assert not leaked, f"torch's own FutureWarning reached the caller ({leaked})"
     return CompiledModel(path, module, args)
 
 
