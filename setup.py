@@ -11,13 +11,13 @@ setup(
     ext_modules=[
         Extension(
             "cuda_runner._aoti_shim",
-            sources=["cuda_runner/native/aoti_shim.cpp", "cuda_runner/native/vector_math.cpp"],
+            sources=["cuda_runner/native/aoti_shim.cpp", "cuda_runner/native/cpu_kernels.cpp", "cuda_runner/native/vector_math.cpp"],
             language="c++",
             # Hidden by default: only the cudarunner_* and cr_sl_* functions are exported.
             extra_compile_args=["-std=c++17", "-O2", "-fvisibility=hidden", "-Wno-psabi"],
             # Only cudarunner_* and cr_sl_*: no libstdc++ template code either.
             extra_link_args=["-Wl,--version-script=cuda_runner/native/aoti_shim.map"],
-            depends=["cuda_runner/native/aoti_shim.map"],
+            depends=["cuda_runner/native/aoti_shim.map", "cuda_runner/native/cpu_kernels.h"],
             libraries=["dl"],
         ),
         # run_device's per-call glue in C; optional: the runtime does the same in Python without it.

@@ -55,7 +55,7 @@ def compile_fixture(folder: Path, builder: str, device: str = "cpu") -> Compiled
         warnings.simplefilter("always")
         cuda_runner.compile_module(
             module, args, path, device=device, dynamic_shapes=dynamic_shapes, metadata={"fixture": builder},
-            sample_inputs=samples() if samples else None, options=OPTIONS.get(builder),
+            sample_inputs=samples() if samples else None, options=OPTIONS.get(builder), standalone=builder in STANDALONE,
         )
     # torch 2.13 warned on every compile about a check of its own (demo.sh showed it): compile keeps it quiet.
     leaked = [f"{warning.filename}:{warning.lineno}" for warning in caught if "LeafSpec" in str(warning.message)]
@@ -66,6 +66,9 @@ def compile_fixture(folder: Path, builder: str, device: str = "cpu") -> Compiled
 # Inductor options some fixtures are compiled with (tests/compile/test_options.py);
 # coordinate descent tuning only tunes Triton kernels, so a CPU build is unchanged.
 OPTIONS = {"linear": {"coordinate_descent_tuning": True}}
+
+# Fixtures compiled --standalone: they run on cuda-runner's shim with no torch installed.
+STANDALONE = {"tiny_vit"}
 
 # Sample inputs stored in fixture bundles, for --self-test.
 SAMPLES = {

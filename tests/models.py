@@ -131,3 +131,32 @@ class PrefillDecode(torch.nn.Module):
 
     def decode(self, x):
         return torch.tanh(self.shared(x))
+
+
+class TinyViT(torch.nn.Module):
+    """A vision transformer in miniature: a patch-embedding convolution, one
+    pre-norm encoder layer (attention, LayerNorm, GELU) and a linear head, with
+    a small convolution stem in front so that a grouped and a strided
+    convolution run too. Compiled --standalone for the CPU, it needs the
+    shim's convolution, GEMMs (attention lowered from its math form) and vector math."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(12)
+        self.stem = torch.nn.Sequential(torch.nn.Conv2d(3, 8, 3, padding=1), torch.nn.BatchNorm2d(8), torch.nn.ReLU(),
+                                        torch.nn.Conv2d(8, 8, 3, padding=1, groups=4))
+        self.patches = torch.nn.Conv2d(8, 32, kernel_size=8, stride=8)
+        self.encoder = torch.nn.TransformerEncoderLayer(d_model=32, nhead=4, dim_feedforward=64, batch_first=True, norm_first=True,
+                                                        activation="gelu", dropout=0.0)
+        self.head = torch.nn.Linear(32, 5)
+
+    def forward(self, image: torch.Tensor) -> torch.Tensor:
+        tokens = self.patches(self.stem(image)).flatten(2).transpose(1, 2)
+        return self.head(self.encoder(tokens).mean(dim=1))
+
+
+def tiny_vit():
+    return TinyViT().eval(), (torch.randn(2, 3, 32, 32),), None
+
+
+BUILDERS["tiny_vit"] = tiny_vit

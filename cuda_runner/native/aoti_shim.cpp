@@ -36,6 +36,8 @@
 #include <string>
 #include <vector>
 
+#include "cpu_kernels.h"
+
 #define EXPORT extern "C" __attribute__((visibility("default")))
 #define SHIM_ABI_VERSION 1
 
@@ -607,54 +609,23 @@ Status copy_into(Tensor *destination, const Tensor *source) {
 }
 
 // ---------------------------------------------------------------- CPU matmul
-// out = beta * self + alpha * (a @ b), for float32 and float64 matrices of any
-// strides. Blocked over k so rows of b stay in cache; the inner loop runs over
-// contiguous columns of out when b's rows are contiguous.
-template <typename T>
-void matmul(T *out, const int64_t *out_strides, const T *self, const int64_t *self_strides, const T *a, const int64_t *a_strides, const T *b,
-            const int64_t *b_strides, int64_t m, int64_t n, int64_t k, T beta, T alpha) {
-  for (int64_t i = 0; i < m; ++i) {
-    T *row = out + i * out_strides[0];
-    for (int64_t j = 0; j < n; ++j) {
-      T start = 0;
-      if (self != nullptr && beta != 0) start = beta * self[i * self_strides[0] + j * self_strides[1]];
-      row[j * out_strides[1]] = start;
-    }
-  }
-  if (b_strides[1] == 1 && out_strides[1] == 1) {
-    constexpr int64_t kBlock = 256;
-    for (int64_t k0 = 0; k0 < k; k0 += kBlock) {
-      int64_t k1 = k0 + kBlock < k ? k0 + kBlock : k;
-      for (int64_t i = 0; i < m; ++i) {
-        T *row = out + i * out_strides[0];
-        for (int64_t p = k0; p < k1; ++p) {
-          T scale = alpha * a[i * a_strides[0] + p * a_strides[1]];
-          const T *b_row = b + p * b_strides[0];
-          for (int64_t j = 0; j < n; ++j) row[j] += scale * b_row[j];
-        }
-      }
-    }
-    return;
-  }
-  // b transposed (a Linear weight): dot products over contiguous k.
-  for (int64_t i = 0; i < m; ++i) {
-    const T *a_row = a + i * a_strides[0];
-    for (int64_t j = 0; j < n; ++j) {
-      const T *b_column = b + j * b_strides[1];
-      T partial[8] = {0, 0, 0, 0, 0, 0, 0, 0};
-      int64_t p = 0;
-      if (a_strides[1] == 1 && b_strides[0] == 1) {
-        for (; p + 8 <= k; p += 8)
-          for (int lane = 0; lane < 8; ++lane) partial[lane] += a_row[p + lane] * b_column[p + lane];
-      }
-      T sum = 0;
-      for (; p < k; ++p) sum += a_row[p * a_strides[1]] * b_column[p * b_strides[0]];
-      for (int lane = 0; lane < 8; ++lane) sum += partial[lane];
-      out[i * out_strides[0] + j * out_strides[1]] += alpha * sum;
-    }
+// Tensors as the kernels of cpu_kernels.cpp take them.
+bool gemm_element(int32_t dtype, cr::Element *element) {
+  switch (dtype) {
+    case kFloat32: *element = cr::Element::kFloat32; return true;
+    case kFloat64: *element = cr::Element::kFloat64; return true;
+    case kFloat16: *element = cr::Element::kFloat16; return true;
+    case kBFloat16: *element = cr::Element::kBFloat16; return true;
+    default: return false;
   }
 }
 
+cr::Matrix matrix_of(const Tensor *tensor) {
+  return cr::Matrix{data_of(tensor), tensor->sizes[0], tensor->sizes[1], tensor->strides[0], tensor->strides[1]};
+}
+
+// out = beta * self + alpha * (a @ b): self (a bias [n], [1, n], or [m, n]) is
+// broadcast into out first, then the GEMM scales it by beta.
 Status cpu_addmm(Tensor *out, const Tensor *self, const Tensor *a, const Tensor *b, double beta, double alpha) {
   if (a->dim != 2 || b->dim != 2 || out->dim != 2) return fail("addmm/mm needs 2-D matrices");
   for (const Tensor *matrix : {static_cast<const Tensor *>(out), a, b}) if (require_data(matrix) != kOk) return kFailure;
@@ -667,32 +638,33 @@ Status cpu_addmm(Tensor *out, const Tensor *self, const Tensor *a, const Tensor 
     return fail("addmm: out overlaps the added matrix in memory");
   int64_t m = a->sizes[0], k = a->sizes[1], n = b->sizes[1];
   if (b->sizes[0] != k || out->sizes[0] != m || out->sizes[1] != n) return fail("addmm/mm: matrix sizes do not match");
-  if (a->dtype != b->dtype || out->dtype != a->dtype) return fail("addmm/mm: mixed dtypes");
-  if (device_of(out) != kDeviceCpu || device_of(a) != kDeviceCpu || device_of(b) != kDeviceCpu) return fail("cpu addmm/mm got a CUDA tensor");
-  // self broadcasts to [m, n]: a bias [n] or [1, n], or a full matrix.
-  int64_t self_strides[2] = {0, 0};
-  if (self != nullptr) {
+  if (a->dtype != b->dtype || out->dtype != a->dtype || (self != nullptr && self->dtype != a->dtype)) return fail("addmm/mm: mixed dtypes");
+  if (device_of(out) != kDeviceCpu || device_of(a) != kDeviceCpu || device_of(b) != kDeviceCpu || (self != nullptr && device_of(self) != kDeviceCpu))
+    return fail("cpu addmm/mm got a CUDA tensor");
+  cr::Element element;
+  if (!gemm_element(a->dtype, &element))
+    return fail("cpu addmm/mm computes float32, float64, float16 and bfloat16, not dtype code %d", a->dtype);
+  bool adds = self != nullptr && beta != 0;
+  if (adds && data_of(self) != data_of(out)) {
+    // self broadcast to [m, n]: a bias [n] or [1, n], or a full matrix.
+    int64_t strides[2] = {0, 0};
     if (self->dim == 1 && self->sizes[0] == n) {
-      self_strides[1] = self->strides[0];
+      strides[1] = self->strides[0];
     } else if (self->dim == 2 && (self->sizes[0] == m || self->sizes[0] == 1) && (self->sizes[1] == n || self->sizes[1] == 1)) {
-      self_strides[0] = self->sizes[0] == 1 ? 0 : self->strides[0];
-      self_strides[1] = self->sizes[1] == 1 ? 0 : self->strides[1];
+      strides[0] = self->sizes[0] == 1 ? 0 : self->strides[0];
+      strides[1] = self->sizes[1] == 1 ? 0 : self->strides[1];
     } else {
       return fail("addmm: the added matrix does not broadcast to the result");
     }
-    if (self->dtype != a->dtype) return fail("addmm: mixed dtypes");
+    size_t size = element_size(a->dtype);
+    const char *from = data_of(self);
+    char *to = data_of(out);
+    for (int64_t i = 0; i < m; ++i)
+      for (int64_t j = 0; j < n; ++j)
+        memcpy(to + (i * out->strides[0] + j * out->strides[1]) * static_cast<int64_t>(size), from + (i * strides[0] + j * strides[1]) * static_cast<int64_t>(size), size);
   }
-  if (a->dtype == kFloat32) {
-    matmul<float>(reinterpret_cast<float *>(data_of(out)), out->strides, self ? reinterpret_cast<const float *>(data_of(self)) : nullptr, self_strides,
-                  reinterpret_cast<const float *>(data_of(a)), a->strides, reinterpret_cast<const float *>(data_of(b)), b->strides, m, n, k,
-                  static_cast<float>(beta), static_cast<float>(alpha));
-  } else if (a->dtype == kFloat64) {
-    matmul<double>(reinterpret_cast<double *>(data_of(out)), out->strides, self ? reinterpret_cast<const double *>(data_of(self)) : nullptr,
-                   self_strides, reinterpret_cast<const double *>(data_of(a)), a->strides, reinterpret_cast<const double *>(data_of(b)), b->strides,
-                   m, n, k, beta, alpha);
-  } else {
-    return fail("cpu addmm/mm supports float32 and float64 here, not dtype code %d", a->dtype);
-  }
+  std::string error;
+  if (!cr::gemm(element, matrix_of(out), matrix_of(a), matrix_of(b), alpha, adds ? beta : 0.0, &error)) return fail("addmm/mm: %s", error.c_str());
   return kOk;
 }
 
@@ -1351,3 +1323,118 @@ EXPORT Status cudarunner_cpu_bmm_out(void *out, void *a, void *b) {
   }
   return kOk;
 }
+
+// One of a convolution's int lists (stride, padding, dilation, output_padding):
+// `spatial` values, or one given for every spatial dim, as libtorch expands it.
+bool conv_parameter(const int64_t *values, int64_t length, int spatial, int64_t fallback, int64_t *expanded) {
+  if (length == 0 || values == nullptr) {
+    std::fill_n(expanded, spatial, fallback);
+    return true;
+  }
+  if (length != 1 && length != spatial) return false;
+  for (int d = 0; d < spatial; ++d) expanded[d] = values[length == 1 ? 0 : d];
+  return true;
+}
+
+// libtorch's aten::convolution for CPU tensors: 1 to 3 spatial dims (an
+// unbatched input too), groups, dilation, transposed. The result is a new
+// tensor, channels-last when the input or weight is (as libtorch decides).
+EXPORT Status cudarunner_cpu_convolution(void *input_handle, void *weight_handle, void **bias_handle, const int64_t *stride, int64_t stride_len,
+                                         const int64_t *padding, int64_t padding_len, const int64_t *dilation, int64_t dilation_len,
+                                         int32_t transposed, const int64_t *output_padding, int64_t output_padding_len, int64_t groups,
+                                         void **result) {
+  GUARD_NULL(input_handle);
+  GUARD_NULL(weight_handle);
+  GUARD_NULL(result);
+  Tensor *input = as_tensor(input_handle), *weight = as_tensor(weight_handle);
+  Tensor *bias = bias_handle != nullptr ? as_tensor(*bias_handle) : nullptr;
+  int spatial = static_cast<int>(weight->dim) - 2;
+  if (spatial < 1 || spatial > 3) return fail("convolution: a weight of %lld dims (1 to 3 spatial dims are supported)", static_cast<long long>(weight->dim));
+  bool batched = input->dim == weight->dim;
+  if (!batched && input->dim != weight->dim - 1) return fail("convolution: an input of %lld dims for a weight of %lld", (long long)input->dim, (long long)weight->dim);
+  for (const Tensor *tensor : {input, weight, bias}) {
+    if (tensor == nullptr) continue;
+    if (require_data(tensor) != kOk) return kFailure;
+    if (device_of(tensor) != kDeviceCpu) return fail("cpu convolution got a CUDA tensor");
+    if (tensor->dtype != input->dtype) return fail("convolution: mixed dtypes");
+  }
+  cr::Element element;
+  if (!gemm_element(input->dtype, &element)) return fail("cpu convolution computes float32, float64, float16 and bfloat16, not dtype code %d", input->dtype);
+  cr::ConvShape shape{};
+  shape.spatial = spatial;
+  shape.transposed = transposed != 0;
+  shape.groups = groups;
+  int first = batched ? 2 : 1;
+  shape.batch = batched ? input->sizes[0] : 1;
+  shape.in_channels = input->sizes[first - 1];
+  if (groups < 1 || shape.in_channels % groups != 0) return fail("convolution: %lld input channels in %lld groups", (long long)shape.in_channels, (long long)groups);
+  shape.out_channels = shape.transposed ? weight->sizes[1] * groups : weight->sizes[0];
+  int64_t weight_in = shape.transposed ? weight->sizes[0] : weight->sizes[1] * groups;
+  if (weight_in != shape.in_channels || (!shape.transposed && shape.out_channels % groups != 0))
+    return fail("convolution: the weight's channels do not match the input's %lld channels in %lld groups", (long long)shape.in_channels, (long long)groups);
+  int64_t extra[3];
+  if (!conv_parameter(stride, stride_len, spatial, 1, shape.stride) || !conv_parameter(padding, padding_len, spatial, 0, shape.padding) ||
+      !conv_parameter(dilation, dilation_len, spatial, 1, shape.dilation) ||
+      !conv_parameter(output_padding, output_padding_len, spatial, 0, extra))
+    return fail("convolution: a stride, padding, dilation or output padding list of the wrong length");
+  for (int d = 0; d < spatial; ++d) {
+    shape.in_size[d] = input->sizes[first + d];
+    shape.kernel[d] = weight->sizes[2 + d];
+    if (shape.stride[d] < 1 || shape.dilation[d] < 1 || shape.padding[d] < 0 || extra[d] < 0 || (shape.transposed && extra[d] >= std::max(shape.stride[d], shape.dilation[d])))
+      return fail("convolution: a stride, dilation, padding or output padding out of range");
+    int64_t reach = shape.dilation[d] * (shape.kernel[d] - 1) + 1;
+    shape.out_size[d] = shape.transposed ? (shape.in_size[d] - 1) * shape.stride[d] - 2 * shape.padding[d] + reach + extra[d]
+                                         : (shape.in_size[d] + 2 * shape.padding[d] - reach) / shape.stride[d] + 1;
+    if (shape.out_size[d] < 1 || (!shape.transposed && shape.in_size[d] + 2 * shape.padding[d] < reach))
+      return fail("convolution: the kernel is larger than the padded input");
+  }
+  if (bias != nullptr && (bias->dim != 1 || bias->sizes[0] != shape.out_channels)) return fail("convolution: the bias does not have one value per output channel");
+  // The result's layout: channels last where the input or the weight is (libtorch's rule), else contiguous.
+  auto channels_last = [&](const Tensor *tensor) {
+    return tensor->dim == 4 && tensor->strides[1] == 1 && tensor->sizes[1] > 1 && !is_contiguous(tensor);
+  };
+  int64_t out_dims = batched ? 2 + spatial : 1 + spatial;
+  int64_t sizes[5], strides[5];
+  int64_t all_sizes[5] = {shape.batch, shape.out_channels, shape.out_size[0], shape.out_size[1], shape.out_size[2]};
+  for (int64_t d = 0; d < out_dims; ++d) sizes[d] = all_sizes[batched ? d : d + 1];
+  bool last = batched && spatial == 2 && (channels_last(input) || channels_last(weight));
+  int64_t step = 1;
+  if (last) {  // N, C, H, W with C innermost
+    strides[1] = 1;
+    strides[3] = shape.out_channels;
+    strides[2] = shape.out_channels * sizes[3];
+    strides[0] = strides[2] * sizes[2];
+  } else {
+    for (int64_t d = out_dims - 1; d >= 0; --d) {
+      strides[d] = step;
+      step *= sizes[d];
+    }
+  }
+  Tensor *output = nullptr;
+  if (new_empty(out_dims, sizes, strides, input->dtype, kDeviceCpu, 0, &output) != kOk) return kFailure;
+  auto described = [&](const Tensor *tensor, bool has_batch) {
+    cr::Strided view{data_of(tensor), {0, 0, 0, 0, 0}};
+    int offset = has_batch ? 0 : 1;  // an unbatched tensor: batch stride 0 (one element)
+    for (int64_t d = 0; d < tensor->dim; ++d) view.strides[d + offset] = tensor->strides[d];
+    return view;
+  };
+  std::string error;
+  bool done = cr::convolution(element, shape, described(output, batched), described(input, batched), described(weight, true),
+                              bias != nullptr ? data_of(bias) : nullptr, bias != nullptr ? bias->strides[0] : 0, &error);
+  if (!done) {
+    delete_tensor(output);
+    return fail("convolution: %s", error.c_str());
+  }
+  *result = output;
+  return kOk;
+}
+
+// The BLAS the CPU GEMMs and convolutions use (cpu_kernels.cpp): the runtime
+// gives the path of a scipy-openblas build it found; "" while there is none.
+EXPORT Status cudarunner_shim_use_blas(const char *path) {
+  GUARD_NULL(path);
+  std::string error;
+  if (!cr::load_blas(path, &error)) return fail("%s", error.c_str());
+  return kOk;
+}
+EXPORT const char *cudarunner_shim_blas() { return cr::blas_path(); }

@@ -210,8 +210,48 @@ def load_own_provider(device_type: str) -> Provider:
         last_error = library.cudarunner_shim_last_error
         last_error.restype = ctypes.c_char_p
         last_error.argtypes = ()
+        _use_blas(library)
         shim = Shim([library], library, OWN_PREFIX, "cuda-runner", lambda: (last_error() or b"").decode("utf-8", "replace"))
         return Provider(SHIM_NAME, shim, renames=True)
+
+
+def blas_candidates() -> list[str]:
+    """Where an OpenBLAS for the shim's GEMMs may be, best first: CUDA_RUNNER_BLAS
+    (a path, or "none" for the shim's own loops), the copy NumPy's wheels bundle
+    (which NumPy itself uses: one thread pool for both), then the scipy-openblas64
+    and -32 wheels. Found without importing any of them."""
+    chosen = os.environ.get("CUDA_RUNNER_BLAS")
+    if chosen:
+        return [] if chosen == "none" else [chosen]
+    found = []
+    numpy = importlib.util.find_spec("numpy")
+    if numpy is not None and numpy.origin:
+        found += sorted(glob.glob(os.path.join(os.path.dirname(os.path.dirname(numpy.origin)), "numpy.libs", "libscipy_openblas64_*.so")))
+    for package, name in (("scipy_openblas64", "libscipy_openblas64_.so"), ("scipy_openblas32", "libscipy_openblas.so")):
+        spec = importlib.util.find_spec(package)
+        for folder in (spec.submodule_search_locations or []) if spec is not None else []:
+            found += sorted(glob.glob(os.path.join(folder, "lib", name)))
+    return found
+
+
+def _use_blas(library: ctypes.CDLL) -> None:
+    """Give the shim the first BLAS it can load; without one its GEMMs run its own loops (correct, slower)."""
+    use = library.cudarunner_shim_use_blas
+    use.restype, use.argtypes = ctypes.c_int32, (ctypes.c_char_p,)
+    for candidate in blas_candidates():
+        if use(os.fsencode(candidate)) == 0:
+            return
+
+
+def shim_blas() -> str | None:
+    """The BLAS the loaded shim's CPU GEMMs use, or None (its own loops, or no shim loaded)."""
+    path = own_shim_path()
+    if path is None or not load_own_provider.cache_info().currsize:
+        return None
+    library = ctypes.CDLL(str(path))
+    library.cudarunner_shim_blas.restype = ctypes.c_char_p
+    used = library.cudarunner_shim_blas() or b""
+    return os.fsdecode(used) or None
 
 
 def _share_libstdcxx() -> None:

@@ -122,3 +122,33 @@ def test_inspect_and_run_use_one_rule_for_a_library_the_shim_cannot_bind(tmp_pat
     without_torch = run_cli("run", str(bundle), "--random-inputs", "--shape", "x=2x4", env=no_torch_env)
     assert without_torch.returncode == 4
     assert f"needs libtorch ({reason}" in without_torch.stderr
+
+
+@pytest.mark.heavy
+@pytest.mark.parametrize("fixture", ["tiny_vit", "bf16_mlp"])
+def test_convolutions_attention_and_half_precision_run_without_torch(compiled, tmp_path, no_torch_env, fixture):
+    """A ViT-shaped model with a convolution stem compiled --standalone (convolutions,
+    attention from its math form, LayerNorm, GELU), and a bfloat16 MLP: both run in a
+    process where torch cannot be imported, on the shim, and match eager through the CLI."""
+    import numpy as np
+    import torch
+    from helpers import to_tensor
+
+    model = compiled(fixture, "cpu")
+    inputs = [arg.float().numpy() if arg.dtype != torch.bfloat16 else arg.view(torch.int16).numpy().view(__import__("ml_dtypes").bfloat16)
+              for arg in model.args]
+    with torch.no_grad():
+        expected = model.module(*[to_tensor(torch, array) for array in inputs])
+    reference = expected.view(torch.int16).numpy().view(__import__("ml_dtypes").bfloat16) if expected.dtype == torch.bfloat16 else expected.numpy()
+    np.savez(tmp_path / "in.npz", **{name: array for name, array in zip(_input_names(model.path), inputs)})
+    np.savez(tmp_path / "ref.npz", output_0=reference)
+    result = run_cli("run", str(model.path), "--inputs", str(tmp_path / "in.npz"), "--expected", str(tmp_path / "ref.npz"), "--json", env=no_torch_env)
+    assert result.returncode == 0, result.stderr
+    document = json.loads(result.stdout)
+    assert document["verdict"] == "PASSED" and document["provider"] == "cuda-runner shim"
+
+
+def _input_names(path):
+    import cuda_runner
+
+    return [tensor.name for tensor in cuda_runner.read_manifest(path).methods["forward"].inputs]
