@@ -303,8 +303,10 @@ def compile_command(
         "vector ISA; runs only on CPUs with all its flags), or an x86-64 level: avx512 (x86-64-v4), avx2 (x86-64-v3), "
         "scalar (x86-64, no vector code)."))] = "portable",
     standalone: Annotated[bool, typer.Option("--standalone", help=(
-        "Compile so the library needs only cuda-runner's own shim, not libtorch, at run time (CUDA: Triton GEMMs and "
-        "convolutions); refused, naming the kernels, where the model still needs libtorch."))] = False,
+        "Refuse, naming the kernels, where the library would need libtorch at run time, instead of falling back to a "
+        "libtorch-bound build (CUDA compiles need only cuda-runner's own shim by default: Triton GEMMs and convolutions)."))] = False,
+    libtorch: Annotated[bool, typer.Option("--libtorch", help=(
+        "CUDA: build the library bound to libtorch (cuBLAS, cuDNN and flash-attention kernels); it needs torch where it runs."))] = False,
     share_weights: Annotated[bool, typer.Option("--share-weights/--no-share-weights", help=(
         "Store a weight that several methods hold alike (same FQN, dtype, shape, strides and bytes, as in programs exported "
         "from one module) once; loaded together, the methods upload it once."))] = True,
@@ -317,6 +319,8 @@ def compile_command(
         programs[name] = Path(path)
     if not programs:
         raise parse.UsageError("give a PROGRAM.pt2 or at least one --method NAME=PROGRAM.pt2")
+    if standalone and libtorch:
+        raise parse.UsageError("--standalone and --libtorch ask for opposite builds; give one")
     metadata = parse.key_values(meta, "--meta")
     parse_device(device)
     samples = {}
@@ -344,7 +348,7 @@ def compile_command(
     with _native_stderr():
         methods = compile_in_process_group(report, programs=programs, output=output, device=device, metadata=metadata, sample_inputs=arrays,
                                            options=parse.option_values(option, autotune), call_helper=call_helper, cpu_target=cpu_target,
-                                           standalone=standalone, share_weights=share_weights)
+                                           runtime="standalone" if standalone else "libtorch" if libtorch else "auto", share_weights=share_weights)
     signed = _sign(output, sign_key)
     if not _State.quiet:
         _out().line(printable(f"wrote {output}: {', '.join(methods)} for {device}{signed}"))

@@ -26,6 +26,7 @@ from . import sharing
 from .aot import (
     DEFAULT_CPU_TARGET,
     NO_GPU,
+    RUNTIMES,
     Progress,
     check_cpu_target,
     check_device,
@@ -46,6 +47,10 @@ class MethodSource:
     program: Any
     dim_names: Mapping[tuple[str, int], str] | None = None
     sample_inputs: Mapping[str, Any] | None = None
+
+
+#: What compile calls with a note the user should hear (a fallback to libtorch).
+Warn = Callable[[str], None]
 
 
 def _quiet(_: str) -> None:
@@ -94,6 +99,8 @@ def compile_methods(
     call_helper: bool = True,
     cpu_target: str = DEFAULT_CPU_TARGET,
     standalone: bool = False,
+    runtime: str | None = None,
+    warn: Warn | None = None,
 ) -> Manifest:
     """Export several methods of one module (`{"prefill": (tokens,), "decode":
     (token,)}`: method name to example args) and compile them into one bundle.
@@ -111,7 +118,7 @@ def compile_methods(
         source = export_method(module, method, args, None, (dynamic_shapes or {}).get(method))
         sources[method] = MethodSource(source.program, source.dim_names, (sample_inputs or {}).get(method))
     return compile_sources(sources, path, device=target, metadata=metadata, progress=progress, options=options, call_helper=call_helper,
-                           cpu_target=cpu_target, standalone=standalone, share_weights=share_weights)
+                           cpu_target=cpu_target, runtime=chosen_runtime(runtime, standalone), share_weights=share_weights, warn=warn)
 
 
 def compile_module(
@@ -130,6 +137,8 @@ def compile_module(
     call_helper: bool = True,
     cpu_target: str = DEFAULT_CPU_TARGET,
     standalone: bool = False,
+    runtime: str | None = None,
+    warn: Warn | None = None,
 ) -> Manifest:
     """Export `module` with example `args` and compile it into a one-method bundle.
 
@@ -138,8 +147,14 @@ def compile_module(
     the native helper that makes each call one foreign call (needs a C compiler;
     without one the bundle is written without it). `cpu_target` (CPU bundles):
     "native" (the build CPU), or a portable level "avx512", "avx2", "scalar".
-    `standalone`: compile so that the library needs only cuda-runner's own shim
-    (no libtorch at run time); refused where a kernel still needs libtorch."""
+    `runtime` says what the library may need at run time: "auto" (the
+    default) compiles CUDA libraries so that they need only cuda-runner's own
+    shim, and falls back to a libtorch-bound library where a kernel has no
+    such form, saying so through `warn` (default: warnings.warn);
+    "standalone" refuses instead of falling back (`standalone=True` says the
+    same); "libtorch" builds the libtorch-bound library (cuBLAS, cuDNN and
+    flash attention through libtorch). CPU libraries are built alike in every
+    mode; "standalone" refuses one the shim cannot run."""
     torch = import_torch()
     target = check_device(torch, device)
     if target != "cpu":
@@ -150,7 +165,7 @@ def compile_module(
     source = export_module(module, args, kwargs, dynamic_shapes)
     source = MethodSource(source.program, source.dim_names, sample_inputs)
     return compile_sources({method: source}, path, device=target, metadata=metadata, progress=progress, options=options, call_helper=call_helper,
-                           cpu_target=cpu_target, standalone=standalone)
+                           cpu_target=cpu_target, runtime=chosen_runtime(runtime, standalone), warn=warn)
 
 
 def compile_programs(
@@ -166,6 +181,8 @@ def compile_programs(
     cpu_target: str = DEFAULT_CPU_TARGET,
     standalone: bool = False,
     share_weights: bool = True,
+    runtime: str | None = None,
+    warn: Warn | None = None,
 ) -> Manifest:
     """Compile saved ExportedPrograms (torch.export.save) into one bundle; keys
     are method names. With `share_weights`, weights the programs hold alike by
@@ -180,7 +197,24 @@ def compile_programs(
         samples = (sample_inputs or {}).get(method)
         sources[method] = MethodSource(program, None, samples)
     return compile_sources(sources, path, device=target, metadata=metadata, progress=progress, options=options, call_helper=call_helper,
-                           cpu_target=cpu_target, standalone=standalone, share_weights=share_weights)
+                           cpu_target=cpu_target, runtime=chosen_runtime(runtime, standalone), share_weights=share_weights, warn=warn)
+
+
+def chosen_runtime(runtime: str | None, standalone: bool = False) -> str:
+    """The compile's runtime mode: `runtime`, else "standalone" where `standalone` asks for it, else "auto"."""
+    if runtime is None:
+        return "standalone" if standalone else "auto"
+    if runtime not in RUNTIMES:
+        raise InputError(f"unknown runtime {runtime!r}; choose one of: {', '.join(RUNTIMES)}")
+    if standalone and runtime != "standalone":
+        raise InputError(f"standalone=True and runtime={runtime!r} disagree; give one of them")
+    return runtime
+
+
+def _warn(note: str) -> None:
+    import warnings
+
+    warnings.warn(note, UserWarning, stacklevel=4)
 
 
 def check_programs(programs: Mapping[str, str | os.PathLike], path: str | os.PathLike, device: str = "cpu") -> None:
@@ -222,8 +256,9 @@ def compile_sources(
     options: Mapping[str, Any] | None = None,
     call_helper: bool = True,
     cpu_target: str = DEFAULT_CPU_TARGET,
-    standalone: bool = False,
+    runtime: str = "auto",
     share_weights: bool = True,
+    warn: Warn | None = None,
 ) -> Manifest:
     """Compile each method and write the bundle atomically. With `share_weights`,
     a weight that several methods hold alike (same FQN, dtype, shape, strides
@@ -244,7 +279,8 @@ def compile_sources(
             raise InputError(f"method name {method!r} {problem}")
     for method, source in sources.items():
         with torch_talking_to_itself():
-            spec, method_segments, programs[method] = _compile_method(torch, method, source, device, progress, user_options, cpu_target, standalone)
+            spec, method_segments, programs[method] = _compile_method(torch, method, source, device, progress, user_options, cpu_target, runtime,
+                                                                      warn or _warn)
         methods[method] = spec
         segments.update(method_segments)
     if share_weights and len(methods) > 1:
@@ -362,7 +398,7 @@ def _may_write(program: Any) -> bool:
 
 def _compile_method(
     torch: Any, method: str, source: MethodSource, device: str, progress: Progress, options: Mapping[str, Any],
-    cpu_target: str = DEFAULT_CPU_TARGET, standalone: bool = False,
+    cpu_target: str = DEFAULT_CPU_TARGET, runtime: str = "auto", warn: Warn = lambda note: None,
 ) -> tuple[MethodSpec, dict[str, Any], Any]:
     """The method's spec and segments, and its program (on `device`)."""
     program = source.program
@@ -380,7 +416,9 @@ def _compile_method(
         # add_(1)) was folded into the code, so every run wrote the same value
         # and nothing was kept between calls (torch's own aoti_load_package too).
         options = {**options, "joint_graph_constant_folding": False}
-    compiled = compile_program(program, args, kwargs, device, progress, options, cpu_target, standalone)
+    compiled = compile_program(program, args, kwargs, device, progress, options, cpu_target, runtime)
+    if compiled.note:
+        warn(f"method {method!r}: {compiled.note}")
     if written is not None:
         written = _with_library_buffers(written, compiled.library, device)
     segments: dict[str, Any] = {f"{method}_so_blob": compiled.library, f"{method}_weights_blob": compiled.weights}

@@ -9,6 +9,7 @@ blob, and CUDA kernels are embedded in the library.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import hashlib
 import json
 import os
@@ -42,12 +43,12 @@ SELF_CONTAINED_OPTIONS: dict[str, Any] = {
 # of its generated kernels, picking the fastest on this GPU.
 AUTOTUNE_OPTIONS: dict[str, Any] = {"max_autotune": True, "coordinate_descent_tuning": True}
 
-# `compile --standalone` (CUDA): GEMMs and convolutions from Inductor's Triton
-# templates instead of cuBLAS/cuDNN extern kernels, as ExecuTorch's CUDA
-# backend compiles, so the library imports only tensor basics, which
-# cuda-runner's own shim provides (attention is lowered with SDPA's math
-# backend while compiling, for the same reason). CPU libraries need nothing
-# extra: the shim has plain GEMMs and lane-wise vector math for them.
+# A standalone CUDA compile (the default): GEMMs and convolutions from
+# Inductor's Triton templates instead of cuBLAS/cuDNN extern kernels, as
+# ExecuTorch's CUDA backend compiles, so the library imports only tensor
+# basics, which cuda-runner's own shim provides (attention is lowered with
+# SDPA's math backend while compiling, for the same reason). CPU libraries
+# need nothing extra: the shim has GEMMs on a BLAS, convolution and vector math.
 STANDALONE_CUDA_OPTIONS: dict[str, Any] = {
     "max_autotune": True, "max_autotune_gemm_backends": "TRITON", "max_autotune_conv_backends": "TRITON",
 }
@@ -113,6 +114,13 @@ class CompiledLibrary:
     weights: bytes
     device: DeviceSpec
     options: dict[str, Any]
+    note: str | None = None  # what the user should hear of this compile (a fallback to libtorch)
+
+
+# What a compiled library may need at run time (compile_module's `runtime`).
+RUNTIMES = ("auto", "standalone", "libtorch")
+# What a library bound to libtorch costs, for the line that says a compile fell back to one (docs/benchmarks.md).
+LIBTORCH_COST = "it needs torch installed where it runs, and its cold start is about 0.4 s longer"
 
 
 def import_torch() -> Any:
@@ -158,9 +166,47 @@ def check_cpu_target(target: str) -> str:
 
 def compile_program(
     program: Any, example_args: tuple, example_kwargs: Mapping[str, Any], device: str, progress: Progress,
-    user_options: Mapping[str, Any] | None = None, cpu_target: str = DEFAULT_CPU_TARGET, standalone: bool = False,
+    user_options: Mapping[str, Any] | None = None, cpu_target: str = DEFAULT_CPU_TARGET, runtime: str = "auto",
 ) -> CompiledLibrary:
-    """Compile an ExportedProgram that already lives on `device`."""
+    """Compile an ExportedProgram that already lives on `device`, for `runtime`
+    (RUNTIMES): a CUDA library is compiled standalone unless runtime is
+    "libtorch", and compiled again bound to libtorch where the standalone one
+    still needs libtorch and runtime is "auto"."""
+    if device == "cpu" or runtime == "libtorch":
+        compiled = _compile_once(program, example_args, example_kwargs, device, progress, user_options, cpu_target, standalone=False)
+        if runtime == "standalone":
+            _check_standalone(compiled.library)
+            compiled.options["standalone"] = True
+        return compiled
+    try:
+        compiled = _compile_once(program, example_args, example_kwargs, device, progress, user_options, cpu_target, standalone=True)
+        refusal = standalone_refusal(compiled.library)
+    except CompileError as error:
+        if runtime == "standalone":
+            raise
+        refusal = f"the standalone compile failed ({str(error).removeprefix('AOTInductor compile failed: ')})"
+    if refusal is None:
+        compiled.options["standalone"] = True
+        return compiled
+    if runtime == "standalone":
+        raise CompileError(f"--standalone: the compiled library cannot run without libtorch: {refusal}; compile without --standalone to run it on libtorch")
+    progress("compiling again, bound to libtorch")
+    compiled = _compile_once(program, example_args, example_kwargs, device, progress, user_options, cpu_target, standalone=False)
+    compiled.options["libtorch_because"] = refusal
+    return dataclasses.replace(compiled, note=f"compiled bound to libtorch: {refusal}; {LIBTORCH_COST}")
+
+
+def standalone_refusal(library: bytes) -> str | None:
+    """Why a compiled library cannot run on cuda-runner's shim alone, or None."""
+    from ..runtime.providers import own_shim_refusal
+
+    return own_shim_refusal(library)
+
+
+def _compile_once(
+    program: Any, example_args: tuple, example_kwargs: Mapping[str, Any], device: str, progress: Progress,
+    user_options: Mapping[str, Any] | None, cpu_target: str, standalone: bool,
+) -> CompiledLibrary:
     torch = import_torch()
     work_dir = Path(tempfile.mkdtemp(prefix="cuda-runner-compile-"))
     profile = STANDALONE_CUDA_OPTIONS if standalone and device != "cpu" else {}
@@ -182,18 +228,14 @@ def compile_program(
             options["aot_inductor.check_lowerbound"] = False
         progress("compiling with AOTInductor (this takes tens of seconds)")
         try:
-            with _math_attention(torch) if standalone else contextlib.nullcontext(), torch_talking_to_itself():
+            with _math_attention(torch) if standalone and device != "cpu" else contextlib.nullcontext(), torch_talking_to_itself():
                 library_path = Path(torch._inductor.aot_compile(program.module(), example_args, dict(example_kwargs), options=options))
         except Exception as error:  # inductor raises many types; report one line
             raise CompileError(f"AOTInductor compile failed: {type(error).__name__}: {_first_line(error)}") from error
-        if standalone:
-            _check_standalone(library_path.read_bytes())
         weights_path = library_path.with_name(library_path.name[: -len(".so")] + "_weights.blob")
         metadata = _sidecar_metadata(library_path)
         recorded = {key: value for key, value in options.items() if key not in ("aot_inductor.output_path", "cpp.cxx")}
         recorded["cxx_flags"] = list(EXTRA_CXX_FLAGS)
-        if standalone:
-            recorded["standalone"] = True
         if cpu_build is not None:
             recorded["cpu_target"] = cpu_target
             recorded["cpu_build_flags"] = list(cpu_build.flags)
@@ -229,9 +271,7 @@ def _math_attention(torch: Any) -> Any:
 
 def _check_standalone(library: bytes) -> None:
     """Refuse a --standalone library that still imports what only libtorch provides."""
-    from ..runtime.providers import own_shim_refusal
-
-    refusal = own_shim_refusal(library)
+    refusal = standalone_refusal(library)
     if refusal is not None:
         raise CompileError(f"--standalone: the compiled library cannot run without libtorch: {refusal}; "
                            "compile without --standalone to run it on libtorch")

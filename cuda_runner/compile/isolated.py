@@ -289,5 +289,6 @@ def compile_bundle(report: Report, *, programs: Mapping[str, Path], output: str 
         if built.library is None:
             report("warning", built.note)
             call_helper = False
-    manifest = compile_programs(programs, output, call_helper=call_helper, progress=lambda message: report("progress", message), **options)
+    manifest = compile_programs(programs, output, call_helper=call_helper, progress=lambda message: report("progress", message),
+                                warn=lambda note: report("warning", note), **options)
     return list(manifest.methods)

@@ -50,7 +50,7 @@ from .host import CpuExecutor, load_weights_on_host
 from .invoke import CallHelper, load_call_helper
 from .library import LibraryLease, lease_library
 from .options import LoadOptions
-from .providers import bind_library, default_provider
+from .providers import bind_library, default_provider, libtorch_remedy
 from .shim import Shim
 
 Inputs = Mapping[str, Any] | Sequence[Any]
@@ -241,7 +241,7 @@ class Method:
         library_bytes = reader.read_verified(spec.library_segment)  # always checked, before it is loaded
         timings["verify_library"] = clock() - started
         started = clock()
-        chosen, loadable = bind_library(library_bytes, device.type, default_provider(options.provider))
+        chosen, loadable = bind_library(library_bytes, device.type, default_provider(options.provider), libtorch_remedy(spec))
         del library_bytes  # a renamed copy is what loads: the original need not stay in memory meanwhile
         timings["libtorch" if chosen.needs_torch else "shim"] = clock() - started
         if device.type == "cuda":

@@ -39,6 +39,7 @@ from pathlib import Path
 
 from ..errors import BundleError, DeviceError, InputError
 from ..format.elf import LibraryFacts, read_library_facts, rename_imports
+from ..format.manifest import LIBRARY_CHECKS_OPTION, MethodSpec
 from .shim import TORCH_PREFIX, Shim, load_shim
 
 OWN_PREFIX = "cudarunner_"
@@ -156,9 +157,11 @@ def runs_on(library: bytes | memoryview) -> tuple[bool, str]:
     return False, "cuda-runner's shim (no torch needed)"
 
 
-def bind_library(library: bytes, device_type: str, preference: str = "auto") -> tuple[Provider, bytes | bytearray]:
+def bind_library(library: bytes, device_type: str, preference: str = "auto", remedy: str | None = None) -> tuple[Provider, bytes | bytearray]:
     """The provider a model library runs on, loaded, and the bytes to load for
-    it (for our shim, the copy with its imports renamed), by own_shim_refusal's rule."""
+    it (for our shim, the copy with its imports renamed), by own_shim_refusal's
+    rule. `remedy`: what to tell a user without torch (libtorch_remedy)."""
+    remedy = remedy or INSTALL_TORCH
     check_provider(preference)
     if preference == LIBTORCH_NAME:
         return load_libtorch_provider(device_type), library
@@ -175,9 +178,21 @@ def bind_library(library: bytes, device_type: str, preference: str = "auto") -> 
         raise DeviceError(f"{refusal}; run it with --provider auto or libtorch")
     if libtorch_installed():
         return load_libtorch_provider(device_type), library
-    raise DeviceError(
-        f"this model library needs libtorch ({refusal}); "
-        "install it with: pip install 'cuda-runner[torch]', or compile the model with --standalone")
+    raise DeviceError(f"this model library needs libtorch ({refusal}); {remedy}")
+
+
+INSTALL_TORCH = "install it with: pip install 'cuda-runner[torch]'"
+
+
+def libtorch_remedy(spec: MethodSpec) -> str:
+    """What makes a library that needs libtorch run where torch is missing: torch;
+    for a CUDA bundle built bound to libtorch by choice (--libtorch, or before
+    standalone was the default), also compiling it again without --libtorch."""
+    options = spec.compile_options
+    built_bound = spec.device.type == "cuda" and spec.torch_version and not options.get("standalone") and "libtorch_because" not in options
+    if built_bound and not options.get(LIBRARY_CHECKS_OPTION):  # not an ExecuTorch program: those are never bound to libtorch
+        return f"{INSTALL_TORCH}, or compile it again without --libtorch (CUDA compiles need only cuda-runner's shim by default)"
+    return INSTALL_TORCH
 
 
 def _listed(names: list[str]) -> str:

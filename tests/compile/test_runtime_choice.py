@@ -1,0 +1,111 @@
+"""What a compile builds for each runtime mode (compile/aot.py, compile_program):
+CUDA standalone by default with a fallback to libtorch, --standalone refusing,
+--libtorch the libtorch-bound build. The AOTInductor compile itself is
+replaced here (a CUDA compile needs a GPU); what is decided around it is real."""
+
+from __future__ import annotations
+
+import pytest
+from helpers import cli
+
+from cuda_runner.compile import aot
+from cuda_runner.errors import CompileError
+from cuda_runner.format.manifest import DeviceSpec
+
+
+@pytest.fixture
+def compiles(monkeypatch):
+    """Record each AOTInductor compile asked for; `refusal` says what the standalone library lacks."""
+    made: list[bool] = []
+    state = {"refusal": None, "fails": False}
+
+    def compile_once(program, args, kwargs, device, progress, options, cpu_target, standalone):
+        made.append(standalone)
+        if standalone and state["fails"]:
+            raise CompileError("AOTInductor compile failed: InductorError: no fallback kernel for aten.foo")
+        library = b"standalone" if standalone else b"libtorch"
+        return aot.CompiledLibrary(library, b"", DeviceSpec("cuda" if device != "cpu" else "cpu"), {})
+
+    monkeypatch.setattr(aot, "_compile_once", compile_once)
+    monkeypatch.setattr(aot, "standalone_refusal", lambda library: state["refusal"] if library == b"standalone" else "libtorch-bound")
+    return made, state
+
+
+def _compile(device="cuda:0", runtime="auto"):
+    return aot.compile_program(None, (), {}, device, lambda message: None, {}, runtime=runtime)
+
+
+def test_a_cuda_compile_is_standalone_by_default(compiles):
+    made, _ = compiles
+    compiled = _compile()
+    assert made == [True] and compiled.library == b"standalone" and compiled.options["standalone"] is True and compiled.note is None
+
+
+def test_a_kernel_without_a_standalone_form_falls_back_to_libtorch_saying_which_and_what_it_costs(compiles):
+    made, state = compiles
+    state["refusal"] = "cuda-runner's shim lacks aoti_torch_cuda__weight_int4pack_mm"
+    compiled = _compile()
+    assert made == [True, False] and compiled.library == b"libtorch"
+    assert compiled.note == (f"compiled bound to libtorch: cuda-runner's shim lacks aoti_torch_cuda__weight_int4pack_mm; {aot.LIBTORCH_COST}")
+    assert compiled.options["libtorch_because"] == state["refusal"]  # recorded: inspect and run say why
+
+
+def test_a_standalone_compile_that_fails_falls_back_too(compiles):
+    made, state = compiles
+    state["fails"] = True
+    compiled = _compile()
+    assert made == [True, False] and "the standalone compile failed (InductorError: no fallback kernel for aten.foo)" in compiled.note
+
+
+def test_standalone_refuses_instead_of_falling_back(compiles):
+    made, state = compiles
+    state["refusal"] = "cuda-runner's shim lacks aoti_torch_cuda_mm_out"
+    with pytest.raises(CompileError, match="--standalone: the compiled library cannot run without libtorch: cuda-runner's shim lacks aoti_torch_cuda_mm_out"):
+        _compile(runtime="standalone")
+    assert made == [True]
+    state["fails"] = True
+    with pytest.raises(CompileError, match="no fallback kernel"):
+        _compile(runtime="standalone")
+
+
+def test_libtorch_builds_the_bound_library_at_once(compiles):
+    made, _ = compiles
+    assert _compile(runtime="libtorch").library == b"libtorch" and made == [False]
+
+
+def test_a_cpu_compile_is_one_compile_in_every_mode(compiles):
+    made, state = compiles
+    state["refusal"] = None
+    for runtime in ("auto", "libtorch"):
+        assert _compile("cpu", runtime).note is None
+    assert made == [False, False]
+    with pytest.raises(CompileError, match="--standalone"):
+        _compile("cpu", "standalone")  # the CPU library (libtorch-bound in this stand-in) is checked, not recompiled
+
+
+def test_the_modes_are_checked(tmp_path):
+    from cuda_runner.compile import chosen_runtime
+    from cuda_runner.errors import InputError
+
+    assert chosen_runtime(None) == "auto" and chosen_runtime(None, standalone=True) == "standalone"
+    with pytest.raises(InputError, match="unknown runtime 'tensorrt'"):
+        chosen_runtime("tensorrt")
+    with pytest.raises(InputError, match="disagree"):
+        chosen_runtime("libtorch", standalone=True)
+    result = cli("compile", str(tmp_path / "p.pt2"), "-o", str(tmp_path / "m.bundle"), "--standalone", "--libtorch")
+    assert result.returncode == 2 and result.error_lines == ["error: --standalone and --libtorch ask for opposite builds; give one"]
+
+
+def test_a_missing_function_says_the_one_thing_that_works(monkeypatch):
+    """A CUDA bundle bound to libtorch by choice can be compiled again; one that fell back, or a CPU one, needs torch."""
+    from cuda_runner.format.manifest import MethodSpec
+    from cuda_runner.runtime.providers import INSTALL_TORCH, libtorch_remedy
+
+    def spec(device, **options):
+        return MethodSpec(name="forward", device=DeviceSpec(device), library_segment="so", weights_segment=None, inputs=(), outputs=(), dims={},
+                          torch_version="2.11.0", compile_options=options)
+
+    assert libtorch_remedy(spec("cpu")) == INSTALL_TORCH
+    assert libtorch_remedy(spec("cuda", libtorch_because="cuda-runner's shim lacks aoti_torch_cuda__weight_int4pack_mm")) == INSTALL_TORCH
+    assert libtorch_remedy(spec("cuda")).endswith("or compile it again without --libtorch (CUDA compiles need only cuda-runner's shim by default)")
+    assert libtorch_remedy(spec("cuda", standalone=True)) == INSTALL_TORCH
