@@ -1,8 +1,15 @@
-"""CUDA graphs for static-shape methods (`--cuda-graph`).
+"""CUDA graphs (`--cuda-graph`): one captured Run per concrete input shape.
 
-One Run is captured into a CUDA graph with static input buffers; each call then
-copies the inputs into those buffers, replays the graph and copies the outputs
-out of the addresses the capture left them at.
+A call of a shape seen before replays its graph: the inputs are copied into
+the graph's static buffers, the graph is launched, and the outputs are copied
+out of the addresses the capture left them at. The first calls of each shape
+run as ordinary calls (they load kernels and set up what the library does
+lazily); the next one is captured, which executes nothing, and its graph is
+then launched once for that call. Every call therefore runs on the real
+inputs in order, so state a method keeps (a KV cache in its buffers) carries
+from call to call, graphed or not, as ExecuTorch's enable_cuda_graph_for_method
+does. A method with dynamic dimensions gets one graph per shape seen, up to
+`MAX_GRAPHS`; further shapes run as ordinary calls.
 
 Who allocates the Run's tensors decides how to capture:
 - libtorch: its caching allocator must switch to a private graph pool while
@@ -18,63 +25,96 @@ Who allocates the Run's tensors decides how to capture:
 from __future__ import annotations
 
 import ctypes
+import time
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
 from ..arrays import numpy_dtype
-from ..errors import InputError, ModelRuntimeError
+from ..errors import ModelRuntimeError
 from ..format.manifest import MethodSpec
 from .cuda import CudaExecutor
 from .executor import Executor
-from .tensors import Describer, OwnedHandles, contiguous_strides, gather, wrap_memory
+from .tensors import Describer, OwnedHandles, TensorView, contiguous_strides, gather, wrap_memory
 
-_WARMUP_RUNS = 3
+#: Ordinary calls of a shape before it is captured (ExecuTorch's CUDA backend also runs three).
+WARMUP_CALLS = 3
+#: Graphs kept per method: one per input shape; calls of further shapes are not graphed.
+MAX_GRAPHS = 8
+
+Shapes = tuple[tuple[int, ...], ...]
+
+
+@dataclass
+class _Captured:
+    graph: _TorchGraph | _DriverGraph
+    inputs: list[int]  # static input buffers: the captured kernels read these addresses on every replay
+    outputs: OwnedHandles
+    views: list[TensorView]
 
 
 class CudaGraphExecutor(Executor):
-    """Replays one captured Run. Owns the static inputs and the captured outputs."""
+    """Runs a CudaExecutor's container through CUDA graphs, one per input shape (see the module docstring)."""
 
-    def __init__(self, executor: CudaExecutor, spec: MethodSpec):
-        if spec.dims or any(not isinstance(entry, int) for tensor in (*spec.inputs, *spec.outputs) for entry in tensor.shape):
-            raise InputError(f"a CUDA graph needs static shapes; method {spec.name!r} has dynamic dimensions", subject="cuda_graph")
+    def __init__(self, executor: CudaExecutor, spec: MethodSpec, max_graphs: int = MAX_GRAPHS):
         self._executor = executor
         self._container = executor.container
         self._dtypes = [tensor.dtype for tensor in spec.inputs]
-        self._shapes = [tuple(int(size) for size in tensor.shape) for tensor in spec.inputs]  # static: checked above
-        self._nbytes = [int(np.prod(shape, dtype=np.int64)) * numpy_dtype(dtype).itemsize for dtype, shape in zip(self._dtypes, self._shapes)]
-        # Static input buffers: the captured kernels read these addresses on every replay.
-        self._inputs = [executor.device_buffers.get(("graph", index), nbytes) for index, nbytes in enumerate(self._nbytes)]
-        self._graph: _TorchGraph | _DriverGraph = (
-            _TorchGraph(executor.stream.ptr, executor.device_index) if executor.shim.label == "libtorch" else _DriverGraph(executor.stream.ptr))
-        self._outputs = self._capture()
-        describe = Describer(executor.shim)
-        self._views = [describe(handle) for handle in self._outputs.handles]
+        self._max_graphs = max_graphs
+        self._graphs: dict[Shapes, _Captured] = {}
+        self._calls: dict[Shapes, int] = {}  # ordinary calls made so far, per shape not yet captured
+        self._describe = Describer(executor.shim)
+        #: Seconds each capture took (the first call of each graphed shape pays it).
+        self.capture_seconds: list[float] = []
 
-    def _handles(self) -> list[int]:
-        shim, executor = self._executor.shim, self._executor
-        return [
-            wrap_memory(shim, address, dtype, shape, contiguous_strides(shape), shim.device_cuda, executor.device_index)
-            for address, dtype, shape in zip(self._inputs, self._dtypes, self._shapes)
-        ]
-
-    def _capture(self) -> OwnedHandles:
-        shim, stream = self._executor.shim, self._executor.stream
-        for _ in range(_WARMUP_RUNS):  # kernels are loaded by the first runs, outside the capture
-            OwnedHandles(shim, self._container.run(self._handles(), stream.ptr, single_threaded=True)).release()
-        stream.synchronize()
-        handles = self._graph.capture(lambda: self._container.run(self._handles(), stream.ptr, single_threaded=True))
-        return OwnedHandles(shim, handles)
+    @property
+    def graphs(self) -> int:
+        """How many shapes have a graph."""
+        return len(self._graphs)
 
     def run(self, arrays: list[np.ndarray], phases: dict[str, float] | None = None) -> list[np.ndarray]:
+        shapes = tuple(tuple(int(size) for size in array.shape) for array in arrays)
+        captured = self._graphs.get(shapes)
+        if captured is None:
+            seen = self._calls.get(shapes, 0)
+            if seen < WARMUP_CALLS or len(self._graphs) >= self._max_graphs:
+                if len(self._calls) < 4 * self._max_graphs:  # bounded: a method fed ever new shapes keeps no unbounded map
+                    self._calls[shapes] = seen + 1
+                return self._executor.run(arrays, phases)
+            started = time.perf_counter()
+            captured = self._graphs[shapes] = self._capture(shapes)
+            self._calls.pop(shapes, None)
+            self.capture_seconds.append(time.perf_counter() - started)
+        return self._replay(captured, arrays)
+
+    def _capture(self, shapes: Shapes) -> _Captured:
         executor = self._executor
         executor.use_device()
-        for index, (address, array) in enumerate(zip(self._inputs, arrays)):
+        key = len(self._graphs)
+        nbytes = [int(np.prod(shape, dtype=np.int64)) * numpy_dtype(dtype).itemsize for dtype, shape in zip(self._dtypes, shapes)]
+        inputs = [executor.device_buffers.get(("graph", key, index), size) for index, size in enumerate(nbytes)]
+        graph: _TorchGraph | _DriverGraph = (
+            _TorchGraph(executor.stream.ptr, executor.device_index) if executor.shim.label == "libtorch" else _DriverGraph(executor.stream.ptr))
+        shim, stream = executor.shim, executor.stream
+        stream.synchronize()
+
+        def handles() -> list[int]:
+            return [wrap_memory(shim, address, dtype, shape, contiguous_strides(shape), shim.device_cuda, executor.device_index)
+                    for address, dtype, shape in zip(inputs, self._dtypes, shapes)]
+
+        outputs = OwnedHandles(shim, graph.capture(lambda: self._container.run(handles(), stream.ptr, single_threaded=True)))
+        return _Captured(graph, inputs, outputs, [self._describe(handle) for handle in outputs.handles])
+
+    def _replay(self, captured: _Captured, arrays: list[np.ndarray]) -> list[np.ndarray]:
+        executor = self._executor
+        executor.use_device()
+        for index, (address, array) in enumerate(zip(captured.inputs, arrays)):
             executor.upload(index, array, destination=address)
-        self._graph.replay()
-        staged = [executor.download(index, view) for index, view in enumerate(self._views)]
+        captured.graph.replay()
+        staged = [executor.download(index, view) for index, view in enumerate(captured.views)]
         executor.stream.synchronize()
-        return [gather(buffer, view) for buffer, view in zip(staged, self._views)]
+        return [gather(buffer, view) for buffer, view in zip(staged, captured.views)]
 
     @property
     def stream(self) -> Any:
@@ -82,8 +122,10 @@ class CudaGraphExecutor(Executor):
 
     def close(self) -> None:
         self._executor.stream.synchronize()
-        self._outputs.release()
-        self._graph.reset()
+        for captured in self._graphs.values():
+            captured.outputs.release()
+            captured.graph.reset()
+        self._graphs.clear()
         self._executor.close()
 
 

@@ -292,9 +292,8 @@ class Method:
                 for check in data_checks:
                     check.result()
                 timings["verify_weights_wait"] = clock() - started
-            if options.cuda_graph:
-                with _first_run_lock, _native_checks(check_inputs):  # the capture's warm-up runs are the first runs
-                    executors[0] = _graph_executor(executors[0], spec, timings)
+            if options.cuda_graph:  # captured on later calls, one graph per input shape (runtime/graphs.py)
+                executors[0] = _graph_executor(executors[0], spec)
         except BaseException:
             for check in data_checks:
                 check.cancel()
@@ -310,8 +309,8 @@ class Method:
         method.stateful = stateful
         method._constants = constants if shared_constants is None else None  # shared memory is the model's to release
         method._reset_source = (constants, lambda name: reader.segment(name, verify=False)) if constants is not None else None
-        if constants is None and stateful and not options.cuda_graph:
-            lease, num_models, shim = library, container.num_models, chosen.shim
+        if constants is None and stateful:
+            lease, num_models, shim, graphed = library, container.num_models, chosen.shim, options.cuda_graph
 
             def fresh_container() -> tuple[Container, Callable[[], Executor], Executor]:
                 """A new container with the stored weights, and its first executor (resetting a method whose weights are one blob)."""
@@ -319,6 +318,8 @@ class Method:
                 try:
                     make_again = _executor_factory(shim, device, again, spec, helper)
                     first = make_again()
+                    if graphed:  # graphs captured on the old container's buffers go with it: new ones are captured
+                        first = _graph_executor(first, spec)
                 except BaseException:
                     again.delete()
                     raise
@@ -337,7 +338,6 @@ class Method:
         method._helper = helper
         method.call_path = call_path or "ctypes"
         method.provider = chosen.name
-        method._first_run_done = options.cuda_graph
         if options.warm_up and device.type == "cuda" and not options.cuda_graph:
             started = clock()
             method.warm_up_note = method._warm_up()
@@ -370,8 +370,8 @@ class Method:
         Per-constant weights (ExecuTorch 1.5 programs, converted programs,
         bundles with shared weights) are copied again in place. A library
         whose weights are one blob cannot be given them twice, so it gets a
-        new container, fed from the stored blob, and the old one is deleted;
-        a method captured into a CUDA graph cannot be reset that way."""
+        new container, fed from the stored blob, and the old one is deleted
+        (with CUDA graphs, new graphs are captured on it)."""
         if not self.stateful:
             return  # nothing a run changes
         if self._reset_source is not None:
@@ -381,8 +381,8 @@ class Method:
             with self._lanes.borrow():  # after the call in flight (a stateful method has one lane), before the next
                 memory.reload(self.spec.constants, segment)
             return
-        if self._fresh_container is None:
-            raise InputError(f"method {self.spec.name!r} runs as a CUDA graph, which cannot be reset; load the model again to reset its state")
+        if self._fresh_container is None:  # a stateful method has one or the other
+            raise ModelRuntimeError(f"method {self.spec.name!r} has no stored state to reset to")
         with self._close_lock:  # not beside close() or another reset
             if self._lanes.closed:
                 raise ClosedError(f"method {self.spec.name!r} is closed")
@@ -678,18 +678,15 @@ def _load_weights(device: Device, container: Container, weights: memoryview) -> 
     load_weights_on_cuda(device.index, container, weights)
 
 
-def _graph_executor(executor: Executor, spec: MethodSpec, timings: dict[str, float]) -> Executor:
+def _graph_executor(executor: Executor, spec: MethodSpec) -> Executor:
     from .cuda import CudaExecutor
 
     if not isinstance(executor, CudaExecutor):
         raise InputError("a CUDA graph needs a CUDA device", subject="cuda_graph")
     from .graphs import CudaGraphExecutor
 
-    started = time.perf_counter()
     inputs, outputs = spec.library_signature  # the graph replays the library's own call
-    graph = CudaGraphExecutor(executor, dataclasses.replace(spec, inputs=inputs, outputs=outputs, wiring=None))
-    timings["capture_graph"] = time.perf_counter() - started
-    return graph
+    return CudaGraphExecutor(executor, dataclasses.replace(spec, inputs=inputs, outputs=outputs, wiring=None))
 
 
 def _check_counts(spec: MethodSpec, container: Container) -> None:

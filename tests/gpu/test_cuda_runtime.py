@@ -144,20 +144,36 @@ def test_inspect_reports_cuda_bundle_runnable(cuda_dict_mlp):
 
 
 def test_cuda_graph_replay_matches_plain_runs_and_follows_new_inputs(cuda_bf16):
+    from cuda_runner.runtime.graphs import WARMUP_CALLS
+
     rng = np.random.default_rng(5)
     with cuda_runner.load(cuda_bf16.path) as plain, cuda_runner.load(cuda_bf16.path, cuda_graph=True) as graphed:
-        assert "capture_graph" in graphed.method().load_timings
         assert graphed.method().call_path == "ctypes: a CUDA graph replays its captured run without the call helper"
-        for _ in range(3):
+        executor = graphed.method()._lanes.first
+        for call in range(WARMUP_CALLS + 3):
             x = rng.standard_normal((2, 32)).astype(ml_dtypes.bfloat16)
             (expected,) = plain.run([x]).values()
             (replayed,) = graphed.run([x]).values()
             np.testing.assert_array_equal(replayed.view(np.uint16), expected.view(np.uint16))
+            assert executor.graphs == (1 if call >= WARMUP_CALLS else 0)  # captured after the warm-up calls, then replayed
 
 
-def test_cuda_graph_refuses_dynamic_shapes(cuda_dict_mlp):
-    with pytest.raises(cuda_runner.InputError, match="static shapes"):
-        cuda_runner.load(cuda_dict_mlp.path, cuda_graph=True)
+def test_cuda_graph_of_a_dynamic_method_captures_one_graph_per_shape(cuda_dict_mlp):
+    """It refused dynamic dimensions; now each shape seen gets its graph, up to a bound, and other shapes run as they are."""
+    from cuda_runner.runtime.graphs import WARMUP_CALLS
+
+    rng = np.random.default_rng(6)
+    bias = np.zeros(8, np.float32)
+    with cuda_runner.load(cuda_dict_mlp.path) as plain, cuda_runner.load(cuda_dict_mlp.path, cuda_graph=True) as graphed:
+        executor = graphed.method()._lanes.first
+        executor._max_graphs = 2
+        for batch in (2, 5, 7):
+            for _ in range(WARMUP_CALLS + 2):
+                x = rng.standard_normal((batch, 16), dtype=np.float32)
+                expected, got = plain.run({"x": x, "bias": bias}), graphed.run({"x": x, "bias": bias})
+                for name in expected:
+                    np.testing.assert_allclose(got[name], expected[name], rtol=1e-6, atol=1e-6)
+        assert executor.graphs == 2  # batch 7 came after the bound: it ran without a graph
 
 
 def test_pinned_input_skips_the_staging_copy_and_gives_the_same_result(cuda_dict_mlp, monkeypatch):
