@@ -68,7 +68,7 @@ def compile_fixture(folder: Path, builder: str, device: str = "cpu") -> Compiled
 OPTIONS = {"linear": {"coordinate_descent_tuning": True}}
 
 # Fixtures compiled --standalone: they run on cuda-runner's shim with no torch installed.
-STANDALONE = {"tiny_vit"}
+STANDALONE = {"tiny_vit", "tiny_resnet"}
 
 # Sample inputs stored in fixture bundles, for --self-test.
 SAMPLES = {

@@ -133,30 +133,36 @@ class PrefillDecode(torch.nn.Module):
         return torch.tanh(self.shared(x))
 
 
-class TinyViT(torch.nn.Module):
-    """A vision transformer in miniature: a patch-embedding convolution, one
-    pre-norm encoder layer (attention, LayerNorm, GELU) and a linear head, with
-    a small convolution stem in front so that a grouped and a strided
-    convolution run too. Compiled --standalone for the CPU, it needs the
-    shim's convolution, GEMMs (attention lowered from its math form) and vector math."""
+def _scale_models():
+    """scripts/scale_models.py: the models bench_scale.py measures at their real sizes, here at tiny ones."""
+    import importlib.util
+    import sys
+    from pathlib import Path
 
-    def __init__(self) -> None:
-        super().__init__()
-        torch.manual_seed(12)
-        self.stem = torch.nn.Sequential(torch.nn.Conv2d(3, 8, 3, padding=1), torch.nn.BatchNorm2d(8), torch.nn.ReLU(),
-                                        torch.nn.Conv2d(8, 8, 3, padding=1, groups=4))
-        self.patches = torch.nn.Conv2d(8, 32, kernel_size=8, stride=8)
-        self.encoder = torch.nn.TransformerEncoderLayer(d_model=32, nhead=4, dim_feedforward=64, batch_first=True, norm_first=True,
-                                                        activation="gelu", dropout=0.0)
-        self.head = torch.nn.Linear(32, 5)
+    if "scale_models" in sys.modules:
+        return sys.modules["scale_models"]
+    path = Path(__file__).resolve().parent.parent / "scripts" / "scale_models.py"
+    spec = importlib.util.spec_from_file_location("scale_models", path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["scale_models"] = module  # its dataclasses look their module up there
+    spec.loader.exec_module(module)
+    return module
 
-    def forward(self, image: torch.Tensor) -> torch.Tensor:
-        tokens = self.patches(self.stem(image)).flatten(2).transpose(1, 2)
-        return self.head(self.encoder(tokens).mean(dim=1))
+
+scale_models = _scale_models()
 
 
 def tiny_vit():
-    return TinyViT().eval(), (torch.randn(2, 3, 32, 32),), None
+    """ViT-B/16's code at a tiny size: patch convolution, pre-norm encoder (attention, LayerNorm, GELU), head."""
+    torch.manual_seed(12)
+    return scale_models.VisionTransformer(scale_models.VIT_TINY).eval(), (torch.randn(2, 3, 32, 32),), None
+
+
+def tiny_resnet():
+    """ResNet-50's code at a tiny size: 7x7 strided stem, max pool, bottlenecks with 1x1 and 3x3 convolutions and batch norm."""
+    torch.manual_seed(13)
+    return scale_models.randomize_batch_norms(scale_models.resnet_tiny()).eval(), (torch.randn(1, 3, 32, 32),), None
 
 
 BUILDERS["tiny_vit"] = tiny_vit
+BUILDERS["tiny_resnet"] = tiny_resnet

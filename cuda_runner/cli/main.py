@@ -608,18 +608,32 @@ def bench_command(
     trusted_key: TrustedKeyOption = [],  # noqa: B006
     require_signature: RequireSignatureOption = False,
     provider: ProviderOption = None,
+    steps: Annotated[Optional[int], typer.Option("--steps", min=1, metavar="N", help=(
+        "A stateful decode loop: N timed calls of the method, its position input advanced by one each call and its state "
+        "(a KV cache) kept; reports per-step latency and tokens/s."))] = None,
+    prefill: Annotated[Optional[str], typer.Option("--prefill", metavar="METHOD", help=(
+        "With --steps: run METHOD once first on a prompt of --prompt-length tokens (its position input counting from 0)."))] = None,
+    prompt_length: Annotated[int, typer.Option("--prompt-length", min=1, metavar="T", help="With --prefill: the prompt's length.")] = 32,
+    position: Annotated[Optional[str], typer.Option("--position", metavar="NAME", help=(
+        "With --steps: the input advanced each step (default: the one integer input of one element named like a position)."))] = None,
 ) -> None:
-    """Measure load time, first run and steady-state latency, split into copies and compute (random inputs unless --inputs)."""
-    from ..commands.bench import BenchRequest, Gates, benchmark
+    """Measure load time, first run and steady-state latency, split into copies and compute (random inputs unless --inputs);
+    with --steps, a stateful decode loop."""
+    from ..commands.bench import BenchRequest, DecodeLoop, Gates, benchmark
 
     parse.positive(duration, "--duration")
     for value, option in ((max_p50_ms, "--max-p50-ms"), (max_p99_ms, "--max-p99-ms"), (min_throughput, "--min-throughput"), (max_load_s, "--max-load-s")):
         parse.positive(value, option)
+    if steps is None and (prefill is not None or position is not None):
+        raise parse.UsageError("--prefill and --position belong to a decode loop: give --steps N")
+    if steps is not None and duration is not None:
+        raise parse.UsageError("--steps and --duration both say how long to measure; give one")
     plan = _input_plan(inputs, random_inputs or not inputs, seed, shape, value_range)
     load = _load_options(trusted_key, require_signature, verify_weights=not skip_weights_digest, cuda_graph=cuda_graph, provider=provider)
     request = BenchRequest(
         bundle=Path(bundle), inputs=plan, data=_path(data), method=method, device=device, load=load,
         warmup_runs=warmup, iterations=iterations, duration=duration, gates=Gates(max_p50_ms, max_p99_ms, min_throughput, max_load_s),
+        decode=None if steps is None else DecodeLoop(steps, prefill, prompt_length, position),
     )
     _quiet_warnings()
     with _native_stderr(), _progress_bar("measuring") as advance:

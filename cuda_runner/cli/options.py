@@ -199,4 +199,6 @@ SUBJECT_HINTS = {
     "data": "give it with --data FILE.ptd",
     "option": "see --option",
     "batch_size": "run without --batch-size",
+    "position": "name it with --position",
+    "prompt_length": "see --prompt-length",
 }

@@ -347,6 +347,8 @@ def comparison_lines(comparison: Comparison) -> list[tuple[str, str | None]]:
 
 
 def bench_lines(result: BenchResult) -> list[str]:
+    if result.decode is not None:
+        return _decode_lines(result)
     lines = [clean(f"{result.method} on {result.device}  ({human_bytes(result.input_bytes)} in, {human_bytes(result.output_bytes)} out)"), "load (ms)"]
     lines += table([*result.load, "first_run"], [[*(ms(value) for value in result.load.values()), ms(result.first_run)]], "  ")
     lines.append("steady state (ms per run)")
@@ -361,6 +363,25 @@ def bench_lines(result: BenchResult) -> list[str]:
     lines.append(f"throughput: {result.throughput:.1f} runs/s ({result.steady.count} runs in {result.timed_wall:.3f} s)")
     lines.append(clean(f"calls: {result.call_path}; shim: {result.provider}"))
     lines.append("split: CUDA-event device time per phase on a GPU, host timers on CPU; see --json 'definitions'")
+    lines += [gate.describe() for gate in result.gates]
+    return lines
+
+
+def _decode_lines(result: BenchResult) -> list[str]:
+    decode = result.decode
+    assert decode is not None
+    lines = [clean(f"{result.method} on {result.device}: a decode loop of {decode.steps.count} steps, position input "
+                   f"{decode.position_input} at {decode.positions[0]}..{decode.positions[1]}"), "load (ms)"]
+    lines += table([*result.load, "first step"], [[*(ms(value) for value in result.load.values()), ms(result.first_run)]], "  ")
+    if decode.prefill_method is not None and decode.prefill_s is not None:
+        lines.append(clean(f"prefill: {decode.prefill_method} on {decode.prompt_length} tokens: {ms(decode.prefill_s)} ms"))
+    headers = ["what", "n", "min", "median", "mean", "p90", "p95", "p99", "max", "cv"]
+    stats = decode.steps
+    lines.append("per step (ms)")
+    lines += table(headers, [["decode step", str(stats.count), *(ms(getattr(stats, key)) for key in ("min", "median", "mean", "p90", "p95", "p99", "max")),
+                              f"{stats.cv:.1%}"]], "  ")
+    lines.append(f"tokens/s: {decode.tokens_per_s:.1f} ({stats.count} steps in {decode.timed_wall:.3f} s)")
+    lines.append(clean(f"calls: {result.call_path}; shim: {result.provider}"))
     lines += [gate.describe() for gate in result.gates]
     return lines
 

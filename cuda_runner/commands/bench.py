@@ -11,7 +11,9 @@ from typing import Any
 
 import numpy as np
 
-from ..io.inputs import InputPlan, RandomInputs
+from ..errors import InputError
+from ..format.manifest import MethodSpec, TensorSpec, choose_method
+from ..io.inputs import InputPlan, RandomInputs, resolve_inputs
 from ..report.schema import SCHEMAS
 from ..runtime.method import Method
 from ..runtime.model import Model, load_model
@@ -32,8 +34,12 @@ split_s: the same run in separate passes with its phases timed: on a GPU by CUDA
 host-to-device copies from pinned staging; compute, the model; copy_out, the device-to-host copies), on CPU by host
 timers (copy_in, preparing and wrapping the inputs; compute; copy_out, copying the outputs out and freeing handles).
 device_resident_s: wall time of one run on device arrays with no host copies, synchronized (GPU only).
-call_path: how each call reaches the library: "call helper" (one foreign call), or "ctypes: <why>".\
-provider: whose shim functions the library runs on: "cuda-runner shim" or "libtorch".\
+call_path: how each call reaches the library: "call helper" (one foreign call), or "ctypes: <why>".
+provider: whose shim functions the library runs on: "cuda-runner shim" or "libtorch".
+decode (--steps): a stateful loop: the --prefill method once on a prompt of --prompt-length tokens, then --warmup
+untimed and --steps timed calls of the method, its position input advanced by one each call, the state (a KV cache)
+kept between calls; step_s is the wall time of each timed call (copy in, model, copy out, synchronize),
+tokens_per_s the timed steps divided by their wall time, positions the first and last position the timed steps used.\
 """
 
 HIGH_SPREAD_CV = 0.10
@@ -116,6 +122,37 @@ class BenchRequest:
     iterations: int = 100
     duration: float | None = None  # seconds; replaces iterations
     gates: Gates = field(default_factory=Gates)
+    decode: DecodeLoop | None = None  # a stateful decode loop instead of repeated calls on one input
+
+
+@dataclass(frozen=True)
+class DecodeLoop:
+    """`bench --steps`: a decode loop (see DEFINITIONS)."""
+
+    steps: int
+    prefill: str | None = None  # a method run once first, on the prompt
+    prompt_length: int = 32
+    position: str | None = None  # the input advanced each step; None: the method's one position-like input
+
+
+@dataclass
+class DecodeResult:
+    steps: LatencyStats
+    timed_wall: float
+    prefill_method: str | None
+    prompt_length: int
+    prefill_s: float | None
+    position_input: str
+    positions: tuple[int, int]
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.steps.count / self.timed_wall if self.timed_wall > 0 else 0.0
+
+    def to_json(self) -> dict[str, Any]:
+        return {"steps": self.steps.count, "step_s": self.steps.to_json(), "timed_wall_s": self.timed_wall, "tokens_per_s": self.tokens_per_s,
+                "prefill_method": self.prefill_method, "prompt_length": self.prompt_length if self.prefill_method else None,
+                "prefill_s": self.prefill_s, "position_input": self.position_input, "positions": list(self.positions)}
 
 
 @dataclass
@@ -135,6 +172,7 @@ class BenchResult:
     warnings: list[str] = field(default_factory=list)
     call_path: str = ""
     provider: str = ""
+    decode: DecodeResult | None = None
 
     @property
     def throughput(self) -> float:
@@ -146,9 +184,10 @@ class BenchResult:
         return "PASSED" if all(gate.passed for gate in self.gates) else "FAILED"
 
     def check_gates(self, gates: Gates) -> None:
+        """The gates hold against the runs measured: the decode steps in a decode loop (throughput: tokens/s)."""
         figures = {
             "max_p50_ms": self.steady.median * 1e3, "max_p99_ms": self.steady.p99 * 1e3,
-            "min_throughput": self.throughput, "max_load_s": sum(self.load.values()),
+            "min_throughput": self.decode.tokens_per_s if self.decode is not None else self.throughput, "max_load_s": sum(self.load.values()),
         }
         for name, figure in figures.items():
             limit = getattr(gates, name)
@@ -173,6 +212,7 @@ class BenchResult:
             "output_bytes": self.output_bytes,
             "call_path": self.call_path,
             "provider": self.provider,
+            "decode": None if self.decode is None else self.decode.to_json(),
             "gates": [gate.to_json() for gate in self.gates],
             "verdict": self.verdict,
             "definitions": DEFINITIONS,
@@ -188,14 +228,117 @@ def _timed(function: Callable[[], Any]) -> tuple[Any, float]:
 
 def benchmark(request: BenchRequest, progress: Progress = lambda done, total: None) -> BenchResult:
     opened = open_for_run(request.bundle, request.data, request.method, request.load.trusted_keys, request.device)
+    decode = request.decode
     try:
         inputs, _ = prepare_inputs(opened.reader, opened.method, request.inputs)
+        names = [opened.method.name]
+        prompt = None
+        if decode is not None:
+            position_input(opened.method, decode.position)  # refused before anything loads
+            if decode.prefill is not None:
+                manifest = opened.reader.manifest
+                prefill = manifest.methods[choose_method(list(manifest.methods), decode.prefill)]
+                prompt = prompt_inputs(prefill, decode.prompt_length, request.inputs)
+                names.insert(0, prefill.name)
     except BaseException:
         opened.close()
         raise
-    with load_model(opened.reader, request.device, request.load, methods=[opened.method.name], open_seconds=opened.seconds) as model:
-        result = _measure(request, model, opened.method.name, inputs.arrays, progress)
+    with load_model(opened.reader, request.device, request.load, methods=names, open_seconds=opened.seconds) as model:
+        if decode is None:
+            result = _measure(request, model, opened.method.name, inputs.arrays, progress)
+        else:
+            result = _measure_decode(request, decode, model, opened.method.name, inputs.arrays, prompt, progress)
     result.check_gates(request.gates)
+    return result
+
+
+_POSITION_WORDS = ("pos", "position", "cache_position", "input_pos", "start_pos", "step")
+
+
+def position_input(method: MethodSpec, name: str | None) -> TensorSpec:
+    """The input a decode loop advances each step: `name`, else the one integer
+    input of one element whose name says it is a position."""
+    if name is not None:
+        found = method.input(name)
+        if found is None:
+            raise InputError(f"method {method.name!r} has no input {name!r} to advance; it takes {', '.join(t.name for t in method.inputs)}",
+                             subject="position")
+        candidates = [found]
+    else:
+        candidates = [tensor for tensor in method.inputs if tensor.dtype in ("int64", "int32") and _one_element(tensor)
+                      and any(word in tensor.name.lower() for word in _POSITION_WORDS)]
+        if len(candidates) != 1:
+            raise InputError(f"method {method.name!r}: cannot tell which input is the position to advance "
+                             f"({', '.join(t.name for t in candidates) or 'none looks like one'})", subject="position")
+    chosen = candidates[0]
+    if chosen.dtype not in ("int64", "int32") or not _one_element(chosen):
+        raise InputError(f"input {chosen.name!r} is {chosen.dtype} {chosen.shape_text()}, not one integer position", subject="position")
+    return chosen
+
+
+def _one_element(tensor: TensorSpec) -> bool:
+    return all(entry == 1 for entry in tensor.shape)
+
+
+def prompt_inputs(method: MethodSpec, length: int, plan: InputPlan) -> dict[str, np.ndarray]:
+    """The prefill's inputs for a prompt of `length` tokens: its dynamic dims
+    set to `length`, integer inputs drawn as the plan draws them (seeded), and a
+    position input of `length` elements counting from 0."""
+    if length < 1:
+        raise InputError("--prompt-length must be at least 1", subject="prompt_length")
+    shapes = {tensor.name: tuple(length if not isinstance(entry, int) else entry for entry in tensor.shape) for tensor in method.inputs}
+    seed = plan.seed if isinstance(plan, RandomInputs) else 0
+    ranges = plan.ranges if isinstance(plan, RandomInputs) else {}
+    arrays = dict(resolve_inputs(method, RandomInputs(seed=seed, shapes=shapes, ranges=ranges)).arrays)
+    for tensor in method.inputs:
+        if tensor.dtype in ("int64", "int32") and any(word in tensor.name.lower() for word in _POSITION_WORDS):
+            arrays[tensor.name] = np.arange(arrays[tensor.name].size, dtype=arrays[tensor.name].dtype).reshape(arrays[tensor.name].shape)
+    return arrays
+
+
+def _measure_decode(request: BenchRequest, decode: DecodeLoop, model: Model, name: str, arrays: dict[str, np.ndarray],
+                    prompt: dict[str, np.ndarray] | None, progress: Progress) -> BenchResult:
+    method = model.method(name)
+    position = position_input(method.spec, decode.position)
+    prefill_s = None
+    start = 0
+    first_outputs: dict[str, Any] = {}
+    if prompt is not None and decode.prefill is not None:
+        _, prefill_s = _timed(lambda: model.method(decode.prefill).run(prompt))
+        start = decode.prompt_length
+    step_inputs = dict(arrays)
+    dtype = np.dtype(position.dtype)
+
+    def step(at: int) -> dict[str, Any]:
+        step_inputs[position.name] = np.full(tuple(int(size) for size in position.shape), at, dtype)
+        return method.run(step_inputs)
+
+    at = start
+    first_outputs, first_run = _timed(lambda: step(at))
+    at += 1
+    for _ in range(request.warmup_runs):
+        step(at)
+        at += 1
+    samples: list[float] = []
+    begun = at
+    clock = time.perf_counter
+    started = clock()
+    for index in range(decode.steps):
+        before = clock()
+        step(begun + index)
+        samples.append(clock() - before)
+        progress(index + 1, decode.steps)
+    wall = clock() - started
+    stats = LatencyStats.of(samples)
+    result = BenchResult(
+        bundle=str(request.bundle), method=name, device=str(method.device), load=model.load_timings(name), first_run=first_run,
+        steady=stats, timed_wall=wall, split={}, device_resident=None,
+        input_bytes=sum(array.nbytes for array in step_inputs.values()), output_bytes=sum(array.nbytes for array in first_outputs.values()),
+        call_path=method.call_path, provider=method.provider,
+        decode=DecodeResult(stats, wall, decode.prefill, decode.prompt_length, prefill_s, position.name, (begun, begun + decode.steps - 1)),
+    )
+    if stats.cv > HIGH_SPREAD_CV:
+        result.warnings.append(f"high step-to-step spread (CV {stats.cv:.0%}): other work on this machine may be interfering; measure longer")
     return result
 
 

@@ -173,8 +173,10 @@ def compile_program(
     "libtorch", and compiled again bound to libtorch where the standalone one
     still needs libtorch and runtime is "auto"."""
     if device == "cpu" or runtime == "libtorch":
-        compiled = _compile_once(program, example_args, example_kwargs, device, progress, user_options, cpu_target, standalone=False)
-        if runtime == "standalone":
+        # A standalone CPU compile differs only in its attention, lowered from SDPA's math form (the shim has no flash attention).
+        standalone = runtime == "standalone"
+        compiled = _compile_once(program, example_args, example_kwargs, device, progress, user_options, cpu_target, standalone=standalone)
+        if standalone:
             _check_standalone(compiled.library)
             compiled.options["standalone"] = True
         return compiled
@@ -228,7 +230,7 @@ def _compile_once(
             options["aot_inductor.check_lowerbound"] = False
         progress("compiling with AOTInductor (this takes tens of seconds)")
         try:
-            with _math_attention(torch) if standalone and device != "cpu" else contextlib.nullcontext(), torch_talking_to_itself():
+            with _math_attention(torch) if standalone else contextlib.nullcontext(), torch_talking_to_itself():
                 library_path = Path(torch._inductor.aot_compile(program.module(), example_args, dict(example_kwargs), options=options))
         except Exception as error:  # inductor raises many types; report one line
             raise CompileError(f"AOTInductor compile failed: {type(error).__name__}: {_first_line(error)}") from error

@@ -19,8 +19,10 @@ AOTInductor may rename a constant, fold it into the code (it is then not a
 constant and not in the blob), or make new ones (folded or transformed
 weights, which have no FQN in the program): a method whose library has a
 constant that cannot be tied to the program that way keeps its blob and
-shares nothing. A buffer a method writes to (a KV cache) is that method's own
-storage, never shared, so each method's state stays its own as with blobs.
+shares nothing. A buffer several methods hold alike (a KV cache that a
+prefill and a decode method both write and read) is one storage too, as
+ExecuTorch programs share their mutable buffers by name: what one method
+writes the next reads, and a reset puts it back for all of them.
 """
 
 from __future__ import annotations
@@ -55,7 +57,7 @@ class StoredConstant:
     spec: ConstantSpec  # `segment` is filled in when segments are named
     data: memoryview  # the blob's slice for it
     digest: str
-    mutated: bool  # a buffer the method writes to: never shared
+    mutated: bool  # a buffer the method writes to (shared like any constant held alike: state shared by name)
 
     @property
     def key(self) -> tuple[Any, ...]:
@@ -178,15 +180,14 @@ def share_weights(methods: Mapping[str, MethodSpec], segments: Mapping[str, Any]
     holders: dict[tuple[Any, ...], list[str]] = {}
     for name, table in usable.items():
         for stored in table:
-            if not stored.mutated:
-                holders.setdefault(stored.key, [])
-                if name not in holders[stored.key]:
-                    holders[stored.key].append(name)
+            holders.setdefault(stored.key, [])
+            if name not in holders[stored.key]:
+                holders[stored.key].append(name)
     shared_keys = [key for key, names in holders.items() if len(names) > 1]
     if not shared_keys:
         return Sharing(dict(methods), dict(segments), {}, tuple(notes))
     shared_names = {key: f"shared_c{index}" for index, key in enumerate(shared_keys)}
-    converting = [name for name, table in usable.items() if any(not stored.mutated and stored.key in shared_names for stored in table)]
+    converting = [name for name, table in usable.items() if any(stored.key in shared_names for stored in table)]
     out_methods = dict(methods)
     out_segments = dict(segments)
     shared_segments: dict[str, tuple[str, ...]] = {shared_names[key]: tuple(holders[key]) for key in shared_keys}
@@ -196,7 +197,7 @@ def share_weights(methods: Mapping[str, MethodSpec], segments: Mapping[str, Any]
             out_segments.pop(spec.weights_segment, None)
         bound: list[ConstantSpec] = []
         for index, stored in enumerate(usable[name]):
-            segment = shared_names.get(stored.key) if not stored.mutated else None
+            segment = shared_names.get(stored.key)
             if segment is None:
                 segment = f"{name}_c{index}"
                 out_segments[segment] = stored.data

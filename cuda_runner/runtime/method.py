@@ -223,6 +223,8 @@ class Method:
         self.call_path = "ctypes"
         #: Whose shim functions the library is bound to: "cuda-runner shim" or "libtorch".
         self.provider = ""
+        #: Held around each call where other methods of the model share this one's state (runtime/model.py).
+        self.state_lock: threading.Lock | None = None
 
     @classmethod
     def load(
@@ -434,6 +436,14 @@ class Method:
         Inputs resolved for this method (io.inputs.resolve_inputs) were checked
         against its signature then, and are not checked again while each array
         is still the one of the dtype and shape that was checked."""
+        lock = self.state_lock
+        if lock is None:
+            return self._run(inputs, phases)
+        with lock:
+            return self._run(inputs, phases)
+
+    def _run(self, inputs: Inputs | ResolvedInputs, phases: dict[str, float] | None) -> dict[str, np.ndarray]:
+        """The call, with state_lock held where the method has one."""
         trusted = inputs.unchanged_arrays(self._names) if isinstance(inputs, ResolvedInputs) and inputs.method is self.spec else None
         if trusted is not None:
             ordered = trusted
@@ -487,6 +497,13 @@ class Method:
         bfloat16 travels as uint16 CuPy arrays holding the bits. Outputs are
         ordered on the stream of the lane that ran them (`self.stream` when
         one thread calls): synchronize it before using them on another stream."""
+        lock = self.state_lock
+        if lock is None:
+            return self._run_device(inputs)
+        with lock:
+            return self._run_device(inputs)
+
+    def _run_device(self, inputs: Inputs) -> dict[str, Any]:
         ordered = self._ordered(inputs)
         lanes = self._lanes
         executor = lanes.take()  # not `with lanes.borrow()`: this path is timed against a C loop

@@ -12,7 +12,7 @@ import collections
 import os
 import threading
 import time
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -222,6 +222,7 @@ def load_model(
         target = choose_device(specs, device)
         for spec in specs:
             loaded[spec.name] = Method.load(reader, spec, target, options, shared_constants=shared)
+        _serialize_shared_state(loaded)
         if reader.signature is not None:
             reader.signature.cancel()  # what is loaded is checked; hash nothing more while the model runs
         return Model(reader, target, loaded, open_seconds, shared)
@@ -231,6 +232,20 @@ def load_model(
         shared.release()
         reader.close()
         raise
+
+
+def _serialize_shared_state(methods: Mapping[str, Method]) -> None:
+    """Stateful methods that name one storage (a KV cache a prefill and a decode
+    method share) take turns: one lock for all of them, held for each call, so
+    that no call reads state another is writing."""
+    stateful = [method for method in methods.values() if method.stateful]
+    segments = {method.spec.name: {constant.segment for constant in method.spec.constants} for method in stateful}
+    sharing = [method for method in stateful if any(segments[method.spec.name] & segments[other.spec.name]
+                                                    for other in stateful if other is not method)]
+    if sharing:
+        lock = threading.Lock()
+        for method in sharing:
+            method.state_lock = lock
 
 
 def _selected(manifest: Manifest, names: Iterable[str] | None) -> list[MethodSpec]:

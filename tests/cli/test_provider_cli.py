@@ -125,11 +125,11 @@ def test_inspect_and_run_use_one_rule_for_a_library_the_shim_cannot_bind(tmp_pat
 
 
 @pytest.mark.heavy
-@pytest.mark.parametrize("fixture", ["tiny_vit", "bf16_mlp"])
+@pytest.mark.parametrize("fixture", ["tiny_vit", "tiny_resnet", "bf16_mlp"])
 def test_convolutions_attention_and_half_precision_run_without_torch(compiled, tmp_path, no_torch_env, fixture):
-    """A ViT-shaped model with a convolution stem compiled --standalone (convolutions,
-    attention from its math form, LayerNorm, GELU), and a bfloat16 MLP: both run in a
-    process where torch cannot be imported, on the shim, and match eager through the CLI."""
+    """ViT-B/16's and ResNet-50's code at tiny sizes compiled --standalone (convolutions,
+    attention from its math form, LayerNorm, GELU, batch norm), and a bfloat16 MLP: each runs in a
+    process where torch cannot be imported, on the shim, and matches eager through the CLI."""
     import numpy as np
     import torch
     from helpers import to_tensor

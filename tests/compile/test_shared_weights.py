@@ -186,11 +186,12 @@ def test_storages_held_alike_get_one_segment_and_the_rest_their_own():
     tables = {"prefill": [_stored("w", weight), _stored("head", head), _stored("cache", cache, mutated=True)],
               "decode": [_stored("w", weight), _stored("cache", cache, mutated=True)]}
     result = share_weights({"prefill": _spec("prefill"), "decode": _spec("decode")}, _segments("prefill", "decode"), tables)
-    assert result.shared_segments == {"shared_c0": ("prefill", "decode")}
+    assert result.shared_segments == {"shared_c0": ("prefill", "decode"), "shared_c1": ("prefill", "decode")}
     prefill, decode = (result.methods[name] for name in ("prefill", "decode"))
     assert prefill.weights_segment is None and decode.weights_segment is None
-    assert [(item.fqn, item.segment) for item in prefill.constants] == [("w", "shared_c0"), ("head", "prefill_c1"), ("cache", "prefill_c2")]
-    assert [(item.fqn, item.segment) for item in decode.constants] == [("w", "shared_c0"), ("cache", "decode_c1")]  # state stays per method
+    assert [(item.fqn, item.segment) for item in prefill.constants] == [("w", "shared_c0"), ("head", "prefill_c1"), ("cache", "shared_c1")]
+    # The cache both write is one storage, as ExecuTorch shares state by name: what prefill writes, decode reads.
+    assert [(item.fqn, item.segment) for item in decode.constants] == [("w", "shared_c0"), ("cache", "shared_c1")]
     assert "prefill_weights_blob" not in result.segments and bytes(result.segments["shared_c0"]) == weight
 
 
