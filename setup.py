@@ -17,7 +17,7 @@ setup(
             extra_compile_args=["-std=c++17", "-O2", "-fvisibility=hidden", "-Wno-psabi"],
             # Only cudarunner_* and cr_sl_*: no libstdc++ template code either.
             extra_link_args=["-Wl,--version-script=cuda_runner/native/aoti_shim.map"],
-            depends=["cuda_runner/native/aoti_shim.map", "cuda_runner/native/cpu_kernels.h"],
+            depends=["cuda_runner/native/aoti_shim.map", "cuda_runner/native/cpu_kernels.h", "cuda_runner/native/vector_math_kernels.inc"],
             libraries=["dl"],
         ),
         # run_device's per-call glue in C; optional: the runtime does the same in Python without it.

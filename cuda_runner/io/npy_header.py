@@ -154,6 +154,8 @@ class _Parser:
             self.at += 1
         digits = self.text[start:self.at]
         if not digits:
+            if self.peek() == "-":
+                raise HeaderError("its shape has a negative size")
             raise self.unexpected("a size")
         if len(digits) > 1 and digits[0] == "0":
             raise HeaderError(f"its shape has the size {digits[:20]!r} with a leading zero")
