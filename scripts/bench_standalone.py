@@ -1,8 +1,11 @@
 """cuda-runner's own shim against libtorch and eager PyTorch, on a GPU machine.
 
-For five small models (MLP, conv+BN, fp32 attention, embedding+argmax, bf16 MLP):
-1. compile each twice with the CLI, `--standalone` and the default (libtorch
-   kernels), in parallel;
+For five small models (MLP, conv+BN, fp32 attention, embedding+argmax, bf16 MLP),
+and with `--hf` three tiny Hugging Face models (GPT-2, BERT, Llama; random weights):
+1. compile each twice with the CLI, the default (standalone: Triton GEMMs and
+   convolutions, no libtorch; the "-standalone" bundles) and `--libtorch` (the
+   former default: libtorch's kernels; the "-default" bundles), in parallel,
+   timing each compile;
 2. run every standalone bundle in processes where `import torch` fails (a
    sitecustomize blocks it), through the CLI and the Python API, and compare
    with eager PyTorch; check that no libtorch library is mapped;
@@ -95,6 +98,36 @@ def models():
     }
 
 
+def hf_models():
+    """Tiny Hugging Face models from their configs (random weights; transformers is on the GPU machine), logits out."""
+    import torch
+    import transformers
+
+    class Logits(torch.nn.Module):
+        def __init__(self, model):
+            super().__init__()
+            self.model = model
+
+        def forward(self, ids):
+            return self.model(input_ids=ids).logits
+
+    torch.manual_seed(0)
+    ids = torch.randint(0, 1000, (1, 16))
+    built = {}
+    for name, config in (
+        ("hf_gpt2", transformers.GPT2Config(vocab_size=1000, n_positions=64, n_embd=64, n_layer=2, n_head=4)),
+        ("hf_bert", transformers.BertConfig(vocab_size=1000, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, intermediate_size=128)),
+        ("hf_llama", transformers.LlamaConfig(vocab_size=1000, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                                              intermediate_size=128, max_position_embeddings=64)),
+    ):
+        try:
+            model = transformers.AutoModelForCausalLM.from_config(config) if name != "hf_bert" else transformers.BertForMaskedLM(config)
+            built[name] = (Logits(model), (ids,))
+        except Exception as error:  # a transformers version without the model: reported, not fatal
+            print(f"skipping {name}: {type(error).__name__}: {error}", file=sys.stderr)
+    return built
+
+
 def to_numpy(tensor):
     import torch
 
@@ -105,17 +138,21 @@ def to_numpy(tensor):
     return tensor.detach().cpu().numpy()
 
 
-def prepare(work: Path) -> dict[str, dict]:
+def prepare(work: Path, hf: bool = False) -> dict[str, dict]:
     import torch
 
     cases = {}
-    for name, (module, args) in models().items():
+    for name, (module, args) in {**models(), **(hf_models() if hf else {})}.items():
         module = module.eval().cuda()
         args = tuple(arg.cuda() for arg in args)
         with torch.no_grad():
             eager = module(*args)
         eager = eager if isinstance(eager, tuple) else (eager,)
-        program = torch.export.export(module, args)
+        try:
+            program = torch.export.export(module, args)
+        except Exception as error:  # an HF model torch.export cannot take here: reported, not fatal
+            print(f"skipping {name}: export failed: {type(error).__name__}: {str(error).splitlines()[0]}", file=sys.stderr)
+            continue
         torch.export.save(program, work / f"{name}.pt2")
         inputs = {name: to_numpy(arg) for name, arg in zip(program.graph_signature.user_inputs, args)}
         np.savez(work / f"{name}-in.npz", **inputs)
@@ -132,7 +169,8 @@ def compile_all(work: Path, names: list[str]) -> dict[str, dict]:
     jobs = {}
     with concurrent.futures.ThreadPoolExecutor(max_workers=2 * len(names)) as pool:
         for name in names:
-            for kind, extra in (("standalone", ["--standalone"]), ("default", [])):
+            # "standalone": what compile builds by default now; "default": the former default, --libtorch.
+            for kind, extra in (("standalone", []), ("default", ["--libtorch"])):
                 started = time.perf_counter()
                 future = pool.submit(cli, "compile", str(work / f"{name}.pt2"), "--device", "cuda", "-o", str(work / f"{name}-{kind}.bundle"), *extra)
                 jobs[(name, kind)] = (future, started)
@@ -140,7 +178,13 @@ def compile_all(work: Path, names: list[str]) -> dict[str, dict]:
         for (name, kind), (future, started) in jobs.items():
             done = future.result()
             results[name][kind] = {"ok": done.returncode == 0, "seconds": round(time.perf_counter() - started, 1),
-                                   "error": done.stderr.strip().splitlines()[-1] if done.returncode else None}
+                                   "error": done.stderr.strip().splitlines()[-1] if done.returncode else None,
+                                   "warnings": [line for line in done.stderr.splitlines() if line.startswith("warning:")]}
+            if done.returncode == 0:
+                import cuda_runner
+
+                options = cuda_runner.read_manifest(work / f"{name}-{kind}.bundle").methods["forward"].compile_options
+                results[name][kind]["runtime"] = "standalone" if options.get("standalone") else "libtorch"
     return results
 
 
@@ -382,11 +426,13 @@ def executorch_without_torch(env: dict) -> dict:
 
 
 def markdown(report: dict) -> str:
-    lines = [f"machine: {report['machine']}", "", "| model | compile --standalone | no-torch CLI run | max abs diff vs eager | graph replay (no torch) |", "|---|---|---|---|---|"]
+    header = "| model | compile (default: standalone) | compile --libtorch | no-torch CLI run | max abs diff vs eager | graph replay (no torch) |"
+    lines = [f"machine: {report['machine']}", "", header, "|---|---|---|---|---|---|"]
     for name, compiled in report["compile"].items():
         check = report["no_torch"].get(name, {})
         plain, graph = check.get("graph0", {}), check.get("graph1", {})
-        lines.append(f"| {name} | {'ok' if compiled['standalone']['ok'] else compiled['standalone']['error']} ({compiled['standalone']['seconds']} s) | "
+        lines.append(f"| {name} | {'ok' if compiled['standalone']['ok'] else compiled['standalone']['error']} ({compiled['standalone']['seconds']} s, "
+                     f"{compiled['standalone'].get('runtime', '-')}) | {compiled['default']['seconds']} s | "
                      f"{check.get('cli_verdict', '-')} | {plain.get('max_abs_diff', plain.get('error', '-'))} | "
                      f"{graph.get('median_us', graph.get('error', '-'))} µs |")
     lines += ["", "| cold start | median s | min-max s |", "|---|---|---|"]
@@ -602,6 +648,7 @@ def main() -> None:
     parser.add_argument("--iterations", type=int, default=300)
     parser.add_argument("--cold-rounds", type=int, default=5)
     parser.add_argument("--cold", action="store_true", help="with --floor-only: also break down a cold no-torch CLI run (to stderr)")
+    parser.add_argument("--hf", action="store_true", help="also three tiny Hugging Face models (GPT-2, BERT, Llama) from transformers")
     parser.add_argument("--profile", type=int, default=0, metavar="CALLS", help="with --floor-only: cProfile this many calls (to stderr)")
     options = parser.parse_args()
     if options.floor_only:
@@ -612,7 +659,7 @@ def main() -> None:
     import torch
 
     work = Path(tempfile.mkdtemp(prefix="cuda-runner-standalone-"))
-    cases = prepare(work)
+    cases = prepare(work, options.hf)
     names = list(cases)
     report: dict = {"machine": f"{torch.cuda.get_device_name(0)}, torch {torch.__version__}"}
     report["compile"] = compile_all(work, names)

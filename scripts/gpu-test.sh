@@ -43,6 +43,8 @@ if [ -n "${GPU_ET14_ZOO:-}" ] && ls .gpu-et14/*.whl >/dev/null 2>&1; then
 fi
 python3 -X faulthandler -m pytest -m gpu tests -p no:cacheprovider -p no:logging -rA -s ${GPU_TEST_ARGS:-} 2>&1 | tee "$out/gpu-tests.log"
 status=${PIPESTATUS[0]}
+# The shim's vector math on this machine's CPU too: the AVX-512 entry points, which the CI machines cannot run.
+python3 -m pytest tests/runtime/test_vector_math.py -q -p no:cacheprovider 2>&1 | tail -3 | tee "$out/vector-math.log"
 # The environment without torch, on a CPU that can run the ExecuTorch CPU
 # stand-ins (their libraries need AVX-512, which the CI machines lack).
 if [ "${GPU_NO_TORCH_ENV:-1}" = 1 ]; then
@@ -81,7 +83,14 @@ if [ "${GPU_CHECKS:-1}" = 1 ]; then
   python3 -X faulthandler scripts/bench_signing.py --device cuda --weights-gib 1 --output "$out/signing.json" 2>&1 | tee "$out/signing.log"
 fi
 if [ "${GPU_STANDALONE:-0}" = 1 ]; then
-  python3 -X faulthandler scripts/bench_standalone.py --output "$out/standalone.json" --markdown "$out/standalone.md" 2>&1 | tee "$out/standalone.log"
+  # The zoo (and with GPU_STANDALONE_HF=1 three tiny Hugging Face models), compiled the default way (standalone) and --libtorch.
+  python3 -X faulthandler scripts/bench_standalone.py --output "$out/standalone.json" --markdown "$out/standalone.md" \
+    ${GPU_STANDALONE_HF:+--hf} 2>&1 | tee "$out/standalone.log"
+fi
+if [ -n "${GPU_SCALE:-}" ]; then
+  # GPU_SCALE: the stages of scripts/bench_scale.py to run (compile,check,decode,big); WORK kept between calls on a warm machine.
+  python3 -X faulthandler scripts/bench_scale.py --stages "$GPU_SCALE" --work "${GPU_SCALE_WORK:-/tmp/cuda-runner-scale}" --out "$out" \
+    2>&1 | tee -a "$out/scale.log"
 fi
 if [ "${GPU_FLOOR:-0}" = 1 ]; then
   # The MLP --standalone: per call beside the C program, layer by layer, and a cold no-torch CLI run broken down.
