@@ -167,17 +167,21 @@ def cli(*arguments: str, env: dict | None = None, timeout: float = 900) -> subpr
 
 def compile_all(work: Path, names: list[str]) -> dict[str, dict]:
     jobs = {}
+
+    def timed_cli(*arguments: str) -> tuple[subprocess.CompletedProcess, float]:
+        started = time.perf_counter()  # in the worker: each compile's own time, though they run side by side
+        return cli(*arguments), time.perf_counter() - started
+
     with concurrent.futures.ThreadPoolExecutor(max_workers=2 * len(names)) as pool:
         for name in names:
             # "standalone": what compile builds by default now; "default": the former default, --libtorch.
             for kind, extra in (("standalone", []), ("default", ["--libtorch"])):
-                started = time.perf_counter()
-                future = pool.submit(cli, "compile", str(work / f"{name}.pt2"), "--device", "cuda", "-o", str(work / f"{name}-{kind}.bundle"), *extra)
-                jobs[(name, kind)] = (future, started)
+                future = pool.submit(timed_cli, "compile", str(work / f"{name}.pt2"), "--device", "cuda", "-o", str(work / f"{name}-{kind}.bundle"), *extra)
+                jobs[(name, kind)] = future
         results: dict[str, dict] = {name: {} for name in names}
-        for (name, kind), (future, started) in jobs.items():
-            done = future.result()
-            results[name][kind] = {"ok": done.returncode == 0, "seconds": round(time.perf_counter() - started, 1),
+        for (name, kind), future in jobs.items():
+            done, seconds = future.result()
+            results[name][kind] = {"ok": done.returncode == 0, "seconds": round(seconds, 1),
                                    "error": done.stderr.strip().splitlines()[-1] if done.returncode else None,
                                    "warnings": [line for line in done.stderr.splitlines() if line.startswith("warning:")]}
             if done.returncode == 0:
@@ -648,6 +652,7 @@ def main() -> None:
     parser.add_argument("--iterations", type=int, default=300)
     parser.add_argument("--cold-rounds", type=int, default=5)
     parser.add_argument("--cold", action="store_true", help="with --floor-only: also break down a cold no-torch CLI run (to stderr)")
+    parser.add_argument("--compile-only", action="store_true", help="only compile both ways and time each compile")
     parser.add_argument("--hf", action="store_true", help="also three tiny Hugging Face models (GPT-2, BERT, Llama) from transformers")
     parser.add_argument("--profile", type=int, default=0, metavar="CALLS", help="with --floor-only: cProfile this many calls (to stderr)")
     options = parser.parse_args()
@@ -664,6 +669,9 @@ def main() -> None:
     report: dict = {"machine": f"{torch.cuda.get_device_name(0)}, torch {torch.__version__}"}
     report["compile"] = compile_all(work, names)
     print(json.dumps(report["compile"]), flush=True)
+    if options.compile_only:
+        options.output.write_text(json.dumps(report, indent=2))
+        return
     env = no_torch_env(work)
     report["no_torch"] = check_without_torch(work, names, env)
     print(json.dumps(report["no_torch"]), flush=True)
