@@ -14,9 +14,10 @@ setup(
             sources=["cuda_runner/native/aoti_shim.cpp", "cuda_runner/native/cpu_kernels.cpp", "cuda_runner/native/vector_math.cpp"],
             language="c++",
             # Hidden by default: only the cudarunner_* and cr_sl_* functions are exported.
-            extra_compile_args=["-std=c++17", "-O2", "-fvisibility=hidden", "-Wno-psabi"],
+            # -fopenmp: the BLAS's parallel work runs on the OpenMP team the model's kernels use (cpu_kernels.cpp).
+            extra_compile_args=["-std=c++17", "-O2", "-fvisibility=hidden", "-Wno-psabi", "-fopenmp"],
             # Only cudarunner_* and cr_sl_*: no libstdc++ template code either.
-            extra_link_args=["-Wl,--version-script=cuda_runner/native/aoti_shim.map"],
+            extra_link_args=["-Wl,--version-script=cuda_runner/native/aoti_shim.map", "-fopenmp"],
             depends=["cuda_runner/native/aoti_shim.map", "cuda_runner/native/cpu_kernels.h", "cuda_runner/native/vector_math_kernels.inc"],
             libraries=["dl"],
         ),

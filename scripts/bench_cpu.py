@@ -16,7 +16,11 @@ same NumPy memory, returning the library's tensors. The C++ run beneath that
 runner (`loader.boxed_run`, without the runner's pytree handling) is timed
 too, as a reference.
 
-    python scripts/bench_cpu.py [--quick] [--models tiny,mlp,mlp_wide,convnet] [--targets portable,native] [--threads N]
+Each bundle runs on both providers (cuda-runner's shim: its BLAS, convolution
+and vector math; and libtorch), and on the shim once more in a process where
+`import torch` fails (timed after the interleaved rounds).
+
+    python scripts/bench_cpu.py [--quick] [--models vector_math,decoder,resnet,tiny,mlp,mlp_wide,convnet] [--targets portable,native] [--threads N]
                                 [--output cpu-per-call.json] [--markdown cpu-per-call.md]
 """
 
@@ -87,8 +91,37 @@ def build_models(torch: Any) -> dict[str, tuple[Any, tuple, str]]:
         def forward(self, x):
             return x * 2.0 + 1.0
 
+    class VectorMath(nn.Module):
+        """LayerNorm, exact GELU (erf) and softmax (exp): generated vector code and its SLEEF calls, no GEMM."""
+
+        def __init__(self, width: int):
+            super().__init__()
+            self.norm = nn.LayerNorm(width)
+
+        def forward(self, x):
+            return torch.softmax(torch.nn.functional.gelu(self.norm(x)), dim=-1)
+
+    sys.path.insert(0, str(REPO / "scripts"))
+    import scale_models
+
+    class Decoder(nn.Module):
+        """scripts/scale_models.py's Llama-shaped decoder in float32 at a small size, a 64-token prefill: GEMM-heavy."""
+
+        def __init__(self):
+            super().__init__()
+            config = scale_models.LlamaConfig(vocab=2048, dim=512, layers=4, heads=8, kv_heads=4, ffn=1536, max_seq=128)
+            self.inner = scale_models.LlamaDecoder(config, torch.float32)
+
+        def forward(self, tokens, input_pos):
+            return self.inner.prefill(tokens, input_pos)
+
     torch.manual_seed(0)
     return {
+        "vector_math": (VectorMath(1024).eval(), (torch.randn(256, 1024),), "256x1024 float32; LayerNorm, GELU (erf), softmax: vector math, no GEMM"),
+        "decoder": (Decoder().eval(), (torch.randint(0, 2048, (1, 64)), torch.arange(64)),
+                    "a 64-token prefill of a 4-layer Llama-shaped decoder (dim 512, FFN 1536, GQA 8/4 heads, vocabulary 2048), float32"),
+        "resnet": (scale_models.randomize_batch_norms(scale_models.ResNet(blocks=(1, 1, 1), width=16, classes=10)).eval(), (torch.randn(4, 3, 64, 64),),
+                   "4x3x64x64 float32; ResNet-50's code with one bottleneck per stage, base width 16"),
         "tiny": (Tiny().eval(), (torch.randn(8, 16),), "8x16 float32; x * 2 + 1 (per-call overhead)"),
         "mlp": (NormMLP(256, 1024).eval(), (torch.randn(8, 256),), "8x256 float32; LayerNorm, Linear 256->1024, GELU, Linear 1024->256, softmax"),
         "mlp_wide": (NormMLP(4096, 1024).eval(), (torch.randn(256, 4096),), "256x4096 float32; the same at width 4096 (hidden 1024)"),
@@ -101,9 +134,11 @@ def build_models(torch: Any) -> dict[str, tuple[Any, tuple, str]]:
 
 
 def compile_with_cli(program_file: Path, bundle: Path, target: str) -> float:
-    """`cuda-runner compile --device cpu --cpu-target TARGET`, as a fresh process; seconds."""
+    """`cuda-runner compile --device cpu --cpu-target TARGET --standalone`, as a fresh process; seconds.
+    --standalone: attention lowered from SDPA's math form, which the shim runs (it has no flash attention)."""
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])))
-    command = [sys.executable, "-m", "cuda_runner", "compile", str(program_file), "-o", str(bundle), "--device", "cpu", "--cpu-target", target]
+    command = [sys.executable, "-m", "cuda_runner", "compile", str(program_file), "-o", str(bundle), "--device", "cpu", "--cpu-target", target,
+               "--standalone"]
     started = time.perf_counter()
     result = subprocess.run(command, env=env, capture_output=True, text=True)
     if result.returncode != 0:
@@ -196,7 +231,9 @@ def bench_model(torch: Any, name: str, module: Any, args: tuple, targets: list[s
     arrays = [arg.numpy() for arg in args]
     tensors = [torch.from_numpy(array) for array in arrays]  # the same memory as the NumPy inputs
     runner = torch._inductor.aoti_load_package(str(package))
-    models = {target: cuda_runner.load(bundles[target], device="cpu") for target in targets}
+    # Each bundle on both providers: cuda-runner's shim (its BLAS, convolution and vector math) and libtorch's.
+    models = {f"{target} ({provider})": cuda_runner.load(bundles[target], device="cpu", provider=provider)
+              for target in targets for provider in ("shim", "libtorch")}
     isa = {TORCH: runner.get_metadata().get("AOTI_CPU_ISA")}
     isa.update({f"cuda-runner {target}": model.method().spec.device.cpu_isa for target, model in models.items()})
     log(f"{name}: vector ISA of each build: {isa}")
@@ -229,11 +266,46 @@ def bench_model(torch: Any, name: str, module: Any, args: tuple, targets: list[s
     finally:
         for model in models.values():
             model.close()
+    for target in targets:  # the shim where torch is not installed at all: a process where `import torch` fails
+        results[f"cuda-runner {target} (shim, no torch)"] = without_torch(bundles[target], feeds, work, rounds * calls)
     for stats in results.values():
         for key, against in (("ratio", TORCH), ("ratio_boxed", BOXED)):
             stats[key] = stats["median"] / results[against]["median"]
             stats[f"round_{key}s"] = [ours / theirs for ours, theirs in zip(stats["round_medians"], results[against]["round_medians"])]
     return {"calls_per_round": calls, "rounds": rounds, "compile_s": compile_seconds, "cpu_isa": isa, "max_abs_error_vs_eager": errors, "contenders": results}
+
+
+NO_TORCH_TIMING = """
+import sys
+sys.modules["torch"] = None  # `import torch` fails: torch is absent as far as this process can tell
+import json, statistics, time, numpy as np, cuda_runner
+bundle, inputs, calls = sys.argv[1], dict(np.load(sys.argv[2])), int(sys.argv[3])
+with cuda_runner.load(bundle, device="cpu") as model:
+    assert model.method().provider == "cuda-runner shim"
+    for _ in range(20):
+        model.run(inputs)
+    samples = []
+    for _ in range(calls):
+        started = time.perf_counter()
+        model.run(inputs)
+        samples.append(time.perf_counter() - started)
+print(json.dumps(samples))
+"""
+
+
+def without_torch(bundle: Path, feeds: dict[str, np.ndarray], work: Path, calls: int) -> dict[str, Any]:
+    """Per-call times of a bundle in a process without torch (measured after the interleaved rounds, not among them)."""
+    np.savez(work / "no-torch-inputs.npz", **feeds)
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])))
+    done = subprocess.run([sys.executable, "-c", NO_TORCH_TIMING, str(bundle), str(work / "no-torch-inputs.npz"), str(calls)],
+                          capture_output=True, text=True, env=env, timeout=1800)
+    if done.returncode != 0:
+        raise SystemExit(f"the no-torch timing failed:\n{done.stderr.strip()[-2000:]}")
+    samples = json.loads(done.stdout.strip().splitlines()[-1])
+    stats = summary(samples)
+    size = max(1, len(samples) // 5)
+    stats["round_medians"] = [statistics.median(samples[index:index + size]) for index in range(0, len(samples), size)][:5]
+    return stats
 
 
 # ---------------------------------------------------------------------------
@@ -296,7 +368,7 @@ def render_markdown(report: dict[str, Any]) -> str:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="all but the wide MLP, portable only, 3 short rounds")
-    parser.add_argument("--models", help="comma-separated: tiny, mlp, mlp_wide, convnet (default: all; --quick: tiny,mlp,convnet)")
+    parser.add_argument("--models", help="comma-separated: vector_math, decoder, resnet, tiny, mlp, mlp_wide, convnet (default: all; --quick: tiny,mlp,convnet)")
     parser.add_argument("--targets", help="comma-separated --cpu-target values (default: portable,native; --quick: portable)")
     parser.add_argument("--rounds", type=int, help="rounds per model (default 9; --quick 3)")
     parser.add_argument("--round-seconds", type=float, help="about how long each contender runs per round (default 1.0; --quick 0.3)")
@@ -306,7 +378,7 @@ def main() -> int:
     parser.add_argument("--markdown", type=Path, help="write the markdown table here")
     options = parser.parse_args()
     quick = options.quick
-    names = (options.models or ("tiny,mlp,convnet" if quick else "tiny,mlp,mlp_wide,convnet")).split(",")
+    names = (options.models or ("tiny,mlp,convnet" if quick else "vector_math,decoder,resnet,tiny,mlp,mlp_wide,convnet")).split(",")
     targets = (options.targets or ("portable" if quick else "portable,native")).split(",")
     rounds = options.rounds or (3 if quick else 9)
     budget = options.round_seconds or (0.3 if quick else 1.0)

@@ -37,6 +37,10 @@ using Sgemm64 = void (*)(int, int, int, int64_t, int64_t, int64_t, float, const 
 using Dgemm64 = void (*)(int, int, int, int64_t, int64_t, int64_t, double, const double *, int64_t, const double *, int64_t, double, double *,
                          int64_t);
 using Sgemm32 = void (*)(int, int, int, int, int, int, float, const float *, int, const float *, int, float, float *, int);
+// OpenBLAS's hook for running its parallel work on the caller's threads (0.3.27 and later).
+using DoJob = void (*)(int thread, void *job, int data);
+using ThreadsCallback = void (*)(int sync, DoJob job, int jobs, size_t job_size, void *job_data, int data);
+using SetThreadsCallback = void (*)(ThreadsCallback);
 using Dgemm32 = void (*)(int, int, int, int, int, int, double, const double *, int, const double *, int, double, double *, int);
 
 struct Blas {
@@ -49,6 +53,19 @@ struct Blas {
 
 Blas blas;
 std::mutex blas_lock;
+
+// OpenBLAS's parallel work, run on the OpenMP team the model's own kernels use.
+// OpenBLAS otherwise starts threads of its own, and on a machine with few
+// cores they and the OpenMP threads, which spin between a model's parallel
+// loops, took the cores from each other: a ResNet block's GEMMs ran 30 times
+// slower than alone (scripts/bench_cpu.py, resnet). The callback is process-wide for
+// the library it is set on (NumPy's copy included): its GEMMs then run on
+// OpenMP threads too, which changes nothing but who runs them.
+void openmp_jobs(int, DoJob job, int jobs, size_t job_size, void *job_data, int data) {
+  char *base = static_cast<char *>(job_data);
+#pragma omp parallel for schedule(static)
+  for (int index = 0; index < jobs; ++index) job(index, base + index * job_size, data);
+}
 
 // ---------------------------------------------------------------- conversions
 float from_bfloat16(uint16_t bits) {
@@ -599,6 +616,9 @@ bool load_blas(const char *path, std::string *error) {
     return false;
   }
   found.path = path;
+  SetThreadsCallback set_callback = nullptr;
+  if (bind(library, ilp64 ? "scipy_openblas_set_threads_callback_function64_" : "scipy_openblas_set_threads_callback_function", &set_callback))
+    set_callback(openmp_jobs);
   blas = found;  // kept loaded for the process
   return true;
 }
