@@ -13,13 +13,16 @@ Each library is bound to one provider, chosen before it is loaded, and both
 providers can serve libraries in one process.
 
 The choice (`bind_library`, by `own_shim_refusal`'s rule, which `inspect` reports too), for `provider="auto"`:
-- CPU libraries: our shim when it provides every function the library imports,
-  and either the library calls no compute kernel from its provider or libtorch
-  is not installed; libtorch otherwise (its GEMM and convolution kernels are
-  faster than the plain ones our shim has);
-- CUDA libraries: our shim when it provides every function and the library
-  calls no compute kernel (ExecuTorch programs, `compile --standalone`
-  bundles); libtorch otherwise, for its cuBLAS/cuDNN/attention kernels;
+- our shim wherever it provides every function the library imports, except a
+  CPU library that calls a kernel libtorch runs measurably faster
+  (LIBTORCH_FASTER: convolution, 1.4x on the 2-core CPU machine; the shim's
+  GEMMs, on OpenBLAS, and its vector math are as fast or faster, see
+  docs/standalone.md), which goes to libtorch where libtorch is installed,
+  loads and defines every function the library imports; on the shim
+  otherwise, so a broken or partial torch never stops a library the shim
+  can run;
+- libtorch where our shim lacks a function (a CUDA library bound to cuBLAS,
+  cuDNN or libtorch's attention; mangled ATen imports);
 - refused, with the functions our shim lacks, when neither can serve.
 """
 
@@ -40,7 +43,7 @@ from pathlib import Path
 from ..errors import BundleError, DeviceError, InputError
 from ..format.elf import LibraryFacts, read_library_facts, rename_imports
 from ..format.manifest import LIBRARY_CHECKS_OPTION, MethodSpec
-from .shim import TORCH_PREFIX, Shim, load_shim
+from .shim import TORCH_PREFIX, Shim, load_shim, missing_symbols
 
 OWN_PREFIX = "cudarunner_"
 SLEEF_PREFIX, OWN_SLEEF_PREFIX = "Sleef_", "cr_sl_"
@@ -107,11 +110,6 @@ def own_exports() -> frozenset[str]:
     return frozenset(names)
 
 
-def is_compute_kernel(name: str) -> bool:
-    """aoti_torch_cpu_* / aoti_torch_cuda_* are ATen kernels (GEMMs, convolutions, attention)."""
-    return name.startswith(("aoti_torch_cpu_", "aoti_torch_cuda_"))
-
-
 def provider_imports(facts: LibraryFacts) -> list[str]:
     """The imports a shim provider has to satisfy: aoti_torch_* and Sleef_*, and any libtorch-only name."""
     return [name for name in facts.undefined if name.startswith((TORCH_PREFIX, SLEEF_PREFIX, *_LIBTORCH_ONLY))]
@@ -135,14 +133,18 @@ def own_shim_refusal(library: bytes | memoryview, facts: LibraryFacts | None = N
     It lacks a function the library imports, or the library's imports cannot
     be renamed to bind to it (an import that asks for a symbol version, say)."""
     facts = facts if facts is not None else read_library_facts(library)
+    return _renamed_for_own_shim(library, facts)[1]
+
+
+def _renamed_for_own_shim(library: bytes | memoryview, facts: LibraryFacts) -> tuple[bytearray | None, str | None]:
+    """(the library's copy bound to our shim, None) or (None, why it cannot be)."""
     missing = missing_from_own_shim([facts])
     if missing:
-        return f"cuda-runner's shim lacks {_listed(missing)}"
+        return None, f"cuda-runner's shim lacks {_listed(missing)}"
     try:
-        rename_imports(library, RENAMES)
+        return rename_imports(library, RENAMES), None
     except BundleError as error:
-        return f"its imports cannot be bound to cuda-runner's shim ({str(error).removeprefix('model library: ')})"
-    return None
+        return None, f"its imports cannot be bound to cuda-runner's shim ({str(error).removeprefix('model library: ')})"
 
 
 def runs_on(library: bytes | memoryview) -> tuple[bool, str]:
@@ -151,34 +153,59 @@ def runs_on(library: bytes | memoryview) -> tuple[bool, str]:
     refusal = own_shim_refusal(library, facts)
     if refusal is not None:
         return True, f"libtorch ({refusal})"
-    kernels = sorted(name for name in provider_imports(facts) if is_compute_kernel(name))
-    if kernels:
-        return False, f"libtorch where it is installed, for its {_listed(kernels)}; else cuda-runner's shim (no torch needed)"
+    faster = libtorch_faster_kernels(facts)
+    if faster:
+        return False, f"libtorch where it is installed, for its {_listed(faster)} (faster there); else cuda-runner's shim (no torch needed)"
     return False, "cuda-runner's shim (no torch needed)"
+
+
+# The kernels libtorch runs measurably faster than our shim, by
+# scripts/bench_cpu.py on the 2-core CPU machine (docs/standalone.md): its
+# oneDNN convolution against the shim's im2col + OpenBLAS, 1.4x on a ResNet
+# block. The shim's GEMMs (OpenBLAS) and vector math are as fast or faster,
+# and a library on the shim also spares the process torch's import.
+LIBTORCH_FASTER = frozenset({"aoti_torch_cpu_convolution"})
+
+
+def libtorch_faster_kernels(facts: LibraryFacts) -> list[str]:
+    return sorted(name for name in provider_imports(facts) if name in LIBTORCH_FASTER)
 
 
 def bind_library(library: bytes, device_type: str, preference: str = "auto", remedy: str | None = None) -> tuple[Provider, bytes | bytearray]:
     """The provider a model library runs on, loaded, and the bytes to load for
-    it (for our shim, the copy with its imports renamed), by own_shim_refusal's
-    rule. `remedy`: what to tell a user without torch (libtorch_remedy)."""
+    it (for our shim, the copy with its imports renamed), by the rule above.
+    `remedy`: what to tell a user without torch (libtorch_remedy)."""
     remedy = remedy or INSTALL_TORCH
     check_provider(preference)
     if preference == LIBTORCH_NAME:
         return load_libtorch_provider(device_type), library
     facts = read_library_facts(library)
-    missing = missing_from_own_shim([facts])
-    computes = any(is_compute_kernel(name) for name in provider_imports(facts))
-    refusal: str | None = f"cuda-runner's shim lacks {_listed(missing)}" if missing else None
-    if refusal is None and (preference == "shim" or not computes or not libtorch_installed()):
-        try:
-            return load_own_provider(device_type), rename_imports(library, RENAMES)
-        except BundleError as error:
-            refusal = f"its imports cannot be bound to cuda-runner's shim ({str(error).removeprefix('model library: ')})"
+    renamed, refusal = _renamed_for_own_shim(library, facts)
+    if renamed is not None:
+        if preference == "auto" and libtorch_faster_kernels(facts):
+            libtorch = _usable_libtorch(facts, device_type)
+            if libtorch is not None:
+                return libtorch, library
+        return load_own_provider(device_type), renamed
     if preference == "shim":
         raise DeviceError(f"{refusal}; run it with --provider auto or libtorch")
     if libtorch_installed():
         return load_libtorch_provider(device_type), library
     raise DeviceError(f"this model library needs libtorch ({refusal}); {remedy}")
+
+
+def _usable_libtorch(facts: LibraryFacts, device_type: str) -> Provider | None:
+    """libtorch, where it is installed, loads, and defines every shim function
+    the library imports; None otherwise (the library then runs on our shim)."""
+    if not libtorch_installed():
+        return None
+    names = [name for name in provider_imports(facts) if name.startswith(TORCH_PREFIX)]
+    try:
+        provider = load_libtorch_provider(device_type)
+        missing, _ = missing_symbols(names, device_type)
+    except (DeviceError, OSError):
+        return None
+    return provider if missing == [] else None
 
 
 INSTALL_TORCH = "install it with: pip install 'cuda-runner[torch]'"

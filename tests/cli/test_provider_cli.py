@@ -62,9 +62,7 @@ def test_bench_and_inspect_say_which_provider_runs_the_library(dict_mlp_bundle):
     assert json.loads(bench.stdout)["provider"] == "cuda-runner shim"
     inspected = cli("inspect", str(dict_mlp_bundle.path), "--json")
     method = json.loads(inspected.stdout)["methods"]["forward"]
-    assert method["needs_libtorch"] is False and "aoti_torch_cpu_addmm_out" in method["provider_note"]
-    text = cli("inspect", str(dict_mlp_bundle.path))
-    assert "runs on: libtorch where it is installed" in text.stdout
+    assert method["needs_libtorch"] is False and method["provider_note"] == "cuda-runner's shim (no torch needed)"
 
 
 @pytest.mark.heavy
@@ -152,3 +150,39 @@ def _input_names(path):
     import cuda_runner
 
     return [tensor.name for tensor in cuda_runner.read_manifest(path).methods["forward"].inputs]
+
+
+BROKEN_TORCH = "raise ImportError('this torch install is broken')\n"
+
+
+@pytest.fixture
+def broken_torch_env(tmp_path):
+    """A `torch` package that is found first and neither imports nor has libtorch."""
+    package = tmp_path / "broken" / "torch"
+    (package / "lib").mkdir(parents=True)
+    (package / "__init__.py").write_text(BROKEN_TORCH)
+    return {"PYTHONPATH": os.pathsep.join([str(package.parent), *sys.path])}
+
+
+def test_auto_runs_a_gemm_library_on_the_shim_with_torch_installed(dict_mlp_bundle):
+    """The shim's GEMMs (OpenBLAS) are as fast as libtorch's on CPU (docs/standalone.md), so auto keeps torch out."""
+    inspected = cli("inspect", str(dict_mlp_bundle.path))
+    assert "runs on: cuda-runner's shim (no torch needed)" in inspected.stdout
+    result = cli("run", str(dict_mlp_bundle.path), "--random-inputs", "--json")
+    assert result.returncode == 0, result.stderr
+    assert json.loads(result.stdout)["provider"] == "cuda-runner shim"
+
+
+@pytest.mark.heavy
+def test_auto_runs_convolutions_on_libtorch_and_on_the_shim_when_torch_is_broken(compiled, broken_torch_env):
+    """libtorch's convolution is measurably faster, so auto takes it where torch works; a torch
+    install that is found but broken must not stop a library the shim can run."""
+    model = compiled("tiny_resnet", "cpu")
+    inspected = cli("inspect", str(model.path))
+    assert "runs on: libtorch where it is installed, for its aoti_torch_cpu_convolution (faster there)" in inspected.stdout
+    with_torch = cli("run", str(model.path), "--random-inputs", "--json")
+    assert with_torch.returncode == 0, with_torch.stderr
+    assert json.loads(with_torch.stdout)["provider"] == "libtorch"
+    broken = run_cli("run", str(model.path), "--random-inputs", "--json", env=broken_torch_env)
+    assert broken.returncode == 0, broken.stderr
+    assert json.loads(broken.stdout)["provider"] == "cuda-runner shim"

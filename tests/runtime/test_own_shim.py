@@ -510,3 +510,15 @@ def test_a_library_that_needs_libtorch_on_a_machine_without_it_is_one_clear_erro
     assert refused.value.exit_code == 4
     with pytest.raises(DeviceError, match=lacks):
         providers.bind_library(b"", "cpu", "shim")
+
+
+@pytest.mark.heavy
+def test_auto_leaves_a_libtorch_that_lacks_an_import_for_the_shim(monkeypatch, compiled):
+    """A partial torch (one without a function the library imports) is passed over for the shim."""
+    from cuda_runner.runtime import providers
+
+    library = library_of(compiled("tiny_resnet", "cpu").path)
+    monkeypatch.setattr(providers, "missing_symbols", lambda names, device_type: (["aoti_torch_cpu_convolution"], device_type))
+    assert providers.bind_library(library, "cpu")[0].name == providers.SHIM_NAME
+    monkeypatch.undo()
+    assert providers.bind_library(library, "cpu")[0].name == providers.LIBTORCH_NAME
