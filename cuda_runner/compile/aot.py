@@ -220,7 +220,9 @@ def _compile_once(
         has_march = _inductor_has_march(torch)
         compiler = _unloadable_compiler(work_dir, None if level is None or has_march else level[0])
         options["cpp.cxx"] = (None, compiler)
+        isa_pin = contextlib.ExitStack()
         if device == "cpu":
+            isa_pin.enter_context(_plain_isa_of(level))
             cpu_build = _cpu_build(torch, compiler, cpu_target, has_march, options)
             options = {**cpu_build.options, **options}  # the user's cpp.* options win
         if hasattr(torch._inductor.config.aot_inductor, "check_lowerbound"):
@@ -230,7 +232,7 @@ def _compile_once(
             options["aot_inductor.check_lowerbound"] = False
         progress("compiling with AOTInductor (this takes tens of seconds)")
         try:
-            with _math_attention(torch) if standalone else contextlib.nullcontext(), torch_talking_to_itself():
+            with isa_pin, _math_attention(torch) if standalone else contextlib.nullcontext(), torch_talking_to_itself():
                 library_path = Path(torch._inductor.aot_compile(program.module(), example_args, dict(example_kwargs), options=options))
         except Exception as error:  # inductor raises many types; report one line
             raise CompileError(f"AOTInductor compile failed: {type(error).__name__}: {_first_line(error)}") from error
@@ -285,6 +287,53 @@ class _CpuBuild:
     isa: str  # AOTI_CPU_ISA of the chosen vector ISA ("AVX2", "INVALID_VEC_ISA")
     flags: tuple[str, ...]  # the -march and vector-ISA flags the library is built with
     required: tuple[str, ...]  # /proc/cpuinfo flags those flags let the compiler use
+
+
+# The plain Inductor ISA of each portable vector width (its str()).
+_PLAIN_ISA = {512: "avx512", 256: "avx2"}
+
+
+@contextlib.contextmanager
+def _plain_isa_of(level: tuple[str, int] | None) -> Iterator[None]:
+    """Inductor's vector ISA, for a portable level, is the plain one of its width.
+
+    Inductor picks the first ISA of the width that the build CPU has, and on a
+    CPU with AMX or AVX512-VNNI/BF16 that one adds their flags (-mamx-tile,
+    -mavx512vnni, -mavx512bf16): a bundle for the portable level would then
+    require them, and refuse an AVX-512 CPU without them (an Ice Lake, a Zen 4).
+    Inductor's list of valid ISAs is a cached list it picks from on every
+    call; for the compile it holds only the plain ISA, its bf16 build off.
+    """
+    from torch._inductor import cpu_vec_isa
+
+    plain = _PLAIN_ISA.get(level[1]) if level is not None else None
+    valid = cpu_vec_isa.valid_vec_isa_list()
+    if plain is None or not isinstance(valid, list):
+        yield
+        return
+    saved = list(valid)
+    valid[:] = [isa for isa in saved if str(isa) == plain]
+    bf16 = [(isa, vars(isa).get("_is_avx512_bf16_supported")) for isa in valid if hasattr(isa, "_is_avx512_bf16_supported")]
+    for isa, _ in bf16:
+        isa._is_avx512_bf16_supported = False
+    _forget_bf16_answers(cpu_vec_isa)
+    try:
+        yield
+    finally:
+        valid[:] = saved
+        for isa, before in bf16:
+            if before is None:
+                vars(isa).pop("_is_avx512_bf16_supported", None)
+            else:
+                isa._is_avx512_bf16_supported = before
+        _forget_bf16_answers(cpu_vec_isa)
+
+
+def _forget_bf16_answers(cpu_vec_isa: Any) -> None:
+    """Drop the cached answers of VecAVX512.is_avx512_bf16_supported."""
+    method = getattr(getattr(cpu_vec_isa, "VecAVX512", None), "is_avx512_bf16_supported", None)
+    if hasattr(method, "cache_clear"):
+        method.cache_clear()
 
 
 def _inductor_has_march(torch: Any) -> bool:
