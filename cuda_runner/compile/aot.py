@@ -120,7 +120,7 @@ class CompiledLibrary:
 # What a compiled library may need at run time (compile_module's `runtime`).
 RUNTIMES = ("auto", "standalone", "libtorch")
 # What a library bound to libtorch costs, for the line that says a compile fell back to one (docs/benchmarks.md).
-LIBTORCH_COST = "it needs torch installed where it runs, and its cold start is about 0.4 s longer"
+LIBTORCH_COST = "it needs torch installed where it runs, and its cold start is about 0.5 s longer"
 
 
 def import_torch() -> Any:
@@ -214,16 +214,15 @@ def _compile_once(
     profile = STANDALONE_CUDA_OPTIONS if standalone and device != "cpu" else {}
     options = {**profile, **(user_options or {}), **SELF_CONTAINED_OPTIONS, "aot_inductor.output_path": str(work_dir)}
     cpu_build: _CpuBuild | None = None
+    isa_pin = contextlib.ExitStack()  # holds Inductor to the level's plain ISA until the compile ends
     try:
         cpu_target = check_cpu_target(cpu_target) if device == "cpu" else cpu_target
         level = CPU_TARGETS[cpu_target] if device == "cpu" else None
         has_march = _inductor_has_march(torch)
         compiler = _unloadable_compiler(work_dir, None if level is None or has_march else level[0])
         options["cpp.cxx"] = (None, compiler)
-        isa_pin = contextlib.ExitStack()
         if device == "cpu":
-            isa_pin.enter_context(_plain_isa_of(level))
-            cpu_build = _cpu_build(torch, compiler, cpu_target, has_march, options)
+            cpu_build = _cpu_build(torch, compiler, cpu_target, has_march, options, isa_pin)
             options = {**cpu_build.options, **options}  # the user's cpp.* options win
         if hasattr(torch._inductor.config.aot_inductor, "check_lowerbound"):
             # The library's own input checks (run --check-inputs) would refuse
@@ -253,6 +252,7 @@ def _compile_once(
             options=recorded,
         )
     finally:
+        isa_pin.close()  # also where the compile never started
         shutil.rmtree(work_dir, ignore_errors=True)
 
 
@@ -342,7 +342,9 @@ def _inductor_has_march(torch: Any) -> bool:
     return hasattr(torch._inductor.config.cpp, "march")
 
 
-def _cpu_build(torch: Any, compiler: str, target: str, has_march: bool, options: Mapping[str, Any]) -> _CpuBuild:
+def _cpu_build(
+    torch: Any, compiler: str, target: str, has_march: bool, options: Mapping[str, Any], isa_pin: contextlib.ExitStack,
+) -> _CpuBuild:
     """Choose the vector ISA before compiling, with Inductor's own probe.
 
     The probe (VecISA.check_build) compiles a tiny library that calls Sleef's
@@ -354,6 +356,8 @@ def _cpu_build(torch: Any, compiler: str, target: str, has_march: bool, options:
     with link_libtorch on (the model library is still built without it), and
     its answer is pinned for the compile: Inductor caches the ISA list and each
     ISA's answer for the process, and cpp.vec_isa_ok=True skips any new probe.
+    For a portable level the ISA is pinned to the level's plain one in
+    `isa_pin`, which the caller holds open over the compile.
     """
     from torch._inductor import cpu_vec_isa
 
@@ -366,6 +370,9 @@ def _cpu_build(torch: Any, compiler: str, target: str, has_march: bool, options:
             settings["cpp.march"] = level[0]
     probe = {**settings, **options, "aot_inductor.link_libtorch": True}
     with config.patch(probe), _probe_cache():
+        # Inside the probe's settings: the list of valid ISAs is made (and
+        # cached) by the first call, and only a probe linked to libtorch passes.
+        isa_pin.enter_context(_plain_isa_of(level))
         isa = cpu_vec_isa.pick_vec_isa()
         arch = _arch_flags(config, compiler, level)
         isa_flags = isa.build_arch_flags().split() if isa else []
