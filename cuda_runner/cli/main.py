@@ -444,7 +444,8 @@ RangeOption = Annotated[list[str], typer.Option(
     "--range", metavar="INPUT=LO:HI", help="Value range for --random-inputs (default -1:1 for floats, 0:2 for integers).")]
 SkipDigestOption = Annotated[bool, typer.Option("--skip-weights-digest", help="Do not re-check the weights digest (the library is always checked).")]
 CudaGraphOption = Annotated[bool, typer.Option("--cuda-graph", help=(
-    "Capture the (static-shape) method into a CUDA graph and replay it (imports torch for libraries on libtorch)."))]
+    "Replay the method from CUDA graphs: one captured per input shape after its first calls (up to 8 shapes), state "
+    "kept between replays (imports torch for libraries on libtorch)."))]
 TrustedKeyOption = Annotated[list[str], typer.Option("--trusted-key", metavar="PUBLIC.pem", help=(
     "Refuse the bundle unless BUNDLE.sig was made by this key (repeatable; CUDA_RUNNER_TRUSTED_KEYS adds more)."))]
 RequireSignatureOption = Annotated[bool, typer.Option("--require-signature", help="Fail if no trusted key is configured at all.")]
