@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Models at the sizes users ship, on one GPU (docs/benchmarks.md, "Scale").
+"""Models at the sizes users ship, on one GPU (docs/benchmarks.md, "NVIDIA H200").
 
 Stages (each writes WORK/<stage>.json and prints it; later stages reuse what
 earlier ones left in WORK, so a second call on a warm machine can continue):

@@ -4,7 +4,7 @@ Input checks: the library compiles in its own checks of every input's
 dtype, sizes and strides (AOTInductor generates them), which run when the
 environment variable AOTI_RUNTIME_CHECK_INPUTS is set at the library's first
 Run (it is read once, into a static). `check_inputs=True` sets it around that
-first Run. They cost a little per call (docs/benchmarks.md) and catch a
+first Run. They cost a little per call (docs/bench-results/history.md, "Library input checks") and catch a
 manifest that lies about the library's signature, which the runner's own
 checks against the manifest cannot.
 
