@@ -331,9 +331,10 @@ def _plain_isa_of(level: tuple[str, int] | None) -> Iterator[None]:
 
 def _forget_bf16_answers(cpu_vec_isa: Any) -> None:
     """Drop the cached answers of VecAVX512.is_avx512_bf16_supported."""
-    method = getattr(getattr(cpu_vec_isa, "VecAVX512", None), "is_avx512_bf16_supported", None)
-    if hasattr(method, "cache_clear"):
-        method.cache_clear()
+    method: Any = getattr(getattr(cpu_vec_isa, "VecAVX512", None), "is_avx512_bf16_supported", None)
+    clear = getattr(method, "cache_clear", None)
+    if clear is not None:
+        clear()
 
 
 def _inductor_has_march(torch: Any) -> bool:
