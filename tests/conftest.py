@@ -37,7 +37,9 @@ Compiler = Callable[[str, str], CompiledModel]
 # which pytest 9 no longer reads. The scheduler below groups by file instead.
 # test_written_state's tests all use one compiled fixture: on two workers, the
 # second waited for the first's compile while its own core idled.
-SAME_WORKER = {"tests/test_readme.py": "readme", "tests/runtime/test_written_state.py": "written_state"}
+# tests/scale's decoder tests share one compile of two methods (about 35 s here) the same way.
+SAME_WORKER = {"tests/test_readme.py": "readme", "tests/runtime/test_written_state.py": "written_state",
+               "tests/scale/test_scale_models.py": "scale"}
 
 
 def pytest_xdist_make_scheduler(config, log):
