@@ -231,7 +231,7 @@ def _compile_once(
             options["aot_inductor.check_lowerbound"] = False
         progress("compiling with AOTInductor (this takes tens of seconds)")
         try:
-            with isa_pin, _math_attention(torch) if standalone else contextlib.nullcontext(), torch_talking_to_itself():
+            with _math_attention(torch) if standalone else contextlib.nullcontext(), torch_talking_to_itself():
                 library_path = Path(torch._inductor.aot_compile(program.module(), example_args, dict(example_kwargs), options=options))
         except Exception as error:  # inductor raises many types; report one line
             raise CompileError(f"AOTInductor compile failed: {type(error).__name__}: {_first_line(error)}") from error
@@ -252,7 +252,7 @@ def _compile_once(
             options=recorded,
         )
     finally:
-        isa_pin.close()  # also where the compile never started
+        isa_pin.close()  # the one place the pin is released, however the compile ended
         shutil.rmtree(work_dir, ignore_errors=True)
 
 
