@@ -13,6 +13,7 @@ the container.
 from __future__ import annotations
 
 import collections
+import contextlib
 from collections.abc import Callable, Sequence
 
 import numpy as np
@@ -25,6 +26,7 @@ from .devices import Device
 from .host import aligned_empty
 from .shim import Shim
 from .tensors import wrap_memory
+from .upload import Progress
 
 
 class ConstantMemory:
@@ -33,7 +35,8 @@ class ConstantMemory:
     def __init__(self) -> None:
         self.storages: dict[tuple[str, str], int] = {}  # (segment name, device type) -> address
         self._host: list[np.ndarray] = []
-        self._device: list[tuple[int, int]] = []  # (device index, pointer)
+        self._device: list[tuple[int, int]] = []  # (device index, pointer) of each allocation, to free
+        self._device_of: dict[tuple[str, str], int] = {}  # the device a GPU storage is on
 
     def keep_host(self, array: np.ndarray) -> int:
         self._host.append(array)
@@ -42,6 +45,11 @@ class ConstantMemory:
     def keep_device(self, index: int, pointer: int) -> int:
         self._device.append((index, pointer))
         return pointer
+
+    def place_on_device(self, key: tuple[str, str], index: int, address: int) -> None:
+        """A storage at `address` of an allocation kept with keep_device."""
+        self.storages[key] = address
+        self._device_of[key] = index
 
     def reload(self, constants: Sequence[ConstantSpec], segment: Callable[[str], memoryview]) -> None:
         """Copy the stored bytes of these constants' storages again (state back to its initial values)."""
@@ -54,9 +62,8 @@ class ConstantMemory:
                 from .cuda import HOST_TO_DEVICE, cuda_runtime
                 from .host import buffer_address
 
-                index = next(index for index, pointer in self._device if pointer == address)
                 runtime = cuda_runtime()
-                runtime.setDevice(index)
+                runtime.setDevice(self._device_of[key])
                 runtime.deviceSynchronize()  # no run may still read or write it
                 if source.nbytes:
                     runtime.memcpy(address, buffer_address(source), source.nbytes, HOST_TO_DEVICE)
@@ -73,24 +80,27 @@ class ConstantMemory:
                 runtime.setDevice(index)
                 runtime.free(pointer)
         self._device.clear()
+        self._device_of.clear()
         self._host.clear()
         self.storages.clear()
 
 
 def bind_constants(
     container: Container, device: Device, shim: Shim, constants: Sequence[ConstantSpec], segment: Callable[[str], memoryview],
-    memory: ConstantMemory | None = None,
+    memory: ConstantMemory | None = None, progress: Progress | None = None,
 ) -> ConstantMemory:
     """Bind `constants`, copying their storages into `memory` (new if None;
-    storages already there, from another method, are used as they are)."""
+    storages already there, from another method, are used as they are).
+    `progress(done, total)` hears how many bytes of the new storages are up."""
     internal = _internal_names(container, constants, segment)
     shared = memory is not None
     memory = memory if memory is not None else ConstantMemory()
     handles: list[int] = []
     try:
+        _copy_storages(memory, constants, device, segment, progress)
         pairs = []
         for constant in constants:
-            address = _storage_address(memory, constant, device, segment)
+            address = memory.storages[(constant.segment, constant.device)]
             on_cuda = constant.device == "cuda"
             handle = wrap_memory(
                 shim, address, constant.dtype, constant.sizes, constant.strides,
@@ -144,47 +154,49 @@ def _internal_names(container: Container, constants: Sequence[ConstantSpec], seg
     return by_fqn
 
 
-def _storage_address(memory: ConstantMemory, constant: ConstantSpec, device: Device, segment: Callable[[str], memoryview]) -> int:
-    """Copy a storage segment once (constants may share one) to where the library wants it."""
-    key = (constant.segment, constant.device)  # one storage may be wanted on both devices
-    address = memory.storages.get(key)
-    if address is None:
-        source = segment(constant.segment)
-        if constant.device == "cuda":
-            address = _device_copy(memory, source, device.index)
-        else:
+def _copy_storages(memory: ConstantMemory, constants: Sequence[ConstantSpec], device: Device, segment: Callable[[str], memoryview],
+                   progress: Progress | None) -> None:
+    """Copy each storage segment the constants name, once (constants may share
+    one, and one may be wanted on both devices), to where the library wants it:
+    the GPU's in one pipelined upload (runtime/upload.py)."""
+    wanted = sorted({(constant.segment, constant.device) for constant in constants} - set(memory.storages))
+    on_gpu = [key for key in wanted if key[1] == "cuda"]
+    for key in wanted:
+        if key[1] != "cuda":
+            source = segment(key[0])
             copy = aligned_empty((source.nbytes,), np.dtype(np.uint8))
             copy[...] = np.frombuffer(source, dtype=np.uint8)
-            address = memory.keep_host(copy)
-        memory.storages[key] = address
-    return address
-
-
-# Storages from this size on are copied from the mapping registered as pinned
-# memory, as a weights blob is (runtime/cuda.py, load_weights_on_cuda): a
-# shared 16 MB layer would otherwise go up at pageable speed.
-_PIN_FROM_BYTES = 4 << 20
-
-
-def _device_copy(memory: ConstantMemory, source: memoryview, index: int) -> int:
-    from .cuda import HOST_REGISTER_READ_ONLY, HOST_TO_DEVICE, cuda_runtime
-    from .host import buffer_address
+            memory.storages[key] = memory.keep_host(copy)
+    if not on_gpu:
+        return
+    from .cuda import cuda_runtime
+    from .upload import Upload, upload_all
 
     runtime = cuda_runtime()
-    runtime.setDevice(index)
-    pointer = memory.keep_device(index, runtime.malloc(max(1, source.nbytes)))
-    if source.nbytes:
-        address = buffer_address(source)
-        registered = False
-        if source.nbytes >= _PIN_FROM_BYTES:
-            try:
-                runtime.hostRegister(address, source.nbytes, HOST_REGISTER_READ_ONLY)
-                registered = True
-            except runtime.CUDARuntimeError:
-                pass  # a pageable copy: slower but correct
-        try:
-            runtime.memcpy(pointer, address, source.nbytes, HOST_TO_DEVICE)
-        finally:
-            if registered:
-                runtime.hostUnregister(address)
-    return pointer
+    runtime.setDevice(device.index)
+    sources: list[memoryview] = []
+    try:
+        sources += (segment(key[0]) for key in on_gpu)
+        # One allocation for all of them, not a cudaMalloc each (181 storages for the 1B decoder).
+        offsets, size = _arena_offsets([source.nbytes for source in sources])
+        arena = memory.keep_device(device.index, runtime.malloc(max(1, size)))
+        for key, offset in zip(on_gpu, offsets):
+            memory.place_on_device(key, device.index, arena + offset)
+        upload_all(runtime, device.index, [Upload(source, arena + offset) for source, offset in zip(sources, offsets)], progress)
+    finally:
+        for source in sources:  # views of the bundle mapping: none may keep it from closing
+            with contextlib.suppress(BufferError):
+                source.release()
+
+
+# Where each storage starts in their shared allocation: cudaMalloc's own alignment, which kernels may assume of a tensor's start.
+_STORAGE_ALIGNMENT = 256
+
+
+def _arena_offsets(sizes: Sequence[int]) -> tuple[list[int], int]:
+    """Each size's offset in one allocation, aligned, and the allocation's size."""
+    offsets, end = [], 0
+    for size in sizes:
+        offsets.append(end)
+        end += -(-max(size, 1) // _STORAGE_ALIGNMENT) * _STORAGE_ALIGNMENT
+    return offsets, end

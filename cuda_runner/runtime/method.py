@@ -53,6 +53,9 @@ from .options import LoadOptions
 from .providers import bind_library, default_provider, libtorch_remedy
 from .shim import Shim
 
+#: progress(method, bytes done, bytes in all) of a method's weights while they load.
+LoadProgress = Callable[[str, int, int], None]
+
 Inputs = Mapping[str, Any] | Sequence[Any]
 _DEFAULTS = LoadOptions()
 
@@ -229,10 +232,11 @@ class Method:
     @classmethod
     def load(
         cls, reader: ModelReader, spec: MethodSpec, device: Device, options: LoadOptions = _DEFAULTS, *,
-        shared_constants: ConstantMemory | None = None,
+        shared_constants: ConstantMemory | None = None, progress: LoadProgress | None = None,
     ) -> Method:
         """The load sequence: check the library, choose its shim provider and load it,
-        create the container, feed the weights, then make the lanes' executors for it."""
+        create the container, feed the weights, then make the lanes' executors for it.
+        `progress(method, done, total)` hears how many weight bytes are up."""
         timings: dict[str, float] = {}
         clock = time.perf_counter
         if device.type == "cuda":
@@ -283,11 +287,18 @@ class Method:
             make = _executor_factory(chosen.shim, device, container, spec, helper)
             executors.append(make())
             started = clock()
+            uploaded = (lambda done, total: progress(spec.name, done, total)) if progress is not None else None
             if spec.constants:
                 # Storages shared by FQN with other methods of the model are uploaded once (and state in them is shared, as in ExecuTorch).
-                constants = bind_constants(container, device, chosen.shim, spec.constants, lambda name: reader.segment(name, verify=False), shared_constants)
+                constants = bind_constants(container, device, chosen.shim, spec.constants, lambda name: reader.segment(name, verify=False),
+                                           shared_constants, uploaded)
             else:
+                # AOTInductor copies a blob in one call: only its start and end can be told.
+                if uploaded is not None:
+                    uploaded(0, weights.nbytes)
                 _load_weights(device, container, weights)
+                if uploaded is not None:
+                    uploaded(weights.nbytes, weights.nbytes)
             timings["load_weights"] = clock() - started
             if data_checks:
                 started = clock()

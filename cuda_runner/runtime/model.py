@@ -24,7 +24,7 @@ from ..format.manifest import Manifest, MethodSpec, choose_method
 from ..format.source import ModelReader, open_model
 from .constants import ConstantMemory
 from .devices import Device, choose_device, parse_devices
-from .method import Inputs, Method
+from .method import Inputs, LoadProgress, Method
 from .options import LoadOptions
 
 _DEFAULTS = LoadOptions()
@@ -201,6 +201,7 @@ def load_model(
     methods: Iterable[str] | None = None,
     data: str | os.PathLike[str] | None = None,
     open_seconds: float = 0.0,
+    progress: LoadProgress | None = None,
 ) -> Model:
     """Load methods (all by default) onto `device`. Given an open reader, the
     Model takes it over (`open_seconds`: what opening it took, for the load
@@ -208,7 +209,9 @@ def load_model(
 
     With `options.trusted_keys`, the bundle must carry a signature
     (`<bundle>.sig`) made by one of them; it is checked before any of the
-    bundle's code is loaded, unless the reader checked it already."""
+    bundle's code is loaded, unless the reader checked it already.
+    `progress(method, done, total)` hears how many bytes of each method's
+    weights are up (for a progress bar)."""
     started = time.perf_counter()
     reader = open_model(source, data) if isinstance(source, (str, os.PathLike)) else source
     loaded: dict[str, Method] = {}
@@ -221,7 +224,7 @@ def load_model(
         specs = _selected(reader.manifest, methods)
         target = choose_device(specs, device)
         for spec in specs:
-            loaded[spec.name] = Method.load(reader, spec, target, options, shared_constants=shared)
+            loaded[spec.name] = Method.load(reader, spec, target, options, shared_constants=shared, progress=progress)
         _serialize_shared_state(loaded)
         if reader.signature is not None:
             reader.signature.cancel()  # what is loaded is checked; hash nothing more while the model runs

@@ -8,11 +8,12 @@ import pytest
 
 import cuda_runner
 from cuda_runner.format.bundle import read_manifest
+from cuda_runner.runtime import upload
 
 pytestmark = pytest.mark.gpu
 
 
-def test_two_cuda_methods_share_their_weight_and_match_eager(tmp_path):
+def test_two_cuda_methods_share_their_weight_and_match_eager(tmp_path, monkeypatch):
     import torch
     from models import PrefillDecode
 
@@ -33,3 +34,12 @@ def test_two_cuda_methods_share_their_weight_and_match_eager(tmp_path):
         for name, args in examples.items():
             result = model.run({"x": args[0].numpy()}, method=name)["output_0"]
             np.testing.assert_allclose(result, expected[name], rtol=1e-4, atol=1e-5)
+    # Again with every storage through the pipelined upload, in chunks smaller than the storages.
+    monkeypatch.setattr(upload, "PIPELINE_MIN_BYTES", 0)
+    monkeypatch.setattr(upload, "CHUNK_BYTES", 256)
+    heard: dict[str, int] = {}
+    with cuda_runner.load(path, "cuda", progress=lambda method, done, total: heard.__setitem__(method, done)) as model:
+        for name, args in examples.items():
+            result = model.run({"x": args[0].numpy()}, method=name)["output_0"]
+            np.testing.assert_allclose(result, expected[name], rtol=1e-4, atol=1e-5)
+    assert heard["forward"] > 0  # the first method uploads the shared storages

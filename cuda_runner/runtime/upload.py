@@ -1,0 +1,269 @@
+"""Weights from the bundle mapping to GPU memory at the link's speed.
+
+A gigabyte-scale model's storages live in the mapped bundle file, in the page
+cache once the file has been read. The copy engine reads them where they are:
+a range of the mapping is registered as pinned memory (read-only) and DMA
+copies are queued from it. Registering is the CPU's share of the work, so the
+storages are cut into blocks of BLOCK_BYTES that several threads register and
+copy at once, each on a stream of its own. On the H200 machine this moved the
+1B decoder's 2.2 GB at 19-20 GB/s with 2 to 8 threads (6.9 with one), against
+16.8 registering and copying one storage after another, 17.1 staging through
+pinned slots and 8.1 copying from the pageable mapping
+(scripts/bench_upload.py; docs/benchmarks.md, "Weights at GB scale").
+
+Where a block cannot be registered (a kernel or driver that refuses it), it
+is copied through two staging slots of the thread instead, and where no
+pinned memory can be had either, by plain copies. Every byte uploaded is read
+from the mapping the bundle reader checks its digests on. The caller hears
+how many bytes are up, from its own thread (`progress(done, total)`), for a
+progress bar.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import mmap
+import os
+import threading
+from collections.abc import Callable, Sequence
+from concurrent.futures import FIRST_EXCEPTION, Future, ThreadPoolExecutor, wait
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from .host import buffer_address
+
+HOST_TO_DEVICE = 1  # cudaMemcpyHostToDevice
+HOST_REGISTER_READ_ONLY = 8  # cudaHostRegisterReadOnly: the mapping is read-only
+_STREAM_NON_BLOCKING = 1
+_EVENT_DISABLE_TIMING = 2
+PAGE = mmap.PAGESIZE
+
+# Below this much in all, one plain copy per storage costs less than threads.
+PIPELINE_MIN_BYTES = 64 << 20
+BLOCK_BYTES = 64 << 20  # one registration
+CHUNK_BYTES = 8 << 20  # one staging slot, where a block cannot be registered
+MAX_THREADS = 4
+
+Progress = Callable[[int, int], None]
+
+
+@dataclass(frozen=True)
+class Upload:
+    """Host bytes (a view of the bundle mapping) and the device memory they go to."""
+
+    source: memoryview
+    destination: int
+
+
+@dataclass
+class _Block:
+    """A page-aligned range of host memory and the copies that read from it."""
+
+    start: int
+    end: int
+    copies: list[tuple[int, int, int]] = field(default_factory=list)  # (source address, destination, bytes)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(size for _, _, size in self.copies)
+
+
+def upload_all(runtime: Any, device_index: int, uploads: Sequence[Upload], progress: Progress | None = None,
+               threads: int | None = None) -> None:
+    """Copy every upload's bytes to its destination; returns once all are on the device."""
+    total = sum(upload.source.nbytes for upload in uploads)
+    report = progress or (lambda done, total: None)
+    report(0, total)
+    if total == 0:
+        return
+    runtime.setDevice(device_index)
+    count = threads or min(MAX_THREADS, os.cpu_count() or 1)
+    if total < PIPELINE_MIN_BYTES or count < 2:
+        done = 0
+        for upload in uploads:
+            if upload.source.nbytes:
+                runtime.memcpy(upload.destination, buffer_address(upload.source), upload.source.nbytes, HOST_TO_DEVICE)
+            done += upload.source.nbytes
+            report(done, total)
+        return
+    for upload in uploads:
+        advise_will_need(upload.source)
+    blocks = blocks_of(uploads)
+    _run_workers(runtime, device_index, blocks, min(count, len(blocks)), report, total)
+
+
+def blocks_of(uploads: Sequence[Upload], block_bytes: int | None = None) -> list[_Block]:
+    """The uploads' source ranges as disjoint page-aligned blocks of at most
+    `block_bytes` (BLOCK_BYTES), each with the copies (or parts of copies) it
+    holds. Ranges whose pages meet are one extent before it is cut: no page is
+    in two blocks, so no two registrations overlap."""
+    size = block_bytes or BLOCK_BYTES
+    pieces = sorted((buffer_address(upload.source), upload.destination, upload.source.nbytes) for upload in uploads if upload.source.nbytes)
+    extents: list[list[Any]] = []  # [start, end, pieces]
+    for address, destination, nbytes in pieces:
+        start, end = address - address % PAGE, -(-(address + nbytes) // PAGE) * PAGE
+        if extents and start <= extents[-1][1]:
+            extents[-1][1] = max(extents[-1][1], end)
+            extents[-1][2].append((address, destination, nbytes))
+        else:
+            extents.append([start, end, [(address, destination, nbytes)]])
+    blocks = []
+    for start, end, members in extents:
+        cuts = [_Block(low, min(low + size, end)) for low in range(start, end, size)]
+        for address, destination, nbytes in members:
+            for block in cuts[(address - start) // size:]:
+                low, high = max(address, block.start), min(address + nbytes, block.end)
+                if low >= address + nbytes:
+                    break
+                if high > low:
+                    block.copies.append((low, destination + (low - address), high - low))
+        blocks += [block for block in cuts if block.copies]
+    return blocks
+
+
+def advise_will_need(view: memoryview) -> None:
+    """Ask the kernel to start reading a mapped range from disk now (a bundle
+    not in the page cache): the registrations then find it read, or being read."""
+    base = getattr(view, "obj", None)
+    if not isinstance(base, mmap.mmap) or not hasattr(mmap, "MADV_WILLNEED"):
+        return
+    start = buffer_address(view) - buffer_address(memoryview(base))
+    aligned = start - start % PAGE
+    try:
+        base.madvise(mmap.MADV_WILLNEED, aligned, view.nbytes + start - aligned)
+    except (OSError, ValueError):
+        pass  # only a hint
+
+
+class _Queue:
+    """The blocks still to copy, handed out one at a time, and the bytes done so far."""
+
+    def __init__(self, blocks: list[_Block]):
+        self._blocks = blocks
+        self._next = 0
+        self._done = 0
+        self._stopped = False
+        self._lock = threading.Lock()
+
+    def take(self, finished: int) -> _Block | None:
+        with self._lock:
+            self._done += finished
+            if self._stopped or self._next == len(self._blocks):
+                return None
+            block = self._blocks[self._next]
+            self._next += 1
+            return block
+
+    def done_bytes(self) -> int:
+        with self._lock:
+            return self._done
+
+    def stop(self) -> None:
+        with self._lock:
+            self._stopped = True
+
+
+def _run_workers(runtime: Any, device_index: int, blocks: list[_Block], count: int, report: Progress, total: int) -> None:
+    queue = _Queue(blocks)
+    with ThreadPoolExecutor(max_workers=count, thread_name_prefix="cuda-runner-upload") as pool:
+        futures: list[Future[None]] = [pool.submit(_worker, runtime, device_index, queue) for _ in range(count)]
+        try:
+            while True:
+                finished, _ = wait(futures, timeout=0.1, return_when=FIRST_EXCEPTION)
+                report(queue.done_bytes(), total)
+                if len(finished) == len(futures) or any(future.exception() for future in finished):
+                    break
+        finally:
+            queue.stop()  # an error (or an interrupt) here: the others take no new block
+            for future in futures:
+                future.exception()  # each waited for: no copy is in flight once this returns
+    for future in futures:
+        future.result()  # the first error, re-raised
+    report(total, total)
+
+
+def _worker(runtime: Any, device_index: int, queue: _Queue) -> None:
+    runtime.setDevice(device_index)
+    stream = runtime.streamCreateWithFlags(_STREAM_NON_BLOCKING)
+    staging: _Staging | None = None
+    try:
+        finished = 0
+        while (block := queue.take(finished)) is not None:
+            if not _copy_registered(runtime, stream, block):
+                staging = staging or _Staging.allocate(runtime)
+                if staging is not None:
+                    staging.copy(stream, block)
+                else:  # no pinned memory either: the driver's own pageable copy
+                    for source, destination, nbytes in block.copies:
+                        runtime.memcpy(destination, source, nbytes, HOST_TO_DEVICE)
+            finished = block.nbytes
+    finally:
+        try:
+            runtime.streamSynchronize(stream)
+        finally:
+            runtime.streamDestroy(stream)
+            if staging is not None:
+                staging.free()
+
+
+def _copy_registered(runtime: Any, stream: int, block: _Block) -> bool:
+    """Register the block, DMA its copies straight from it, let it go; False where it cannot be registered."""
+    try:
+        runtime.hostRegister(block.start, block.end - block.start, HOST_REGISTER_READ_ONLY)
+    except runtime.CUDARuntimeError:
+        return False
+    try:
+        for source, destination, nbytes in block.copies:
+            runtime.memcpyAsync(destination, source, nbytes, HOST_TO_DEVICE, stream)
+        runtime.streamSynchronize(stream)  # the DMA has read the pages before they are let go
+    finally:
+        runtime.hostUnregister(block.start)
+    return True
+
+
+class _Staging:
+    """Two pinned slots of CHUNK_BYTES, filled in turn, each with the event of its last DMA."""
+
+    def __init__(self, runtime: Any):
+        self._runtime = runtime
+        self.slots: list[int] = []
+        self.events: list[int] = []
+        self._used = [False, False]
+        self._turn = 0
+
+    @classmethod
+    def allocate(cls, runtime: Any) -> _Staging | None:
+        """Two slots, or None where pinned memory cannot be had (a memlock limit)."""
+        staging = cls(runtime)
+        try:
+            for _ in range(2):
+                staging.slots.append(runtime.hostAlloc(CHUNK_BYTES, 0))
+                staging.events.append(runtime.eventCreateWithFlags(_EVENT_DISABLE_TIMING))
+        except runtime.CUDARuntimeError:
+            staging.free()
+            return None
+        return staging
+
+    def copy(self, stream: int, block: _Block) -> None:
+        runtime = self._runtime
+        for source, destination, nbytes in block.copies:
+            for offset in range(0, nbytes, CHUNK_BYTES):
+                size = min(CHUNK_BYTES, nbytes - offset)
+                turn = self._turn
+                if self._used[turn]:
+                    runtime.eventSynchronize(self.events[turn])  # its last DMA has read the slot
+                slot = np.ctypeslib.as_array((ctypes.c_uint8 * size).from_address(self.slots[turn]))
+                slot[...] = np.ctypeslib.as_array((ctypes.c_uint8 * size).from_address(source + offset))
+                runtime.memcpyAsync(destination + offset, self.slots[turn], size, HOST_TO_DEVICE, stream)
+                runtime.eventRecord(self.events[turn], stream)
+                self._used[turn] = True
+                self._turn = 1 - turn
+
+    def free(self) -> None:
+        for event in self.events:
+            self._runtime.eventDestroy(event)
+        for slot in self.slots:
+            self._runtime.freeHost(slot)
+        self.events, self.slots = [], []

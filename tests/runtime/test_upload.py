@@ -1,0 +1,236 @@
+"""The parallel weight upload (runtime/upload.py): the bookkeeping, with host
+memory standing in for the device (the real copies are tested on the GPU).
+
+The stand-in runtime checks what the driver would refuse or get wrong: two
+registrations that share a page, a copy from memory that is neither
+registered nor staged, registrations left behind. It runs a stream's queued
+copies only when something waits for them, as a busy copy engine may: an
+uploader that refilled a staging slot, or let a registration go, before its
+copy ran would upload the wrong bytes here."""
+
+from __future__ import annotations
+
+import ctypes
+import mmap
+import threading
+
+import numpy as np
+import pytest
+
+from cuda_runner.runtime import upload
+from cuda_runner.runtime.upload import PAGE, Upload, blocks_of, upload_all
+
+
+class DriverError(Exception):
+    pass
+
+
+class LazyRuntime:
+    CUDARuntimeError = DriverError
+
+    def __init__(self, register: bool = True, pinned: bool = True, fail_after: int | None = None):
+        self.lock = threading.Lock()
+        self.can_register, self.can_pin = register, pinned
+        self.registered: dict[int, int] = {}  # start -> end
+        self.registrations = 0
+        self.pinned: dict[int, ctypes.Array] = {}
+        self.streams: dict[int, list[tuple[int, int, int]]] = {}
+        self.done: dict[int, int] = {}
+        self.events: dict[int, tuple[int, int]] = {}
+        self.handles = 1
+        self.fail_after = fail_after
+        self.async_copies = 0
+        self.plain_copies = 0
+
+    def _handle(self) -> int:
+        with self.lock:
+            self.handles += 1
+            return self.handles
+
+    def setDevice(self, index):
+        pass
+
+    def hostRegister(self, start, size, flags):
+        assert flags == upload.HOST_REGISTER_READ_ONLY and start % PAGE == 0 and size % PAGE == 0
+        with self.lock:
+            if not self.can_register:
+                raise DriverError("cudaErrorNotSupported")
+            for other, end in self.registered.items():
+                assert start >= end or start + size <= other, "two registrations share a page"
+            self.registered[start] = start + size
+            self.registrations += 1
+
+    def hostUnregister(self, start):
+        with self.lock:
+            del self.registered[start]
+
+    def hostAlloc(self, size, flags):
+        with self.lock:
+            if not self.can_pin:
+                raise DriverError("cudaErrorMemoryAllocation")
+            buffer = (ctypes.c_uint8 * size)()
+            self.pinned[ctypes.addressof(buffer)] = buffer
+            return ctypes.addressof(buffer)
+
+    def freeHost(self, pointer):
+        with self.lock:
+            del self.pinned[pointer]
+
+    def eventCreateWithFlags(self, flags):
+        handle = self._handle()
+        self.events[handle] = (0, 0)
+        return handle
+
+    def eventDestroy(self, event):
+        del self.events[event]
+
+    def streamCreateWithFlags(self, flags):
+        handle = self._handle()
+        with self.lock:
+            self.streams[handle], self.done[handle] = [], 0
+        return handle
+
+    def streamDestroy(self, stream):
+        with self.lock:
+            assert self.done[stream] == len(self.streams[stream]), "a stream destroyed with copies still queued"
+            del self.streams[stream]
+
+    def _readable(self, source, size) -> bool:
+        inside = lambda start, end: start <= source and source + size <= end  # noqa: E731
+        return any(inside(start, end) for start, end in self.registered.items()) or any(
+            inside(pointer, pointer + len(buffer)) for pointer, buffer in self.pinned.items())
+
+    def memcpyAsync(self, destination, source, size, kind, stream):
+        with self.lock:
+            self.async_copies += 1
+            if self.fail_after is not None and self.async_copies > self.fail_after:
+                raise DriverError("cudaErrorIllegalAddress")
+            assert self._readable(source, size), "an asynchronous copy from memory that is not pinned"
+            self.streams[stream].append((destination, source, size))
+
+    def memcpy(self, destination, source, size, kind):
+        self.plain_copies += 1
+        ctypes.memmove(destination, source, size)
+
+    def eventRecord(self, event, stream):
+        with self.lock:
+            self.events[event] = (stream, len(self.streams[stream]))
+
+    def _run(self, stream, upto):
+        with self.lock:
+            queue = self.streams[stream]
+            while self.done[stream] < upto:
+                destination, source, size = queue[self.done[stream]]
+                assert self._readable(source, size), "a registration let go, or a slot freed, before its copy ran"
+                ctypes.memmove(destination, source, size)
+                self.done[stream] += 1
+
+    def eventSynchronize(self, event):
+        stream, upto = self.events[event]
+        if stream:
+            self._run(stream, upto)
+
+    def streamSynchronize(self, stream):
+        self._run(stream, len(self.streams[stream]))
+
+    def clean(self) -> bool:
+        return not self.registered and not self.pinned and not self.events and not self.streams
+
+
+@pytest.fixture
+def small_blocks(monkeypatch):
+    monkeypatch.setattr(upload, "BLOCK_BYTES", 4 * PAGE)
+    monkeypatch.setattr(upload, "CHUNK_BYTES", 3000)
+    monkeypatch.setattr(upload, "PIPELINE_MIN_BYTES", 8192)
+
+
+class Mapped:
+    """A file mapped as the bundle reader maps it, cut into segments (with gaps) of these sizes."""
+
+    def __init__(self, tmp_path, sizes: list[int], gap: int = 100):
+        rng = np.random.default_rng(sum(sizes))
+        self.blobs = [rng.integers(0, 256, size, dtype=np.uint8).tobytes() for size in sizes]
+        path = tmp_path / "weights.bin"
+        path.write_bytes(b"".join(blob + bytes(gap) for blob in self.blobs))
+        with path.open("rb") as handle:
+            self.mapping = mmap.mmap(handle.fileno(), 0, access=mmap.ACCESS_READ)
+        self.views, offset = [], 0
+        for size in sizes:
+            self.views.append(memoryview(self.mapping)[offset:offset + size])
+            offset += size + gap
+        self.targets = [(ctypes.c_uint8 * max(1, size))() for size in sizes]
+        self.uploads = [Upload(view, ctypes.addressof(target)) for view, target in zip(self.views, self.targets)]
+
+    def arrived(self) -> bool:
+        return all(bytes(target)[:len(blob)] == blob for blob, target in zip(self.blobs, self.targets))
+
+    def close(self) -> None:
+        self.uploads = []
+        for view in self.views:
+            view.release()
+        self.mapping.close()
+
+
+SIZES = [1, PAGE - 1, PAGE, 3 * PAGE + 5, 50_000, 0, 123_457]
+
+
+@pytest.mark.parametrize("threads", [2, 3])
+def test_every_byte_arrives_from_registered_blocks(tmp_path, small_blocks, threads):
+    mapped = Mapped(tmp_path, SIZES)
+    runtime = LazyRuntime()
+    heard: list[tuple[int, int]] = []
+    upload_all(runtime, 0, mapped.uploads, lambda done, total: heard.append((done, total)), threads=threads)
+    assert mapped.arrived()
+    assert runtime.registrations > 3 and runtime.clean()  # every registration let go, every stream destroyed
+    total = sum(SIZES)
+    assert heard[0] == (0, total) and heard[-1] == (total, total)
+    assert [done for done, _ in heard] == sorted(done for done, _ in heard)
+    mapped.close()
+
+
+def test_blocks_cover_each_byte_once_and_share_no_page(tmp_path):
+    mapped = Mapped(tmp_path, SIZES, gap=3 * PAGE)  # far enough apart to be extents of their own
+    blocks = blocks_of(mapped.uploads, block_bytes=2 * PAGE)
+    pages = [page for block in blocks for page in range(block.start, block.end, PAGE)]
+    assert len(pages) == len(set(pages))
+    assert all(block.start % PAGE == 0 and block.end % PAGE == 0 and block.end - block.start <= 2 * PAGE for block in blocks)
+    covered = sorted((destination, size) for block in blocks for _, destination, size in block.copies)
+    for upload_, size in zip(mapped.uploads, SIZES):
+        mine = [(destination, length) for destination, length in covered if upload_.destination <= destination < upload_.destination + max(size, 1)]
+        assert sum(length for _, length in mine) == size
+    mapped.close()
+
+
+def test_a_block_that_cannot_be_registered_is_staged(tmp_path, small_blocks):
+    mapped = Mapped(tmp_path, SIZES)
+    runtime = LazyRuntime(register=False)
+    upload_all(runtime, 0, mapped.uploads, threads=2)
+    assert mapped.arrived() and runtime.clean() and runtime.async_copies > 10
+    mapped.close()
+
+
+def test_without_registration_or_pinned_memory_the_copies_are_plain(tmp_path, small_blocks):
+    mapped = Mapped(tmp_path, SIZES)
+    runtime = LazyRuntime(register=False, pinned=False)
+    upload_all(runtime, 0, mapped.uploads, threads=2)
+    assert mapped.arrived() and runtime.clean() and runtime.async_copies == 0 and runtime.plain_copies > 0
+    mapped.close()
+
+
+def test_a_small_total_is_copied_plainly(tmp_path, small_blocks):
+    mapped = Mapped(tmp_path, [3000, 2000])
+    runtime = LazyRuntime()
+    upload_all(runtime, 0, mapped.uploads, threads=4)
+    assert mapped.arrived() and runtime.plain_copies == 2 and runtime.registrations == 0
+    mapped.close()
+
+
+def test_a_failed_copy_is_raised_after_every_thread_has_stopped(tmp_path, small_blocks):
+    mapped = Mapped(tmp_path, [200_000])
+    runtime = LazyRuntime(fail_after=7)
+    with pytest.raises(DriverError, match="IllegalAddress"):
+        upload_all(runtime, 0, mapped.uploads, threads=3)
+    assert runtime.async_copies < 7 + 3 + 1  # the others took no new block once one failed
+    assert runtime.clean()  # its registration let go too
+    assert not [thread for thread in threading.enumerate() if thread.name.startswith("cuda-runner-upload")]
+    mapped.close()
