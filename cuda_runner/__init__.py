@@ -14,7 +14,7 @@ that needs them is called.
 from __future__ import annotations
 
 import os
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING, Any
 
 from .errors import (
@@ -47,6 +47,7 @@ def load(
     data: str | os.PathLike[str] | None = None,
     trusted_keys: Iterable[str | os.PathLike[str]] | None = None,
     require_signature: bool = False,
+    progress: Callable[[str, int, int], None] | None = None,
     **option_fields: Any,
 ) -> Model:
     """Load a bundle's methods onto a device ("cpu", "cuda", "cuda:1"; None picks the bundle's).
@@ -63,10 +64,14 @@ def load(
 
     `trusted_keys` (public key files; CUDA_RUNNER_TRUSTED_KEYS adds more): the
     bundle must be signed by one of them (`<bundle>.sig`), checked before any
-    of its code loads. `require_signature` makes having no trusted key an error."""
+    of its code loads. `require_signature` makes having no trusted key an error.
+
+    `progress(method, done, total)` is called, on the loading thread, as each
+    method's weights go up (bytes), for a progress bar of a large model."""
     from .runtime.model import load_model
 
-    return load_model(path, device, _options(options, trusted_keys, require_signature, option_fields), methods=methods, data=data)
+    return load_model(path, device, _options(options, trusted_keys, require_signature, option_fields), methods=methods, data=data,
+                      progress=progress)
 
 
 def load_pool(

@@ -214,8 +214,8 @@ def _run_batch(bundle: str, folder: str, out_dir: str, out_format: str, method: 
         devices=devices, load=load, data=_path(data), batch_size=batch_size,
     )
     _quiet_warnings()
-    with _native_stderr(), _progress_bar("input sets") as advance:
-        result = run_batch(request, progress=advance)
+    with _native_stderr(), _progress_bar("input sets") as bars:
+        result = run_batch(request, progress=bars.advance, load_progress=bars.load)
     if json_output:
         _print_document(result.to_json())
     else:
@@ -566,8 +566,8 @@ def run_command(
         tolerances=parse.tolerances(atol, rtol, exact), allow_missing=allow_missing, load=load,
     )
     _quiet_warnings()
-    with _native_stderr():
-        result = run_bundle(request, progress=_progress)
+    with _native_stderr(), _progress_bar(None) as bars:
+        result = run_bundle(request, progress=_progress, load_progress=bars.load)
     from .render import comparison_lines, run_lines
 
     if json_output:
@@ -637,8 +637,8 @@ def bench_command(
         decode=None if steps is None else DecodeLoop(steps, prefill, prompt_length, position),
     )
     _quiet_warnings()
-    with _native_stderr(), _progress_bar("measuring") as advance:
-        result = benchmark(request, progress=advance)
+    with _native_stderr(), _progress_bar("measuring") as bars:
+        result = benchmark(request, progress=bars.advance, load_progress=bars.load)
     from .render import bench_lines
 
     if json_output:
@@ -655,20 +655,21 @@ def bench_command(
         raise typer.Exit(int(ExitCode.PERFORMANCE))
 
 
-def _progress_bar(label: str) -> Any:
-    """A progress bar on a terminal; a no-op callback elsewhere."""
+def _progress_bar(label: str | None) -> Any:
+    """Progress on a terminal (the command's task, a slow load's weights); does nothing elsewhere."""
+    from .progress import TerminalProgress
+
     if _State.quiet or not _Terminal.stderr().isatty():
-        return contextlib.nullcontext(lambda done, total: None)
-    from rich.console import Console
-    from rich.progress import Progress
+        return contextlib.nullcontext(_NoProgress())
+    return TerminalProgress(_Terminal.stderr(), label)
 
-    @contextlib.contextmanager
-    def bar() -> Iterator[Callable[[int, int], None]]:
-        with Progress(console=Console(file=_Terminal.stderr()), transient=True) as progress:
-            task = progress.add_task(label, total=None)
-            yield lambda done, total: progress.update(task, completed=done, total=total)
 
-    return bar()
+class _NoProgress:
+    def advance(self, done: int, total: int) -> None:
+        pass
+
+    def load(self, method: str, done: int, total: int) -> None:
+        pass
 
 
 @app.command("devices")

@@ -25,6 +25,7 @@ from ..format.manifest import MethodSpec
 from ..io.inputs import ArchiveFile, ArrayFile, GivenInputs, resolve_inputs
 from ..io.outputs import OutputPlan, output_filenames, safe_filename, write_outputs
 from ..report.schema import SCHEMAS
+from ..runtime.method import LoadProgress
 from ..runtime.model import load_model, load_pool
 from ..runtime.options import LoadOptions
 from ..verify.compare import Comparison, Tolerances, compare_outputs
@@ -248,7 +249,7 @@ def _reference(folder: Path, name: str, spec: MethodSpec) -> dict[str, Any]:
     return load_reference(source, [output.name for output in spec.outputs])
 
 
-def run_batch(request: BatchRequest, progress: Progress = lambda done, total: None) -> BatchResult:
+def run_batch(request: BatchRequest, progress: Progress = lambda done, total: None, load_progress: LoadProgress | None = None) -> BatchResult:
     if request.out_format not in ("npy", "npz"):
         raise InputError(f"unknown output format {request.out_format!r}; use npy or npz")
     sets = discover_sets(request.inputs)
@@ -278,7 +279,7 @@ def run_batch(request: BatchRequest, progress: Progress = lambda done, total: No
             device = ",".join(str(device) for device in pool.devices)
             load_timings = pool.models[0].load_timings(name)
     else:
-        with load_model(opened.reader, request.device, request.load, methods=[name], open_seconds=opened.seconds) as model:
+        with load_model(opened.reader, request.device, request.load, methods=[name], open_seconds=opened.seconds, progress=load_progress) as model:
             method = model.method(name)
             load_timings = model.load_timings(name)
             _make_out_dir(request.out_dir)

@@ -15,7 +15,7 @@ from ..errors import InputError
 from ..format.manifest import MethodSpec, TensorSpec, choose_method
 from ..io.inputs import InputPlan, RandomInputs, resolve_inputs
 from ..report.schema import SCHEMAS
-from ..runtime.method import Method
+from ..runtime.method import LoadProgress, Method
 from ..runtime.model import Model, load_model
 from ..runtime.options import LoadOptions
 from .running import open_for_run, prepare_inputs
@@ -226,7 +226,7 @@ def _timed(function: Callable[[], Any]) -> tuple[Any, float]:
     return value, time.perf_counter() - started
 
 
-def benchmark(request: BenchRequest, progress: Progress = lambda done, total: None) -> BenchResult:
+def benchmark(request: BenchRequest, progress: Progress = lambda done, total: None, load_progress: LoadProgress | None = None) -> BenchResult:
     opened = open_for_run(request.bundle, request.data, request.method, request.load.trusted_keys, request.device)
     decode = request.decode
     try:
@@ -243,7 +243,7 @@ def benchmark(request: BenchRequest, progress: Progress = lambda done, total: No
     except BaseException:
         opened.close()
         raise
-    with load_model(opened.reader, request.device, request.load, methods=names, open_seconds=opened.seconds) as model:
+    with load_model(opened.reader, request.device, request.load, methods=names, open_seconds=opened.seconds, progress=load_progress) as model:
         if decode is None:
             result = _measure(request, model, opened.method.name, inputs.arrays, progress)
         else:

@@ -26,6 +26,7 @@ from ..io.npy import NpzArchive, save_archive
 from ..io.outputs import OutputPlan, write_outputs
 from ..report.schema import SCHEMAS
 from ..report.stats import ArrayStats, array_stats
+from ..runtime.method import LoadProgress
 from ..runtime.model import load_model, prepare_device
 from ..runtime.options import LoadOptions
 from ..verify.compare import Comparison, Tolerances, compare_outputs
@@ -162,7 +163,7 @@ def prepare_inputs(reader: ModelReader, method: MethodSpec, plan: InputPlan) -> 
         return inputs, stored_sample_outputs(stored, method.name)
 
 
-def run_bundle(request: RunRequest, progress: Progress = lambda _: None) -> RunResult:
+def run_bundle(request: RunRequest, progress: Progress = lambda _: None, load_progress: LoadProgress | None = None) -> RunResult:
     request.outputs.check()
     opened = open_for_run(request.bundle, request.data, request.method, request.load.trusted_keys, request.device)
     method = opened.method
@@ -180,7 +181,7 @@ def run_bundle(request: RunRequest, progress: Progress = lambda _: None) -> RunR
         opened.close()
         raise
     options = request.load.with_fields(warm_up=False)
-    with load_model(opened.reader, request.device, options, methods=[method.name], open_seconds=opened.seconds) as model:
+    with load_model(opened.reader, request.device, options, methods=[method.name], open_seconds=opened.seconds, progress=load_progress) as model:
         loaded = model.method(method.name)
         load_timings = model.load_timings(method.name)
         progress(f"running {method.name!r} on {loaded.device}")
