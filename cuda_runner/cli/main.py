@@ -297,6 +297,9 @@ def compile_command(
         "An Inductor option, e.g. max_autotune=true (repeatable; recorded in the manifest)."))] = [],  # noqa: B006
     autotune: Annotated[bool, typer.Option("--autotune", help=(
         "Let Inductor benchmark its kernel choices on this machine (max_autotune, coordinate_descent_tuning); compiles take longer."))] = False,
+    quick: Annotated[bool, typer.Option("--quick", help=(
+        "Compile sooner, run slower: one Triton configuration per GEMM and convolution instead of benchmarking several "
+        "(single-token methods keep their matrix-vector kernels). docs/benchmarks.md has what it costs."))] = False,
     call_helper: CallHelperOption = True,
     cpu_target: Annotated[str, typer.Option("--cpu-target", metavar="TARGET", help=(
         "CPU bundles: portable (the widest of the levels below this CPU has), native (this CPU: -march=native and its best "
@@ -321,6 +324,8 @@ def compile_command(
         raise parse.UsageError("give a PROGRAM.pt2 or at least one --method NAME=PROGRAM.pt2")
     if standalone and libtorch:
         raise parse.UsageError("--standalone and --libtorch ask for opposite builds; give one")
+    if quick and autotune:
+        raise parse.UsageError("--quick and --autotune ask for opposite amounts of tuning; give one")
     metadata = parse.key_values(meta, "--meta")
     parse_device(device)
     samples = {}
@@ -347,7 +352,7 @@ def compile_command(
     # In a process group of its own, so that a signal ends the C++ compilers too (compile/isolated.py).
     with _native_stderr():
         methods = compile_in_process_group(report, programs=programs, output=output, device=device, metadata=metadata, sample_inputs=arrays,
-                                           options=parse.option_values(option, autotune), call_helper=call_helper, cpu_target=cpu_target,
+                                           options=parse.option_values(option, autotune, quick), call_helper=call_helper, cpu_target=cpu_target,
                                            runtime="standalone" if standalone else "libtorch" if libtorch else "auto", share_weights=share_weights)
     signed = _sign(output, sign_key)
     if not _State.quiet:

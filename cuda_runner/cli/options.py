@@ -129,14 +129,14 @@ def key_values(items: Sequence[str], option: str) -> dict[str, str]:
     return result
 
 
-def option_values(items: Sequence[str], autotune: bool) -> dict[str, object]:
+def option_values(items: Sequence[str], autotune: bool, quick: bool = False) -> dict[str, object]:
     """--option KEY=VALUE values typed as written (true/false, numbers, JSON
-    lists and objects, else text), on top of the --autotune preset."""
+    lists and objects, else text), on top of the --autotune or --quick preset."""
     import json
 
-    from ..compile.aot import AUTOTUNE_OPTIONS
+    from ..compile.aot import AUTOTUNE_OPTIONS, QUICK_OPTIONS
 
-    values: dict[str, object] = dict(AUTOTUNE_OPTIONS) if autotune else {}
+    values: dict[str, object] = dict(AUTOTUNE_OPTIONS) if autotune else dict(QUICK_OPTIONS) if quick else {}
     for key, text in key_values(items, "--option").items():
         lowered = text.strip().lower()
         if lowered in ("true", "false"):

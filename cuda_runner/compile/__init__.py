@@ -27,6 +27,7 @@ from .aot import (
     DEFAULT_CPU_TARGET,
     NO_GPU,
     RUNTIMES,
+    CompiledLibrary,
     Progress,
     check_cpu_target,
     check_device,
@@ -35,6 +36,7 @@ from .aot import (
     import_torch,
     torch_talking_to_itself,
 )
+from .check import NotChecked, disagreement
 from .signature import dim_names_from_dynamic_shapes, program_signature
 
 __all__ = ["MethodSource", "check_programs", "compile_methods", "compile_module", "compile_programs", "export_method", "export_module"]
@@ -417,8 +419,34 @@ def _compile_method(
         # and nothing was kept between calls (torch's own aoti_load_package too).
         options = {**options, "joint_graph_constant_folding": False}
     compiled = compile_program(program, args, kwargs, device, progress, options, cpu_target, runtime)
+    spec, segments = _method_spec(torch, method, signature, compiled, written, device)
+    if _got_single_row_rule(compiled, options):
+        progress(f"checking {method!r} against eager PyTorch on its example inputs")
+        try:
+            problem = disagreement(torch, program, spec, segments, args, kwargs, device, None if written is None else written.buffers)
+        except NotChecked as reason:
+            warn(f"method {method!r}: compiled with coordinate-descent tuning and not checked against eager here ({reason})")
+            problem = None
+        if problem is not None:
+            warn(f"method {method!r}: compiled with coordinate-descent tuning (matrix-vector kernels), its library disagreed "
+                 f"with eager PyTorch on the example inputs ({problem}); compiled again without it")
+            compiled = compile_program(program, args, kwargs, device, progress, {**options, "coordinate_descent_tuning": False}, cpu_target, runtime)
+            spec, segments = _method_spec(torch, method, signature, compiled, written, device)
+            spec = dataclasses.replace(spec, compile_options={**spec.compile_options, "coordinate_descent_disagreed": problem})
     if compiled.note:
         warn(f"method {method!r}: {compiled.note}")
+    if source.sample_inputs is not None:
+        from .samples import sample_segments
+
+        progress(f"computing eager reference outputs for {method!r}'s samples")
+        spec, sample_data = sample_segments(torch, program, spec, source.sample_inputs, device)
+        segments.update(sample_data)
+    return spec, segments, program
+
+
+def _method_spec(torch: Any, method: str, signature: Any, compiled: CompiledLibrary, written: _WrittenState | None, device: str,
+                 ) -> tuple[MethodSpec, dict[str, Any]]:
+    """The spec of a method compiled into `compiled`, and its library and weights segments."""
     if written is not None:
         written = _with_library_buffers(written, compiled.library, device)
     segments: dict[str, Any] = {f"{method}_so_blob": compiled.library, f"{method}_weights_blob": compiled.weights}
@@ -436,13 +464,12 @@ def _compile_method(
             **({} if written is None else written.options()),
         },
     )
-    if source.sample_inputs is not None:
-        from .samples import sample_segments
+    return spec, segments
 
-        progress(f"computing eager reference outputs for {method!r}'s samples")
-        spec, sample_data = sample_segments(torch, program, spec, source.sample_inputs, device)
-        segments.update(sample_data)
-    return spec, segments, program
+
+def _got_single_row_rule(compiled: CompiledLibrary, options: Mapping[str, Any]) -> bool:
+    """Whether coordinate-descent tuning came from the single-row rule (a CUDA method), not from the caller."""
+    return compiled.device.type == "cuda" and bool(compiled.options.get("coordinate_descent_tuning")) and "coordinate_descent_tuning" not in options
 
 
 def _example_inputs(program: Any, device: str) -> tuple[tuple, dict]:

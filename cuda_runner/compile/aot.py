@@ -53,6 +53,21 @@ STANDALONE_CUDA_OPTIONS: dict[str, Any] = {
     "max_autotune": True, "max_autotune_gemm_backends": "TRITON", "max_autotune_conv_backends": "TRITON",
 }
 
+# A CUDA method that multiplies a single row (a decode step: one token through
+# every Linear) is compiled with coordinate-descent tuning on. With it,
+# Inductor lowers each such product as a reduction over the weight's rows, a
+# matrix-vector kernel it fuses with its neighbours and tunes to the memory
+# bandwidth, instead of a GEMM template made for tiles of many rows
+# (docs/benchmarks.md, "A 1B-parameter Llama-shaped decoder").
+SINGLE_ROW_OPTIONS: dict[str, Any] = {"coordinate_descent_tuning": True}
+
+# `compile --quick`: less autotuning, for a standalone library sooner: one
+# Triton configuration per GEMM and convolution (Inductor's first heuristic
+# choice, so most are not benchmarked at all). Single-row methods keep their
+# matrix-vector kernels: without them a decode step of the 1B decoder took
+# 11.5 ms instead of 1.5 (docs/benchmarks.md has what --quick costs).
+QUICK_OPTIONS: dict[str, Any] = {"test_configs.max_mm_configs": 1}
+
 # What the runtime relies on: a user option may not change these.
 _PROTECTED_OPTIONS = frozenset(SELF_CONTAINED_OPTIONS) | {"aot_inductor.output_path", "cpp.cxx", "aot_inductor.check_lowerbound"}
 
@@ -198,6 +213,39 @@ def compile_program(
     return dataclasses.replace(compiled, note=f"compiled bound to libtorch: {refusal}; {LIBTORCH_COST}")
 
 
+# The ATen matrix products, and which argument is their left operand.
+_PRODUCTS = {"mm": 0, "addmm": 1, "linear": 0, "bmm": 0, "baddbmm": 1, "matmul": 0}
+
+
+def single_row_products(program: Any) -> int:
+    """How many matrix products of an ExportedProgram multiply exactly one row,
+    statically: the products Inductor can lower as matrix-vector kernels. A
+    linear's input [..., K] is one row when every leading dim is 1; the left
+    operand [..., M, K] of the others when M is 1 (per batch, for bmm)."""
+    count = 0
+    for node in program.graph.nodes:
+        if node.op != "call_function":
+            continue
+        name = str(getattr(node.target, "__name__", "")).split(".")[0]
+        operand = _PRODUCTS.get(name)
+        if operand is None or len(node.args) <= operand:
+            continue
+        value = getattr(node.args[operand], "meta", {}).get("val")
+        shape = tuple(getattr(value, "shape", ()))
+        count += _one_row(name, shape)
+    return count
+
+
+def _one_row(product: str, shape: tuple[Any, ...]) -> bool:
+    if product == "linear":
+        return len(shape) >= 1 and all(_is_one(size) for size in shape[:-1])
+    return len(shape) >= 2 and _is_one(shape[-2])
+
+
+def _is_one(size: Any) -> bool:
+    return isinstance(size, int) and size == 1
+
+
 def standalone_refusal(library: bytes) -> str | None:
     """Why a compiled library cannot run on cuda-runner's shim alone, or None."""
     from ..runtime.providers import own_shim_refusal
@@ -211,7 +259,9 @@ def _compile_once(
 ) -> CompiledLibrary:
     torch = import_torch()
     work_dir = Path(tempfile.mkdtemp(prefix="cuda-runner-compile-"))
-    profile = STANDALONE_CUDA_OPTIONS if standalone and device != "cpu" else {}
+    profile = dict(STANDALONE_CUDA_OPTIONS) if standalone and device != "cpu" else {}
+    if device != "cpu" and single_row_products(program):
+        profile.update(SINGLE_ROW_OPTIONS)
     options = {**profile, **(user_options or {}), **SELF_CONTAINED_OPTIONS, "aot_inductor.output_path": str(work_dir)}
     cpu_build: _CpuBuild | None = None
     isa_pin = contextlib.ExitStack()  # holds Inductor to the level's plain ISA until the compile ends

@@ -20,7 +20,7 @@ def _to_torch(torch: Any, array: np.ndarray, device: str) -> Any:
     return torch.from_numpy(array).to(device)
 
 
-def _to_numpy(torch: Any, tensor: Any) -> np.ndarray:
+def to_numpy(torch: Any, tensor: Any) -> np.ndarray:
     import ml_dtypes
 
     tensor = tensor.detach().cpu().contiguous()
@@ -38,7 +38,7 @@ def sample_segments(torch: Any, program: Any, spec: MethodSpec, samples: Mapping
     args, kwargs = pytree.tree_unflatten(flat, program.call_spec.in_spec)
     with torch.no_grad():
         result = program.module()(*args, **kwargs)
-    outputs = {output_spec.name: _to_numpy(torch, value) for output_spec, value in zip(spec.outputs, pytree.tree_leaves(result))}
+    outputs = {output_spec.name: to_numpy(torch, value) for output_spec, value in zip(spec.outputs, pytree.tree_leaves(result))}
     names = (f"{spec.name}_sample_inputs", f"{spec.name}_sample_outputs")
     spec = replace(spec, sample_inputs_segment=names[0], sample_outputs_segment=names[1])
     return spec, {names[0]: archive_bytes(inputs), names[1]: archive_bytes(outputs)}

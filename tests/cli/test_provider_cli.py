@@ -10,6 +10,7 @@ import sys
 import pytest
 from helpers import cli, run_cli
 
+from cuda_runner.format.bundle import read_manifest
 from cuda_runner.runtime.providers import own_shim_path
 
 pytestmark = pytest.mark.skipif(own_shim_path() is None, reason="the shim is built by pip install (scripts/test.sh)")
@@ -73,11 +74,19 @@ def test_compile_standalone_for_cpu_writes_a_bundle_that_runs_without_torch(tmp_
     program = tmp_path / "m.pt2"
     torch.export.save(torch.export.export(module, (torch.randn(2, 8),)), program)
     bundle = tmp_path / "m.bundle"
-    compiled = run_cli("compile", str(program), "--standalone", "-o", str(bundle))
+    compiled = run_cli("compile", str(program), "--standalone", "--quick", "-o", str(bundle))
     assert compiled.returncode == 0, compiled.stderr
     result = run_cli("run", str(bundle), "--random-inputs", "--provider", "shim", "--json", env=no_torch_env)
     assert result.returncode == 0, result.stderr
     assert json.loads(result.stdout)["outputs"]
+    # --quick's preset is what the library was built with, and the manifest says so.
+    options = read_manifest(bundle).methods["forward"].compile_options
+    assert options["test_configs.max_mm_configs"] == 1 and options["standalone"] is True
+
+
+def test_quick_and_autotune_are_refused_together(tmp_path):
+    result = cli("compile", str(tmp_path / "m.pt2"), "--quick", "--autotune", "-o", str(tmp_path / "m.bundle"))
+    assert result.returncode == 2 and "--quick and --autotune" in result.stderr
 
 
 VERSIONED = """

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from cuda_runner.cli.options import option_values
-from cuda_runner.compile.aot import AUTOTUNE_OPTIONS, check_options
+from cuda_runner.compile.aot import AUTOTUNE_OPTIONS, QUICK_OPTIONS, check_options, single_row_products
 from cuda_runner.errors import InputError
 from cuda_runner.format import read_manifest
 
@@ -42,3 +42,38 @@ def test_options_reach_the_manifest(compiled):
     options = read_manifest(compiled("linear", "cpu").path).methods["forward"].compile_options
     assert options["coordinate_descent_tuning"] is True
     assert options["aot_inductor.link_libtorch"] is False and options["mutated_buffers"] == []
+
+
+def test_the_quick_preset_is_known_to_inductor_and_loses_to_an_explicit_option():
+    import torch
+
+    assert option_values([], autotune=False, quick=True) == QUICK_OPTIONS
+    assert check_options(torch, QUICK_OPTIONS) == QUICK_OPTIONS
+    assert option_values(["test_configs.max_mm_configs=4"], autotune=False, quick=True)["test_configs.max_mm_configs"] == 4
+
+
+@pytest.mark.parametrize(
+    ("tokens", "dynamic", "expected"),
+    [
+        ((1, 1), False, 3),   # one token: both projections, and the bmm of one query row
+        ((1, 5), False, 0),   # five tokens
+        ((3, 1), False, 1),   # three single tokens: three rows for the projections, one per batch for the bmm
+        ((1, 5), True, 0),    # a prompt of dynamic length is not known to be one row
+    ],
+)
+def test_single_row_products_are_what_a_decode_step_multiplies(tokens, dynamic, expected):
+    import torch
+
+    class Step(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.up, self.down = torch.nn.Linear(8, 16), torch.nn.Linear(16, 8)
+
+        def forward(self, x: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
+            hidden = self.down(torch.relu(self.up(x)))
+            return torch.bmm(hidden, keys.transpose(1, 2))
+
+    x = torch.randn(*tokens, 8)
+    shapes = {"x": {1: torch.export.Dim("length", min=2, max=64)}, "keys": None} if dynamic else None
+    program = torch.export.export(Step(), (x, torch.randn(tokens[0], 4, 8)), dynamic_shapes=shapes)
+    assert single_row_products(program) == expected
