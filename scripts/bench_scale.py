@@ -1,31 +1,41 @@
 #!/usr/bin/env python3
 """Models at the sizes users ship, on one GPU (docs/benchmarks.md, "NVIDIA H200").
 
-Stages (each writes WORK/<stage>.json and prints it; later stages reuse what
-earlier ones left in WORK, so a second call on a warm machine can continue):
+Stages (each writes OUT/scale-<stage>.json as soon as it ends and prints it;
+later stages use what earlier ones left in WORK):
 
   compile  the 1B Llama-shaped decoder of scripts/scale_models.py (bf16,
            random weights made on the GPU from a fixed seed, never carried),
-           prefill and decode sharing weights and cache, compiled twice in
-           parallel processes: the default (standalone) and --libtorch; the
-           compile time of each.
-  check    each bundle against eager: a prefill of 32 tokens, 128 decode steps
+           `prefill` and `decode` sharing weights and KV cache, compiled in
+           parallel processes three ways: the default, --libtorch and --quick;
+           beside them torch's own AOTI package of the decode program and,
+           where the executorch package is installed, the same two methods
+           exported with ExecuTorch's CUDA backend (.pte + .ptd). The compile
+           time of each (they share the machine's 16 cores: side by side).
+  check    each build against eager: a prefill of 32 tokens, 128 decode steps
            fed eager's greedy tokens, logits compared at every step; then
-           reset_state and a second prompt. Load time and rate of the weights,
-           GPU memory at its peak against weights + KV cache.
-  decode   per decode step, in one process: cuda-runner (default and
-           --libtorch bundles, with and without --cuda-graph, Method.run on
-           host arrays as `bench --steps` drives it), eager PyTorch,
-           torch.compile(mode="reduce-overhead"), torch's aoti_load_package of
-           the same decode program, and the HBM floor (weight bytes / 4.8 TB/s);
-           a CUPTI kernel profile of the fastest cuda-runner path; and
+           reset_state and a second prompt. Peak GPU memory against weights +
+           KV cache.
+  load     the default bundle's load, warm page cache and cold (the file's
+           pages dropped with posix_fadvise), against a plain read of the file.
+  decode   per decode step, in one process: every build and the ExecuTorch
+           program (host arrays, with and without --cuda-graph; device arrays),
+           eager PyTorch, torch.compile(mode="reduce-overhead"), torch's
+           aoti_load_package of the decode program, and the HBM floor (bytes a
+           step must read / 4.8 TB/s); a CUPTI kernel profile; and
            `cuda-runner bench --steps` through the CLI.
-  big      ViT-B/16 (224x224), ResNet-50 and a Whisper-base-shaped encoder-decoder
-           (30 s of log-mel, decoder steps with its cache): compiled, run
-           through the CLI with --expected against eager, and timed against
-           eager and torch.compile; the CLI's copies and checks as a share of a call.
+  whisper  Whisper-base's decoder alone, built three ways (the default, --libtorch,
+           no coordinate descent), each stepped against eager on eager's
+           encoding of the same audio: the error of every step.
+  big      ViT-B/16 (224x224), ResNet-50 and a Whisper-base-shaped
+           encoder-decoder (30 s of log-mel, decoder steps with its cache):
+           compiled side by side (ResNet-50 also --quick), run through the CLI
+           with --expected against eager, Whisper's decoder stepped against
+           eager, and timed against eager and torch.compile; the CLI's copies
+           and checks as a share of a call.
 
-    python3 scripts/bench_scale.py --stages compile,check,decode --work /tmp/scale --out $OUT
+    python3 scripts/bench_scale.py --stages compile,check,load,decode --work /tmp/scale --out $OUT
+    python3 scripts/bench_scale.py --size tiny --device cpu --stages compile,check,load,decode   # a quick dry run
 """
 
 from __future__ import annotations
@@ -33,6 +43,7 @@ from __future__ import annotations
 import argparse
 import copy
 import json
+import os
 import statistics
 import subprocess
 import sys
@@ -49,7 +60,18 @@ sys.path.insert(0, str(ROOT))
 import scale_models  # noqa: E402
 
 HBM_BYTES_PER_S = 4.8e12  # H200
-PROMPT, STEPS = 32, 128
+# What the run sets (--size, --device); the compile subprocesses get them as arguments.
+SIZES = {"1b": scale_models.LLAMA_1B, "tiny": scale_models.LLAMA_TINY}
+SETTINGS: dict[str, Any] = {"size": "1b", "device": "cuda", "prompt": 32, "steps": 128, "builds": ["default", "libtorch", "quick", "executorch"],
+                            "peers": True}
+# The builds of the decoder: compile_methods keywords beyond the common ones.
+BUILDS: dict[str, dict[str, Any]] = {
+    "default": {"runtime": "auto"},
+    "libtorch": {"runtime": "libtorch"},
+    "quick": {"runtime": "auto", "options": "QUICK_OPTIONS"},
+}
+LABELS = {"default": "default bundle", "libtorch": "--libtorch bundle", "quick": "--quick bundle", "executorch": "ExecuTorch 1.5 program"}
+COMPILE_TIMEOUT_S = float(os.environ.get("BENCH_SCALE_COMPILE_TIMEOUT", "480"))  # each side-by-side batch of compiles
 
 
 def log(message: str) -> None:
@@ -63,50 +85,182 @@ def summary(samples: list[float]) -> dict[str, float]:
             "p99_ms": round(pick(0.99) * 1e3, 4), "n": len(ordered)}
 
 
-def build_llama(config=scale_models.LLAMA_1B):
+def config() -> scale_models.LlamaConfig:
+    return SIZES[SETTINGS["size"]]
+
+
+def cuda() -> bool:
+    return SETTINGS["device"] == "cuda"
+
+
+def synchronize() -> None:
+    if cuda():
+        import torch
+
+        torch.cuda.synchronize()
+
+
+def build_llama():
     import torch
 
     torch.manual_seed(0)
-    with torch.device("cuda"):
-        module = scale_models.LlamaDecoder(config).eval()
+    with torch.device(SETTINGS["device"]):
+        module = scale_models.LlamaDecoder(config()).eval()
     return module
 
 
-# ---------------------------------------------------------------------------
-# compile
+def artifact(work: Path, build: str) -> Path:
+    """Where a build lives: a bundle, or the ExecuTorch program's .pte (its .ptd beside it)."""
+    return work / "et" / "model.pte" if build == "executorch" else work / f"llama-{build}.bundle"
 
-COMPILE_ONE = """
+
+# ---------------------------------------------------------------------------
+# compile: every build in a process of its own, side by side
+
+COMPILE_BUNDLE = """
 import sys, time, json
 sys.path.insert(0, {scripts!r}); sys.path.insert(0, {root!r})
 import bench_scale, scale_models, cuda_runner
+from cuda_runner.compile import aot
+bench_scale.SETTINGS.update({settings!r})
 module = bench_scale.build_llama()
+options = getattr(aot, {options!r}) if {options!r} else None
 notes = []
 started = time.perf_counter()
-cuda_runner.compile_methods(module, scale_models.llama_examples(module.config, bench_scale.PROMPT, "cuda"), {path!r}, device="cuda",
-                            dynamic_shapes=scale_models.llama_dynamic_shapes(module.config), runtime={runtime!r}, warn=notes.append,
-                            progress=lambda m: print(m, file=sys.stderr, flush=True))
-print(json.dumps({{"seconds": round(time.perf_counter() - started, 1), "notes": notes}}))
+manifest = cuda_runner.compile_methods(module, scale_models.llama_examples(module.config, bench_scale.SETTINGS["prompt"], {device!r}), {path!r},
+                                       device={device!r}, dynamic_shapes=scale_models.llama_dynamic_shapes(module.config), runtime={runtime!r},
+                                       options=options, warn=notes.append, progress=lambda m: print(m, file=sys.stderr, flush=True))
+seconds = round(time.perf_counter() - started, 1)
+built = {{name: {{"standalone": bool(spec.compile_options.get("standalone")), "libtorch_because": spec.compile_options.get("libtorch_because"),
+                 "coordinate_descent_tuning": spec.compile_options.get("coordinate_descent_tuning", False),
+                 "coordinate_descent_disagreed": spec.compile_options.get("coordinate_descent_disagreed")}}
+          for name, spec in manifest.methods.items()}}
+print(json.dumps({{"seconds": seconds, "notes": notes, "methods": built}}))
+"""
+
+COMPILE_TORCH_PACKAGE = """
+import sys, time, json
+sys.path.insert(0, {scripts!r}); sys.path.insert(0, {root!r})
+import torch, bench_scale
+from torch._inductor import aoti_compile_and_package
+bench_scale.SETTINGS.update({settings!r})
+module = bench_scale.build_llama()
+started = time.perf_counter()
+program = torch.export.export(bench_scale.method_of(module, "decode"), *bench_scale.decode_example())
+aoti_compile_and_package(program, package_path={path!r})
+print(json.dumps({{"seconds": round(time.perf_counter() - started, 1)}}))
+"""
+
+COMPILE_EXECUTORCH = """
+import sys, time, json
+sys.path.insert(0, {scripts!r}); sys.path.insert(0, {root!r})
+import bench_scale
+bench_scale.SETTINGS.update({settings!r})
+print(json.dumps(bench_scale.export_executorch({folder!r})))
 """
 
 
+def method_of(module, name: str):
+    """One method of the decoder as a module's forward (what torch.export and ExecuTorch export)."""
+    import torch
+
+    class Method(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.model = module  # the same FQNs in every method: ExecuTorch shares weights and cache by FQN
+
+        def forward(self, tokens, input_pos):
+            return getattr(self.model, name)(tokens, input_pos)
+
+    return Method()
+
+
+def decode_example() -> tuple[tuple[Any, ...]]:
+    import torch
+
+    device = SETTINGS["device"]
+    return ((torch.tensor([[1]], device=device), torch.tensor([SETTINGS["prompt"]], device=device)),)
+
+
+def export_executorch(folder: str) -> dict[str, Any]:
+    """prefill and decode exported with ExecuTorch's CUDA backend into one program (.pte + .ptd)."""
+    import torch
+    from executorch.backends.cuda.cuda_backend import CudaBackend
+    from executorch.backends.cuda.cuda_partitioner import CudaPartitioner
+    from executorch.exir import EdgeCompileConfig, to_edge_transform_and_lower
+
+    # Made on the GPU (the same random weights as every other build), exported
+    # from the CPU as ExecuTorch's exports are: its backend moves the program to the GPU.
+    module = build_llama().cpu()
+    examples = scale_models.llama_examples(module.config, SETTINGS["prompt"], "cpu")
+    shapes = scale_models.llama_dynamic_shapes(module.config)
+    started = time.perf_counter()
+    programs = {name: torch.export.export(method_of(module, name), examples[name], dynamic_shapes=shapes[name]) for name in ("prefill", "decode")}
+    exported = time.perf_counter() - started
+    edge = to_edge_transform_and_lower(
+        programs,
+        partitioner={name: [CudaPartitioner([CudaBackend.generate_method_name_compile_spec(name)])] for name in programs},
+        compile_config=EdgeCompileConfig(_check_ir_validity=False, _skip_dim_order=True),
+    )
+    manager = edge.to_executorch()
+    os.makedirs(folder, exist_ok=True)
+    with open(os.path.join(folder, "model.pte"), "wb") as handle:
+        manager.write_to_file(handle)
+    manager.write_tensor_data_to_file(folder)
+    from importlib.metadata import version
+
+    files = {name: os.path.getsize(os.path.join(folder, name)) for name in sorted(os.listdir(folder))}
+    return {"seconds": round(time.perf_counter() - started, 1), "export_s": round(exported, 1), "executorch": version("executorch"), "files": files}
+
+
+def _has_executorch() -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec("executorch") is not None
+
+
 def stage_compile(work: Path) -> dict[str, Any]:
-    jobs = {}
-    for runtime in ("auto", "libtorch"):
-        path = work / f"llama1b-{runtime}.bundle"
-        code = COMPILE_ONE.format(scripts=str(ROOT / "scripts"), root=str(ROOT), path=str(path), runtime=runtime)
-        log_file = open(work / f"compile-{runtime}.log", "w")  # noqa: SIM115  (closed when the process is waited for)
-        jobs[runtime] = (subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=log_file, text=True), log_file, time.perf_counter())
-    results = {}
-    for runtime, (process, log_file, started) in jobs.items():
-        out, _ = process.communicate()
+    common = {"scripts": str(ROOT / "scripts"), "root": str(ROOT), "settings": dict(SETTINGS)}
+    jobs: dict[str, str] = {}
+    for build, keywords in BUILDS.items():
+        if build not in SETTINGS["builds"]:
+            continue
+        path = artifact(work, build)
+        path.unlink(missing_ok=True)
+        jobs[build] = COMPILE_BUNDLE.format(**common, path=str(path), device=SETTINGS["device"], runtime=keywords["runtime"],
+                                            options=keywords.get("options", ""))
+    if cuda() and SETTINGS["peers"]:
+        jobs["torch package"] = COMPILE_TORCH_PACKAGE.format(**common, path=str(work / "decode.pt2"))
+    if cuda() and "executorch" in SETTINGS["builds"] and _has_executorch():
+        jobs["executorch"] = COMPILE_EXECUTORCH.format(**common, folder=str(work / "et"))
+    return run_side_by_side(work, jobs, COMPILE_TIMEOUT_S)
+
+
+def run_side_by_side(work: Path, jobs: dict[str, str], timeout: float) -> dict[str, Any]:
+    """Run each job's Python code in its own process, all at once; each one's last JSON line, or its error."""
+    running = {}
+    for name, code in jobs.items():
+        log_file = open(work / f"compile-{''.join(c if c.isalnum() else '-' for c in name)}.log", "w")  # noqa: SIM115  (closed when the process is waited for)
+        running[name] = (subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=log_file, text=True), log_file, time.perf_counter())
+    results: dict[str, Any] = {"side_by_side": list(jobs)}
+    deadline = time.perf_counter() + timeout
+    for name, (process, log_file, started) in running.items():
+        try:
+            out, _ = process.communicate(timeout=max(1.0, deadline - time.perf_counter()))
+        except subprocess.TimeoutExpired:
+            process.kill()
+            out, _ = process.communicate()
+            results[name] = {"error": f"not done in {timeout:.0f} s (killed)"}
+            log_file.close()
+            continue
         log_file.close()
         wall = round(time.perf_counter() - started, 1)
-        if process.returncode == 0:
-            results[runtime] = {**json.loads(out.strip().splitlines()[-1]), "wall_s": wall}
+        if process.returncode == 0 and out.strip():
+            results[name] = {**json.loads(out.strip().splitlines()[-1]), "wall_s": wall}
         else:
-            tail = (work / f"compile-{runtime}.log").read_text().strip().splitlines()[-3:]
-            results[runtime] = {"error": " | ".join(tail), "wall_s": wall}
-        log(f"compile {runtime}: {results[runtime]}")
+            tail = Path(log_file.name).read_text().strip().splitlines()[-4:]
+            results[name] = {"error": " | ".join(tail)[-800:], "wall_s": wall}
+        log(f"{name}: {json.dumps(results[name])[:400]}")
     return results
 
 
@@ -117,84 +271,157 @@ def eager_generation(module, prompt: np.ndarray, steps: int) -> tuple[list[np.nd
     """Eager logits of a prefill and `steps` greedy decodes, and the tokens it chose."""
     import torch
 
+    device = SETTINGS["device"]
     eager = copy.deepcopy(module)
     logits, tokens = [], []
     with torch.no_grad():
-        out = eager.prefill(torch.from_numpy(prompt).cuda(), torch.arange(prompt.shape[1], device="cuda"))
+        out = eager.prefill(torch.from_numpy(prompt).to(device), torch.arange(prompt.shape[1], device=device))
         for step in range(steps + 1):
             logits.append(out.float().cpu().numpy())
             token = int(out.argmax())
             tokens.append(token)
             if step == steps:
                 break
-            out = eager.decode(torch.tensor([[token]], device="cuda"), torch.tensor([prompt.shape[1] + step], device="cuda"))
+            out = eager.decode(torch.tensor([[token]], device=device), torch.tensor([prompt.shape[1] + step], device=device))
     del eager
-    torch.cuda.empty_cache()
+    if cuda():
+        torch.cuda.empty_cache()
     return logits, tokens
 
 
 def free_bytes() -> int:
+    if not cuda():
+        return 0
     import cupy
 
     return int(cupy.cuda.runtime.memGetInfo()[0])
 
 
-def check_bundle(path: Path, module, prompts: list[np.ndarray], references) -> dict[str, Any]:
+def named(model, method: str, tokens: np.ndarray, positions: np.ndarray) -> dict[str, np.ndarray]:
+    """The inputs by the names the method gives them (a bundle's tokens/input_pos, a program's input_0/input_1)."""
+    names = [spec.name for spec in model.method(method).spec.inputs]
+    return dict(zip(names, (tokens, positions)))
+
+
+def first_output(outputs: dict[str, np.ndarray]) -> np.ndarray:
+    return next(iter(outputs.values()))
+
+
+def check_build(path: Path, module, prompts: list[np.ndarray], references) -> dict[str, Any]:
     import cuda_runner
 
     free_before = free_bytes()
     started = time.perf_counter()
-    with cuda_runner.load(path) as model:
+    with cuda_runner.load(path, SETTINGS["device"]) as model:
         load_s = time.perf_counter() - started
         timings = {name: model.load_timings(name) for name in model.methods}
         lowest = free_bytes()
-        report: dict[str, Any] = {"load_s": round(load_s, 3), "load_timings": timings, "provider": model.method("decode").provider}
+        report: dict[str, Any] = {"load_s": round(load_s, 3), "load_timings": timings, "provider": model.method("decode").provider,
+                                  "constant_storages": model.constant_storages}
         worst = []
         for index, (prompt, (logits, tokens)) in enumerate(zip(prompts, references)):
             if index:
                 model.reset_state()
-            got = model.run({"tokens": prompt, "input_pos": np.arange(prompt.shape[1])}, "prefill")["output_0"]
+            got = first_output(model.run(named(model, "prefill", prompt, np.arange(prompt.shape[1])), "prefill"))
             errors = [float(np.abs(got.astype(np.float32) - logits[0]).max())]
+            agree = 0
             for step in range(len(tokens) - 1):
-                out = model.run({"tokens": np.array([[tokens[step]]]), "input_pos": np.array([prompt.shape[1] + step])}, "decode")["output_0"]
+                out = first_output(model.run(named(model, "decode", np.array([[tokens[step]]]), np.array([prompt.shape[1] + step])), "decode"))
                 errors.append(float(np.abs(out.astype(np.float32) - logits[step + 1]).max()))
+                agree += int(np.argmax(out.astype(np.float32))) == tokens[step + 1]
                 lowest = min(lowest, free_bytes())
             scale = float(max(np.abs(value).max() for value in logits))
             worst.append({"prompt": index, "max_abs_error": max(errors), "logit_scale": scale, "steps": len(errors) - 1,
-                          "relative": round(max(errors) / scale, 5)})
+                          "relative": round(max(errors) / scale, 5), "greedy_token_agreement": f"{agree}/{len(tokens) - 1}"})
         report["generations"] = worst
     weights, cache = module.parameter_bytes(), module.cache_bytes()
     peak = free_before - lowest
     report.update({"weight_bytes": weights, "cache_bytes": cache, "peak_gpu_bytes": peak, "peak_over_weights_and_cache": round(peak / (weights + cache), 3)})
-    shared = sum(timings.get("decode", {}).values()) if timings else 0
-    load_weights = sum(phase.get("load_weights", 0.0) for phase in timings.values())
-    report["weights_gb_per_s"] = round(weights / load_weights / 1e9, 2) if load_weights else None
-    report["decode_load_s"] = round(shared, 3)
     return report
 
 
 def stage_check(work: Path) -> dict[str, Any]:
-    import torch
-
     module = build_llama()
     rng = np.random.default_rng(7)
-    prompts = [rng.integers(0, module.config.vocab, (1, PROMPT), dtype=np.int64) for _ in range(2)]
+    prompts = [rng.integers(0, module.config.vocab, (1, SETTINGS["prompt"]), dtype=np.int64) for _ in range(2)]
     started = time.perf_counter()
-    references = [eager_generation(module, prompt, STEPS if index == 0 else 16) for index, prompt in enumerate(prompts)]
+    references = [eager_generation(module, prompt, SETTINGS["steps"] if index == 0 else 16) for index, prompt in enumerate(prompts)]
     results: dict[str, Any] = {"eager_reference_s": round(time.perf_counter() - started, 1)}
-    del module
-    torch.cuda.empty_cache()
-    module = build_llama()  # the same weights again, for the byte counts (the eager copies are gone)
-    for runtime in ("auto", "libtorch"):
-        path = work / f"llama1b-{runtime}.bundle"
+    for build in SETTINGS["builds"]:
+        path = artifact(work, build)
         if path.exists():
             try:
-                results[runtime] = check_bundle(path, module, prompts, references)
-            except Exception as error:  # reported, and the next bundle is still checked
-                results[runtime] = {"error": f"{type(error).__name__}: {error}"}
-            log(f"check {runtime}: {json.dumps(results[runtime])[:600]}")
-    page_cache = subprocess.run(["sh", "-c", f"cat {work / 'llama1b-auto.bundle'} > /dev/null"], capture_output=True)
-    results["page_cache_warm"] = page_cache.returncode == 0
+                results[build] = check_build(path, module, prompts, references)
+            except Exception as error:  # reported, and the next build is still checked
+                results[build] = {"error": f"{type(error).__name__}: {error}"}
+            log(f"check {build}: {json.dumps(results[build])[:600]}")
+    return results
+
+
+# ---------------------------------------------------------------------------
+# load: warm and cold
+
+def drop_from_page_cache(path: Path) -> None:
+    """Evict a file's (clean) pages, so that the next read comes from the disk."""
+    descriptor = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(descriptor)
+        os.posix_fadvise(descriptor, 0, 0, os.POSIX_FADV_DONTNEED)
+    finally:
+        os.close(descriptor)
+
+
+def read_file_s(path: Path) -> float:
+    """Seconds to read the whole file into memory once (1 GiB reads)."""
+    started = time.perf_counter()
+    with open(path, "rb", buffering=0) as handle:
+        buffer = bytearray(1 << 30)
+        while handle.readinto(buffer):
+            pass
+    return time.perf_counter() - started
+
+
+def weight_bytes(path: Path) -> int:
+    """The bytes of a bundle's weights and state: its constant storages and blobs, each once."""
+    import cuda_runner
+
+    manifest = cuda_runner.read_manifest(path)
+    segments = {constant.segment for spec in manifest.methods.values() for constant in spec.constants}
+    segments |= {spec.weights_segment for spec in manifest.methods.values() if spec.weights_segment}
+    return sum(manifest.segment(name).size for name in segments)
+
+
+def timed_load(path: Path) -> dict[str, float]:
+    import cuda_runner
+
+    started = time.perf_counter()
+    with cuda_runner.load(path, SETTINGS["device"], warm_up=False) as model:
+        total = time.perf_counter() - started
+        weights = sum(model.load_timings(name).get("load_weights", 0.0) for name in model.methods)
+    return {"load_s": round(total, 4), "load_weights_s": round(weights, 4)}
+
+
+def stage_load(work: Path, rounds: int = 3) -> dict[str, Any]:
+    path = artifact(work, SETTINGS["builds"][0])
+    if not path.exists():
+        return {"error": f"{path} is missing"}
+    size = weight_bytes(path)
+    results: dict[str, Any] = {"weight_bytes": size, "bundle_bytes": path.stat().st_size}
+    timed_load(path)  # the CUDA context, libraries and page cache
+    for label, cold in (("warm", False), ("cold", True)):
+        samples = []
+        for _ in range(rounds):
+            if cold:
+                drop_from_page_cache(path)
+            samples.append(timed_load(path))
+        best = min(samples, key=lambda sample: sample["load_weights_s"])
+        median_weights = statistics.median(sample["load_weights_s"] for sample in samples)
+        results[label] = {"samples": samples, "weights_gb_per_s_median": round(size / median_weights / 1e9, 2),
+                          "weights_gb_per_s_best": round(size / best["load_weights_s"] / 1e9, 2)}
+        log(f"load {label}: {results[label]}")
+    drop_from_page_cache(path)
+    results["plain_read_cold_gb_per_s"] = round(path.stat().st_size / read_file_s(path) / 1e9, 2)
+    results["plain_read_warm_gb_per_s"] = round(path.stat().st_size / read_file_s(path) / 1e9, 2)
     return results
 
 
@@ -202,11 +429,9 @@ def stage_check(work: Path) -> dict[str, Any]:
 # decode
 
 def time_steps(step, count: int, warmup: int = 10) -> list[float]:
-    import torch
-
     for index in range(warmup):
         step(index)
-    torch.cuda.synchronize()
+    synchronize()
     samples = []
     for index in range(count):
         started = time.perf_counter()
@@ -215,77 +440,105 @@ def time_steps(step, count: int, warmup: int = 10) -> list[float]:
     return samples
 
 
-def stage_decode(work: Path, steps: int) -> dict[str, Any]:
-    import torch
+def position(index: int) -> int:
+    """A position after the prompt for step `index`, cycling below the cache's end."""
+    return SETTINGS["prompt"] + index % (config().max_seq - SETTINGS["prompt"] - 1)
 
+
+def runner_paths(work: Path, count: int) -> dict[str, Any]:
+    """Each build's decode step through cuda-runner: host arrays with and without a CUDA graph; device arrays."""
     import cuda_runner
 
     results: dict[str, Any] = {}
-    module = build_llama()
-    weights = module.parameter_bytes()
-    results["hbm_floor_ms"] = round(weights / HBM_BYTES_PER_S * 1e3, 4)
     token = np.array([[1]], np.int64)
-
-    def runner_step(model, graph: bool):
-        def step(index):
-            model.run({"tokens": token, "input_pos": np.array([PROMPT + index % 400], np.int64)}, "decode")
-        return step
-
-    for runtime in ("auto", "libtorch"):
-        path = work / f"llama1b-{runtime}.bundle"
+    for build in SETTINGS["builds"]:
+        path = artifact(work, build)
         if not path.exists():
             continue
-        for graph in (False, True):
-            label = f"cuda-runner {'default (standalone)' if runtime == 'auto' else '--libtorch'} bundle{', CUDA graph' if graph else ''}"
+        for graph in (False, True) if cuda() else (False,):
+            label = f"cuda-runner {LABELS[build]}{', CUDA graph' if graph else ''}"
             try:
-                with cuda_runner.load(path, cuda_graph=graph) as model:
-                    results[label] = summary(time_steps(runner_step(model, graph), steps))
+                with cuda_runner.load(path, SETTINGS["device"], cuda_graph=graph) as model:
+                    step = lambda index: model.run(named(model, "decode", token, np.array([position(index)], np.int64)), "decode")  # noqa: E731
+                    results[label] = summary(time_steps(step, count))
+                    if cuda() and not graph and build == SETTINGS["builds"][0]:
+                        results[f"{label}, device arrays"] = summary(time_steps(device_step(model), count))
             except Exception as error:
                 results[label] = {"error": f"{type(error).__name__}: {str(error)[:300]}"}
             log(f"{label}: {results[label]}")
-    # Peers: eager, torch.compile(reduce-overhead), torch's own AOTI package of the decode program.
-    position = torch.tensor([PROMPT], device="cuda")
-    tok = torch.tensor([[1]], device="cuda")
+    return results
+
+
+def device_step(model):
+    """A decode step on CuPy arrays (the token and position already on the GPU), synchronized."""
+    import cupy
+
+    token = cupy.asarray(np.array([[1]], np.int64))
+    positions = [cupy.asarray(np.array([position(index)], np.int64)) for index in range(64)]
+
+    def step(index: int) -> None:
+        model.run_device(named(model, "decode", token, positions[index % 64]), "decode")
+        cupy.cuda.runtime.deviceSynchronize()
+
+    return step
+
+
+def peers(work: Path, module, count: int) -> dict[str, Any]:
+    """Eager, torch.compile(reduce-overhead) and torch's own AOTI package, on the same decode step."""
+    import torch
+
+    results: dict[str, Any] = {}
+    device = SETTINGS["device"]
+    tok = torch.tensor([[1]], device=device)
+    positions = [torch.tensor([position(index)], device=device) for index in range(64)]
     with torch.no_grad():
-        results["eager PyTorch"] = summary(time_steps(lambda i: (module.decode(tok, position), torch.cuda.synchronize()), steps))
+        results["eager PyTorch"] = summary(time_steps(lambda i: (module.decode(tok, positions[i % 64]), synchronize()), count))
         log(f"eager: {results['eager PyTorch']}")
+        if not cuda():
+            return results
         try:
             started = time.perf_counter()
             compiled = torch.compile(module.decode, mode="reduce-overhead", fullgraph=True)
-            for _ in range(3):
-                compiled(tok, position)
+            for index in range(3):
+                compiled(tok, positions[index])
             results["torch.compile reduce-overhead compile_s"] = round(time.perf_counter() - started, 1)
 
             def compiled_step(index):
                 torch.compiler.cudagraph_mark_step_begin()
-                compiled(tok, position).clone()
+                compiled(tok, positions[index % 64]).clone()
                 torch.cuda.synchronize()
-            results["torch.compile(mode=reduce-overhead)"] = summary(time_steps(compiled_step, steps))
+            results["torch.compile(mode=reduce-overhead)"] = summary(time_steps(compiled_step, count))
         except Exception as error:
             results["torch.compile(mode=reduce-overhead)"] = {"error": f"{type(error).__name__}: {str(error)[:300]}"}
         log(f"torch.compile: {results['torch.compile(mode=reduce-overhead)']}")
+    package = work / "decode.pt2"
     try:
-        from torch._inductor import aoti_compile_and_package, aoti_load_package
+        from torch._inductor import aoti_load_package
 
-        started = time.perf_counter()
-
-        class Decode(torch.nn.Module):
-            def __init__(self, inner):
-                super().__init__()
-                self.inner = inner
-
-            def forward(self, tokens, input_pos):
-                return self.inner.decode(tokens, input_pos)
-
-        program = torch.export.export(Decode(module), (tok, position))
-        package = aoti_compile_and_package(program, package_path=str(work / "decode.pt2"))
-        loaded = aoti_load_package(package)
-        results["aoti_load_package compile_s"] = round(time.perf_counter() - started, 1)
-        results["torch aoti_load_package"] = summary(time_steps(lambda i: (loaded(tok, position), torch.cuda.synchronize()), steps))
+        loaded = aoti_load_package(str(package))
+        results["torch aoti_load_package"] = summary(time_steps(lambda i: (loaded(tok, positions[i % 64]), torch.cuda.synchronize()), count))
     except Exception as error:
         results["torch aoti_load_package"] = {"error": f"{type(error).__name__}: {str(error)[:300]}"}
     log(f"aoti package: {results['torch aoti_load_package']}")
-    results["profile"] = profile_steps(work)
+    return results
+
+
+def stage_decode(work: Path, count: int) -> dict[str, Any]:
+    module = build_llama()
+    # What one decode step must read at least: every weight but the embedding table (one row of it), and the KV cache.
+    embedding = module.embedding.weight.numel() * module.embedding.weight.element_size()
+    floor_bytes = module.parameter_bytes() - embedding + module.cache_bytes()
+    results: dict[str, Any] = {"hbm_floor_ms": round(module.parameter_bytes() / HBM_BYTES_PER_S * 1e3, 4),
+                               "hbm_floor_step_bytes_ms": round(floor_bytes / HBM_BYTES_PER_S * 1e3, 4)}
+    results.update(runner_paths(work, count))
+    if SETTINGS["peers"]:
+        results.update(peers(work, module, count))
+    del module
+    if cuda():
+        results["profile"] = profile_steps(work)
+    results["cli bench --steps"] = cli_bench(work, graph=False)
+    if cuda():
+        results["cli bench --steps --cuda-graph"] = cli_bench(work, graph=True)
     return results
 
 
@@ -295,12 +548,12 @@ def profile_steps(work: Path) -> dict[str, Any]:
 
     import cuda_runner
 
-    path = work / "llama1b-auto.bundle"
+    path = artifact(work, SETTINGS["builds"][0])
     if not path.exists():
         return {}
     token = np.array([[1]], np.int64)
     with cuda_runner.load(path) as model:
-        step = lambda index: model.run({"tokens": token, "input_pos": np.array([PROMPT + index], np.int64)}, "decode")  # noqa: E731
+        step = lambda index: model.run({"tokens": token, "input_pos": np.array([position(index)], np.int64)}, "decode")  # noqa: E731
         for index in range(10):
             step(index)
         count = 20
@@ -314,17 +567,22 @@ def profile_steps(work: Path) -> dict[str, Any]:
         if event.device_type == torch.autograd.DeviceType.CUDA:
             kernels.setdefault(event.name, []).append(event.device_time_total * 1e-6 if hasattr(event, "device_time_total") else event.cuda_time_total * 1e-6)
     total = sum(sum(values) for values in kernels.values()) / count
-    top = sorted(((sum(values) / count, name, len(values) // count) for name, values in kernels.items()), reverse=True)[:12]
+    top = sorted(((sum(values) / count, name, len(values) // count) for name, values in kernels.items()), reverse=True)[:15]
     return {"wall_per_step_ms": round(wall * 1e3, 4), "kernel_time_per_step_ms": round(total * 1e3, 4),
             "kernels_per_step": sum(len(values) for values in kernels.values()) // count,
             "top": [{"kernel": name[:120], "ms_per_step": round(seconds * 1e3, 4), "launches_per_step": launches} for seconds, name, launches in top]}
 
 
-def cli_bench(work: Path) -> dict[str, Any]:
-    path = work / "llama1b-auto.bundle"
-    done = subprocess.run([sys.executable, "-m", "cuda_runner", "bench", str(path), "--method", "decode", "--prefill", "prefill",
-                           "--prompt-length", str(PROMPT), "--steps", "200", "--warmup", "20", "--range", "tokens=0:32000", "--json"],
-                          capture_output=True, text=True, timeout=600)
+def cli_bench(work: Path, graph: bool) -> dict[str, Any]:
+    path = artifact(work, SETTINGS["builds"][0])
+    warmup = 20
+    steps = min(200, config().max_seq - SETTINGS["prompt"] - warmup - 1)  # every position inside the cache
+    command = [sys.executable, "-m", "cuda_runner", "bench", str(path), "--method", "decode", "--prefill", "prefill",
+               "--prompt-length", str(SETTINGS["prompt"]), "--steps", str(steps), "--warmup", str(warmup), "--range", f"tokens=0:{config().vocab}",
+               "--json"]
+    if graph:
+        command.append("--cuda-graph")
+    done = subprocess.run(command, capture_output=True, text=True, timeout=600)
     if done.returncode != 0:
         return {"error": done.stderr.strip()[-500:]}
     return json.loads(done.stdout)["decode"]
@@ -333,49 +591,69 @@ def cli_bench(work: Path) -> dict[str, Any]:
 # ---------------------------------------------------------------------------
 # big models
 
-def big_models():
+BIG = ("vit_b16", "resnet50", "whisper_base")
+
+COMPILE_BIG = """
+import sys, time, json, copy
+sys.path.insert(0, {scripts!r}); sys.path.insert(0, {root!r})
+import bench_scale, cuda_runner
+from cuda_runner.compile import aot
+module, methods = bench_scale.big_model({name!r})
+examples = {{method: tuple(arg.cuda() for arg in args) for method, args in methods.items()}}
+notes = []
+started = time.perf_counter()
+manifest = cuda_runner.compile_methods(module.cuda(), examples, {path!r}, device="cuda", warn=notes.append,
+                                       options=aot.QUICK_OPTIONS if {quick!r} else None)
+built = {{method: {{"standalone": bool(spec.compile_options.get("standalone")), "libtorch_because": spec.compile_options.get("libtorch_because"),
+                   "coordinate_descent_tuning": spec.compile_options.get("coordinate_descent_tuning", False)}} for method, spec in manifest.methods.items()}}
+print(json.dumps({{"seconds": round(time.perf_counter() - started, 1), "notes": notes, "methods": built}}))
+"""
+
+
+def big_model(name: str):
+    """The module (random weights, seeded) and its methods' example inputs, on the CPU."""
     import torch
 
     torch.manual_seed(0)
-    vit = scale_models.VisionTransformer(scale_models.VIT_B16).eval()
-    resnet = scale_models.randomize_batch_norms(scale_models.resnet50()).eval()
-    whisper = scale_models.Whisper(scale_models.WHISPER_BASE).eval()
-    return {
-        "vit_b16": (vit, {"forward": (torch.randn(1, 3, 224, 224),)}),
-        "resnet50": (resnet, {"forward": (torch.randn(1, 3, 224, 224),)}),
-        "whisper_base": (whisper, scale_models.whisper_examples(scale_models.WHISPER_BASE)),
-    }
+    if name == "vit_b16":
+        return scale_models.VisionTransformer(scale_models.VIT_B16).eval(), {"forward": (torch.randn(1, 3, 224, 224),)}
+    if name == "resnet50":
+        return scale_models.randomize_batch_norms(scale_models.resnet50()).eval(), {"forward": (torch.randn(1, 3, 224, 224),)}
+    return scale_models.Whisper(scale_models.WHISPER_BASE).eval(), scale_models.whisper_examples(scale_models.WHISPER_BASE)
 
 
-def stage_big(work: Path, steps: int) -> dict[str, Any]:
+def stage_big(work: Path, count: int) -> dict[str, Any]:
     import torch
 
-    results: dict[str, Any] = {}
-    for name, (module, methods) in big_models().items():
-        results[name] = big_model(work, name, module.cuda(), methods, steps)
-        log(f"{name}: {results[name]}")
+    common = {"scripts": str(ROOT / "scripts"), "root": str(ROOT)}
+    jobs = {}
+    for name in BIG:
+        jobs[name] = COMPILE_BIG.format(**common, name=name, path=str(work / f"{name}.bundle"), quick=False)
+    jobs["resnet50 --quick"] = COMPILE_BIG.format(**common, name="resnet50", path=str(work / "resnet50-quick.bundle"), quick=True)
+    compiled = run_side_by_side(work, jobs, COMPILE_TIMEOUT_S)
+    results: dict[str, Any] = {"compile": compiled}
+    for name, path in (*((name, work / f"{name}.bundle") for name in BIG), ("resnet50 --quick", work / "resnet50-quick.bundle")):
+        if not path.exists():
+            continue
+        module, methods = big_model(name.split()[0])
+        results[name] = measure_big(work, name.replace(" --", "-"), path, module.cuda(), methods, count)
+        log(f"{name}: {json.dumps(results[name])[:600]}")
         del module
         torch.cuda.empty_cache()
     return results
 
 
-def big_model(work: Path, name: str, module: Any, methods: dict[str, tuple], steps: int) -> dict[str, Any]:
-    """One model: compiled (the default), run through the CLI with --expected against eager, timed beside eager and torch.compile."""
+def measure_big(work: Path, name: str, path: Path, module: Any, methods: dict[str, tuple], count: int) -> dict[str, Any]:
+    """One model: its first method through the CLI with --expected against eager and timed by `bench`, beside eager and torch.compile."""
     import torch
 
     import cuda_runner
 
     examples = {method: tuple(arg.cuda() for arg in args) for method, args in methods.items()}
     entry: dict[str, Any] = {"parameters": sum(p.numel() for p in module.parameters())}
-    notes: list[str] = []
-    path = work / f"{name}.bundle"
     first = next(iter(methods))
     inputs = examples[first]
     try:
-        started = time.perf_counter()
-        if not path.exists():
-            cuda_runner.compile_methods(copy.deepcopy(module), examples, path, device="cuda", warn=notes.append)
-        entry["compile_s"], entry["notes"] = round(time.perf_counter() - started, 1), notes
         with torch.no_grad():
             eager_out = getattr(copy.deepcopy(module), first)(*inputs)
         specs = cuda_runner.read_manifest(path).methods[first].inputs
@@ -387,22 +665,26 @@ def big_model(work: Path, name: str, module: Any, methods: dict[str, tuple], ste
         entry["cli_exit"] = done.returncode
         entry["cli_report"] = [line for line in done.stdout.splitlines() if "output_0" in line or line.startswith("VERDICT")][-3:] or done.stderr[-300:]
         bench = subprocess.run([sys.executable, "-m", "cuda_runner", "bench", str(path), "--method", first, "--inputs", str(work / f"{name}-in.npz"),
-                                "--iterations", str(steps), "--json"], capture_output=True, text=True, timeout=600)
+                                "--iterations", str(count), "--json"], capture_output=True, text=True, timeout=600)
         if bench.returncode == 0:
             document = json.loads(bench.stdout)
             host, device = document["steady_s"]["median"], (document["device_resident_s"] or {}).get("median")
             entry["cuda-runner host to host ms"] = round(host * 1e3, 4)
             entry["cuda-runner device arrays ms"] = round(device * 1e3, 4) if device else None
             entry["copies and checks share"] = round(1 - device / host, 3) if device else None
+        else:
+            entry["bench_error"] = bench.stderr.strip()[-300:]
+        if "decode" in methods:
+            entry["decode"] = whisper_decode_check(path, module, examples)
         call = getattr(module, first)
         with torch.no_grad():
-            entry["eager ms"] = summary(time_steps(lambda i: (call(*inputs), torch.cuda.synchronize()), steps))["median_ms"]
+            entry["eager ms"] = summary(time_steps(lambda i: (call(*inputs), torch.cuda.synchronize()), count))["median_ms"]
             try:
                 started = time.perf_counter()
                 compiled = torch.compile(call)
                 compiled(*inputs)
                 entry["torch.compile compile_s"] = round(time.perf_counter() - started, 1)
-                entry["torch.compile ms"] = summary(time_steps(lambda i: (compiled(*inputs), torch.cuda.synchronize()), steps))["median_ms"]
+                entry["torch.compile ms"] = summary(time_steps(lambda i: (compiled(*inputs), torch.cuda.synchronize()), count))["median_ms"]
             except Exception as error:
                 entry["torch.compile"] = f"{type(error).__name__}: {str(error)[:200]}"
     except Exception as error:
@@ -410,19 +692,107 @@ def big_model(work: Path, name: str, module: Any, methods: dict[str, tuple], ste
     return entry
 
 
+def whisper_decode_check(path: Path, module: Any, examples: dict[str, tuple]) -> dict[str, Any]:
+    """16 greedy decoder steps with the cache against eager, both fed eager's encoding of the same audio (so
+    that only the decoder is compared), the error of each step; and the step's time beside eager's."""
+    import torch
+
+    import cuda_runner
+
+    eager = copy.deepcopy(module)
+    steps = 16
+    with torch.no_grad():
+        audio = eager.encode(*examples["encode"])
+        reference, tokens = [], [1]
+        for step in range(steps):
+            out = eager.decode(torch.tensor([[tokens[-1]]], device="cuda"), torch.tensor([step], device="cuda"), audio)
+            reference.append(out.float().cpu().numpy())
+            tokens.append(int(out.argmax()))
+        again = copy.deepcopy(module)  # eager against itself: how far two eager runs differ
+        repeat = 0.0
+        for step in range(steps):
+            out = again.decode(torch.tensor([[tokens[step]]], device="cuda"), torch.tensor([step], device="cuda"), audio)
+            repeat = max(repeat, float(np.abs(out.float().cpu().numpy() - reference[step]).max()))
+        eager_step = summary(time_steps(lambda i: (eager.decode(torch.tensor([[1]], device="cuda"), torch.tensor([i % 400], device="cuda"), audio),
+                                                   torch.cuda.synchronize()), 100))["median_ms"]
+    features = audio.cpu().numpy()
+    with cuda_runner.load(path) as model:
+        names = [spec.name for spec in model.method("decode").spec.inputs]
+        errors = []
+        for step in range(steps):
+            out = first_output(model.run(dict(zip(names, (np.array([[tokens[step]]]), np.array([step]), features))), "decode"))
+            errors.append(round(float(np.abs(out.astype(np.float32) - reference[step]).max()), 6))
+        model.reset_state()
+        step_s = summary(time_steps(lambda i: model.run(dict(zip(names, (np.array([[1]]), np.array([i % 400]), features))), "decode"), 100))
+    return {"steps": steps, "max_abs_error_per_step": errors, "eager_vs_eager": repeat, "logit_scale": float(max(np.abs(value).max() for value in reference)),
+            "cuda-runner step ms": step_s["median_ms"], "eager step ms": eager_step}
+
+
+COMPILE_WHISPER_DECODE = """
+import sys, time, json
+sys.path.insert(0, {scripts!r}); sys.path.insert(0, {root!r})
+import bench_scale, cuda_runner
+module, methods = bench_scale.big_model("whisper_base")
+examples = {{"decode": tuple(arg.cuda() for arg in methods["decode"])}}
+notes = []
+started = time.perf_counter()
+manifest = cuda_runner.compile_methods(module.cuda(), examples, {path!r}, device="cuda", runtime={runtime!r}, options={options!r},
+                                       warn=notes.append)
+options = manifest.methods["decode"].compile_options
+print(json.dumps({{"seconds": round(time.perf_counter() - started, 1), "standalone": bool(options.get("standalone")), "notes": notes,
+                  "coordinate_descent_tuning": options.get("coordinate_descent_tuning", False),
+                  "coordinate_descent_disagreed": options.get("coordinate_descent_disagreed")}}))
+"""
+
+WHISPER_VARIANTS = {"default": ("auto", None), "--libtorch": ("libtorch", None), "default, no coordinate descent": ("auto", {"coordinate_descent_tuning": False})}
+
+
+def stage_whisper(work: Path) -> dict[str, Any]:
+    """Whisper-base's decoder alone, built three ways, stepped against eager on eager's audio encoding."""
+    import torch
+
+    common = {"scripts": str(ROOT / "scripts"), "root": str(ROOT)}
+    paths = {label: work / f"whisper-decode-{index}.bundle" for index, label in enumerate(WHISPER_VARIANTS)}
+    jobs = {f"whisper decode {label}": COMPILE_WHISPER_DECODE.format(**common, path=str(paths[label]), runtime=runtime, options=options)
+            for label, (runtime, options) in WHISPER_VARIANTS.items() if not paths[label].exists()}
+    results: dict[str, Any] = {"compile": run_side_by_side(work, jobs, COMPILE_TIMEOUT_S) if jobs else "compiled before"}
+    module, methods = big_model("whisper_base")
+    module = module.cuda()
+    examples = {method: tuple(arg.cuda() for arg in args) for method, args in methods.items()}
+    for label, path in paths.items():
+        if path.exists():
+            try:
+                results[label] = whisper_decode_check(path, module, examples)
+            except Exception as error:
+                results[label] = {"error": f"{type(error).__name__}: {str(error)[:300]}"}
+            log(f"whisper decode {label}: {results[label]}")
+    del module
+    torch.cuda.empty_cache()
+    return results
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--stages", default="compile,check,decode,big")
+    parser.add_argument("--stages", default="compile,check,load,decode,big")
     parser.add_argument("--work", type=Path, default=Path("/tmp/cuda-runner-scale"))
     parser.add_argument("--out", type=Path, default=None)
-    parser.add_argument("--steps", type=int, default=200)
+    parser.add_argument("--steps", type=int, default=200, help="timed steps (calls) per path")
+    parser.add_argument("--size", choices=sorted(SIZES), default="1b")
+    parser.add_argument("--device", choices=("cuda", "cpu"), default="cuda", help="cpu: a dry run of the script (tiny size)")
+    parser.add_argument("--builds", default=",".join(SETTINGS["builds"]),
+                        help="the decoder's builds to compile, check and time (the first is the one load, profile and the CLI use)")
+    parser.add_argument("--no-peers", action="store_true", help="leave out eager, torch.compile and torch's package")
     options = parser.parse_args()
+    SETTINGS.update(size=options.size, device=options.device, builds=options.builds.split(","), peers=not options.no_peers)
+    if options.size == "tiny":
+        SETTINGS.update(prompt=6, steps=8)
     options.work.mkdir(parents=True, exist_ok=True)
     out = options.out or options.work
     out.mkdir(parents=True, exist_ok=True)
     import torch
 
-    machine = {"gpu": torch.cuda.get_device_name(0), "torch": torch.__version__, "date": time.strftime("%Y-%m-%d")}
+    machine = {"device": torch.cuda.get_device_name(0) if cuda() else "cpu", "torch": torch.__version__, "date": time.strftime("%Y-%m-%d"),
+               "size": options.size}
     for stage in options.stages.split(","):
         log(f"stage {stage}")
         started = time.perf_counter()
@@ -430,11 +800,14 @@ def main() -> int:
             result = stage_compile(options.work)
         elif stage == "check":
             result = stage_check(options.work)
+        elif stage == "load":
+            result = stage_load(options.work)
         elif stage == "decode":
             result = stage_decode(options.work, options.steps)
-            result["cli bench --steps"] = cli_bench(options.work)
         elif stage == "big":
             result = stage_big(options.work, options.steps)
+        elif stage == "whisper":
+            result = stage_whisper(options.work)
         else:
             parser.error(f"unknown stage {stage!r}")
         result = {"machine": machine, "stage_s": round(time.perf_counter() - started, 1), **result}

@@ -8,15 +8,19 @@ cd "$(dirname "$0")/.."
 out="${OUT:-$PWD/gpu-out}"
 mkdir -p "$out"
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
-# cuda-runner's own shim, as pip would build it (the tree is not installed here).
-python3 setup.py build_ext --inplace -q > "$out/build-shim.log" 2>&1 || echo "building the shim failed (see build-shim.log)"
+# cuda-runner's own shim, as pip would build it (the tree is not installed here);
+# GPU_BUILD=0 where it is built already and other processes are using it.
+if [ "${GPU_BUILD:-1}" = 1 ]; then
+  python3 setup.py build_ext --inplace -q > "$out/build-shim.log" 2>&1 || echo "building the shim failed (see build-shim.log)"
+fi
 # Bytecode for the package, as pip install leaves it: the GPU machines set
 # PYTHONDONTWRITEBYTECODE, so otherwise every cold process compiles every module.
 python3 -m compileall -q cuda_runner > /dev/null
 python3 -c 'import torch, cupy, numpy, typer; print("torch", torch.__version__, "cupy", cupy.__version__, "numpy", numpy.__version__, "typer", typer.__version__, "gpu", torch.cuda.get_device_name(0))' | tee "$out/versions.txt"
 # Wheels carried to a machine without registry access, installed into private
 # folders: .gpu-wheels/ (cryptography, for the signing tests), .gpu-et/ (an
-# ExecuTorch wheel; a real program is then exported on this GPU) and
+# ExecuTorch wheel, or scripts/pack_executorch.sh's archive of its export side;
+# real programs are then exported on this GPU) and
 # .gpu-et14/ (an older ExecuTorch, which exports a part of the zoo in its own
 # layout). The ExecuTorch wheels are large: carry them only when exporting.
 pkgs="${TMPDIR:-/tmp}/cuda-runner-gpu-pkgs"
@@ -24,9 +28,15 @@ if ls .gpu-wheels/*.whl >/dev/null 2>&1; then
   python3 -m pip install -q --no-deps --target "$pkgs" .gpu-wheels/*.whl 2>&1 | tail -2
   export PYTHONPATH="$PYTHONPATH:$pkgs" PATH="$pkgs/bin:$PATH"
 fi
-if [ "${GPU_ET_EXPORT:-1}" = 1 ] && ls .gpu-et/*.whl >/dev/null 2>&1; then
+et=""
+if compgen -G ".gpu-et/*.whl" >/dev/null || compgen -G ".gpu-et/*.tar.gz" >/dev/null; then
+  # Wheels, or the export-only archive scripts/pack_executorch.sh makes (small enough to travel with the test data).
   et="${TMPDIR:-/tmp}/cuda-runner-et"
-  python3 -m pip install -q --no-deps --target "$et" .gpu-et/*.whl 2>&1 | tail -2
+  mkdir -p "$et"
+  for archive in .gpu-et/*.tar.gz; do [ -e "$archive" ] && tar -xzf "$archive" -C "$et"; done
+  if ls .gpu-et/*.whl >/dev/null 2>&1; then python3 -m pip install -q --no-deps --target "$et" .gpu-et/*.whl 2>&1 | tail -2; fi
+fi
+if [ "${GPU_ET_EXPORT:-1}" = 1 ] && [ -n "$et" ]; then
   PYTHONPATH="$PYTHONPATH:$et" python3 scripts/make_et_program.py --out-dir "$out/et_two_io" > "$out/et-export.log" 2>&1
   tail -1 "$out/et-export.log"
   [ -f "$out/et_two_io/model.pte" ] && export CUDA_RUNNER_ET_EXTRA="$out/et_two_io"
@@ -41,10 +51,13 @@ if [ -n "${GPU_ET14_ZOO:-}" ] && ls .gpu-et14/*.whl >/dev/null 2>&1; then
   tail -3 "$out/et14-zoo.log"
   tar -czf "$out/zoo_et141.tar.gz" -C "$(dirname "$zoo")" "$(basename "$zoo")" && ls -la "$out/zoo_et141.tar.gz"
 fi
-python3 -X faulthandler -m pytest -m gpu tests -p no:cacheprovider -p no:logging -rA -s ${GPU_TEST_ARGS:-} 2>&1 | tee "$out/gpu-tests.log"
-status=${PIPESTATUS[0]}
-# The shim's vector math on this machine's CPU too: the AVX-512 entry points, which the CI machines cannot run.
-python3 -m pytest tests/runtime/test_vector_math.py -q -p no:cacheprovider 2>&1 | tail -3 | tee "$out/vector-math.log"
+status=0
+if [ "${GPU_TESTS:-1}" = 1 ]; then
+  python3 -X faulthandler -m pytest -m gpu tests -p no:cacheprovider -p no:logging -rA -s ${GPU_TEST_ARGS:-} 2>&1 | tee "$out/gpu-tests.log"
+  status=${PIPESTATUS[0]}
+  # The shim's vector math on this machine's CPU too: the AVX-512 entry points, which the CI machines cannot run.
+  python3 -m pytest tests/runtime/test_vector_math.py -q -p no:cacheprovider 2>&1 | tail -3 | tee "$out/vector-math.log"
+fi
 # The environment without torch, on a CPU that can run the ExecuTorch CPU
 # stand-ins (their libraries need AVX-512, which the CI machines lack).
 if [ "${GPU_NO_TORCH_ENV:-1}" = 1 ]; then
@@ -88,9 +101,10 @@ if [ "${GPU_STANDALONE:-0}" = 1 ]; then
     ${GPU_STANDALONE_HF:+--hf} 2>&1 | tee "$out/standalone.log"
 fi
 if [ -n "${GPU_SCALE:-}" ]; then
-  # GPU_SCALE: the stages of scripts/bench_scale.py to run (compile,check,decode,big); WORK kept between calls on a warm machine.
-  python3 -X faulthandler scripts/bench_scale.py --stages "$GPU_SCALE" --work "${GPU_SCALE_WORK:-/tmp/cuda-runner-scale}" --out "$out" \
-    2>&1 | tee -a "$out/scale.log"
+  # GPU_SCALE: the stages of scripts/bench_scale.py to run (compile,check,load,decode,big); WORK kept between calls on a warm
+  # machine. With ExecuTorch's wheels carried (.gpu-et/), the compile stage also exports the 1B decoder as an ExecuTorch program.
+  PYTHONPATH="$PYTHONPATH${et:+:$et}" python3 -X faulthandler scripts/bench_scale.py --stages "$GPU_SCALE" \
+    --work "${GPU_SCALE_WORK:-/tmp/cuda-runner-scale}" --out "$out" 2>&1 | tee -a "$out/scale.log"
 fi
 if [ "${GPU_FLOOR:-0}" = 1 ]; then
   # The MLP --standalone: per call beside the C program, layer by layer, and a cold no-torch CLI run broken down.

@@ -1,0 +1,156 @@
+#!/usr/bin/env python3
+"""Weights from a mapped file to the GPU, every way cuda-runner has had, side by side (GPU machine).
+
+A file laid out as the 1B decoder's bundle holds its storages (the same 181
+sizes, 2.2 GB, random bytes) is mapped as the bundle reader maps it, and
+uploaded to device memory by:
+
+  upload_all       runtime/upload.py as loads use it: blocks of the mapping
+                   registered and copied by several threads (1, 2, 4, 8)
+  upload_all, staged   the same threads, each block copied through pinned
+                   staging slots (the path where registration is refused)
+  per storage, registered   the previous loader: register each storage,
+                   copy it, let it go, one after another
+  per storage, pageable     cudaMemcpy from the mapping as it is
+
+The file is in the page cache (bench_scale.py's load stage measures a load
+from the disk: posix_fadvise cannot drop the pages of a file this process has
+mapped). Every result is read back and compared once. Also the device allocations of
+the same storages: one cudaMalloc each against one for all.
+
+    python3 scripts/bench_upload.py --output upload.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import mmap
+import os
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from cuda_runner.runtime import upload
+from cuda_runner.runtime.cuda import HOST_REGISTER_READ_ONLY, HOST_TO_DEVICE, cuda_runtime
+from cuda_runner.runtime.host import buffer_address
+
+
+def llama_1b_storages() -> list[int]:
+    """Byte sizes of the 1B decoder's storages (scripts/scale_models.py, LLAMA_1B, bf16), in bundle order."""
+    dim, ffn, vocab, kv, layers, cache = 2048, 8192, 32000, 512, 16, 8 * 512 * 64
+    sizes = [vocab * dim * 2]
+    for _ in range(layers):
+        sizes += [dim * 2, dim * dim * 2, kv * dim * 2, kv * dim * 2, dim * dim * 2, cache * 2, cache * 2, dim * 2,
+                  ffn * dim * 2, ffn * dim * 2, dim * ffn * 2]
+    return [*sizes, dim * 2, vocab * dim * 2]
+
+
+class RefusesRegistration:
+    def __init__(self, runtime):
+        self._runtime = runtime
+
+    def __getattr__(self, name):
+        return getattr(self._runtime, name)
+
+    def hostRegister(self, *args):
+        raise self._runtime.CUDARuntimeError(801)
+
+
+def per_storage(runtime, uploads, register: bool) -> None:
+    for item in uploads:
+        address, size = buffer_address(item.source), item.source.nbytes
+        if register:
+            runtime.hostRegister(address, size, HOST_REGISTER_READ_ONLY)
+        try:
+            runtime.memcpy(item.destination, address, size, HOST_TO_DEVICE)
+        finally:
+            if register:
+                runtime.hostUnregister(address)
+
+
+def allocations(runtime, sizes: list[int], rounds: int) -> dict[str, float]:
+    """Seconds to allocate the storages' device memory: a cudaMalloc each (the loader before), or one for all (now)."""
+    each, one = [], []
+    for _ in range(rounds):
+        started = time.perf_counter()
+        pointers = [runtime.malloc(size) for size in sizes]
+        each.append(time.perf_counter() - started)
+        for pointer in pointers:
+            runtime.free(pointer)
+        started = time.perf_counter()
+        pointer = runtime.malloc(sum(-(-size // 256) * 256 for size in sizes))
+        one.append(time.perf_counter() - started)
+        runtime.free(pointer)
+    result = {"a cudaMalloc per storage, s": round(statistics.median(each), 4), "one cudaMalloc, s": round(statistics.median(one), 4)}
+    print(f"device allocations: {result}", flush=True)
+    return result
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--output", type=Path, default=None)
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--folder", type=Path, default=Path(tempfile.gettempdir()))
+    options = parser.parse_args()
+    import cupy
+
+    runtime = cuda_runtime()
+    sizes = llama_1b_storages()
+    total = sum(sizes)
+    path = options.folder / "cuda-runner-upload-bench.bin"
+    rng = np.random.default_rng(0)
+    with path.open("wb") as handle:  # segments 64-byte aligned, as in a bundle
+        for size in sizes:
+            handle.write(rng.integers(0, 256, size, dtype=np.uint8).tobytes() + bytes(-size % 64))
+    with path.open("rb") as handle:
+        mapping = mmap.mmap(handle.fileno(), 0, access=mmap.ACCESS_READ)
+    device = cupy.empty(total + 256 * len(sizes), dtype=cupy.uint8)
+    uploads, offset, target = [], 0, 0
+    for size in sizes:
+        uploads.append(upload.Upload(memoryview(mapping)[offset:offset + size], device.data.ptr + target))
+        offset += size + (-size % 64)
+        target += size + (-size % 256)
+    strategies = {f"upload_all, {n} threads": (lambda n=n: upload.upload_all(runtime, 0, uploads, threads=n)) for n in (1, 2, 4, 8)}
+    strategies["upload_all, 4 threads, staged"] = lambda: upload.upload_all(RefusesRegistration(runtime), 0, uploads, threads=4)
+    strategies["per storage, registered (before)"] = lambda: per_storage(runtime, uploads, register=True)
+    strategies["per storage, pageable"] = lambda: per_storage(runtime, uploads, register=False)
+    results: dict[str, object] = {"bytes": total, "storages": len(sizes), "gpu": cupy.cuda.runtime.getDeviceProperties(0)["name"].decode(),
+                                  "cpus": os.cpu_count(), "date": time.strftime("%Y-%m-%d")}
+    checked = False
+    for label, strategy in strategies.items():
+        seconds = []
+        for _ in range(options.rounds):
+            device.fill(0)
+            runtime.deviceSynchronize()
+            started = time.perf_counter()
+            strategy()
+            runtime.deviceSynchronize()
+            seconds.append(time.perf_counter() - started)
+        if not checked:
+            host = cupy.asnumpy(device)
+            for item in uploads:
+                start = item.destination - device.data.ptr
+                assert bytes(host[start:start + item.source.nbytes]) == bytes(item.source), label
+            checked = True
+        median = statistics.median(seconds)
+        results[label] = {"warm_s": [round(value, 4) for value in seconds], "warm_gb_per_s": round(total / median / 1e9, 2)}
+        print(f"{label:<36} warm {total / median / 1e9:6.2f} GB/s  ({', '.join(f'{value:.3f}' for value in seconds)} s)", flush=True)
+    results["device allocations"] = allocations(runtime, sizes, options.rounds)
+    for item in uploads:
+        item.source.release()
+    mapping.close()
+    path.unlink()
+    if options.output is not None:
+        options.output.write_text(json.dumps(results, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
