@@ -52,17 +52,6 @@ def llama_1b_storages() -> list[int]:
     return [*sizes, dim * 2, vocab * dim * 2]
 
 
-class RefusesRegistration:
-    def __init__(self, runtime):
-        self._runtime = runtime
-
-    def __getattr__(self, name):
-        return getattr(self._runtime, name)
-
-    def hostRegister(self, *args):
-        raise self._runtime.CUDARuntimeError(801)
-
-
 def per_storage(runtime, uploads, register: bool) -> None:
     for item in uploads:
         address, size = buffer_address(item.source), item.source.nbytes
@@ -118,7 +107,7 @@ def main() -> int:
         offset += size + (-size % 64)
         target += size + (-size % 256)
     strategies = {f"upload_all, {n} threads": (lambda n=n: upload.upload_all(runtime, 0, uploads, threads=n)) for n in (1, 2, 4, 8)}
-    strategies["upload_all, 4 threads, staged"] = lambda: upload.upload_all(RefusesRegistration(runtime), 0, uploads, threads=4)
+    strategies["upload_all, 4 threads, staged"] = lambda: upload.upload_all(runtime, 0, uploads, threads=4, register=False)
     strategies["per storage, registered (before)"] = lambda: per_storage(runtime, uploads, register=True)
     strategies["per storage, pageable"] = lambda: per_storage(runtime, uploads, register=False)
     results: dict[str, object] = {"bytes": total, "storages": len(sizes), "gpu": cupy.cuda.runtime.getDeviceProperties(0)["name"].decode(),

@@ -71,8 +71,9 @@ class _Block:
 
 
 def upload_all(runtime: Any, device_index: int, uploads: Sequence[Upload], progress: Progress | None = None,
-               threads: int | None = None) -> None:
-    """Copy every upload's bytes to its destination; returns once all are on the device."""
+               threads: int | None = None, register: bool = True) -> None:
+    """Copy every upload's bytes to its destination; returns once all are on the device.
+    `register=False` stages every block, as where registration is refused (for measuring)."""
     total = sum(upload.source.nbytes for upload in uploads)
     report = progress or (lambda done, total: None)
     report(0, total)
@@ -91,7 +92,7 @@ def upload_all(runtime: Any, device_index: int, uploads: Sequence[Upload], progr
     for upload in uploads:
         advise_will_need(upload.source)
     blocks = blocks_of(uploads)
-    _run_workers(runtime, device_index, blocks, min(count, len(blocks)), report, total)
+    _run_workers(runtime, device_index, blocks, min(count, len(blocks)), report, total, register)
 
 
 def blocks_of(uploads: Sequence[Upload], block_bytes: int | None = None) -> list[_Block]:
@@ -165,10 +166,10 @@ class _Queue:
             self._stopped = True
 
 
-def _run_workers(runtime: Any, device_index: int, blocks: list[_Block], count: int, report: Progress, total: int) -> None:
+def _run_workers(runtime: Any, device_index: int, blocks: list[_Block], count: int, report: Progress, total: int, register: bool) -> None:
     queue = _Queue(blocks)
     with ThreadPoolExecutor(max_workers=count, thread_name_prefix="cuda-runner-upload") as pool:
-        futures: list[Future[None]] = [pool.submit(_worker, runtime, device_index, queue) for _ in range(count)]
+        futures: list[Future[None]] = [pool.submit(_worker, runtime, device_index, queue, register) for _ in range(count)]
         try:
             while True:
                 finished, _ = wait(futures, timeout=0.1, return_when=FIRST_EXCEPTION)
@@ -184,14 +185,14 @@ def _run_workers(runtime: Any, device_index: int, blocks: list[_Block], count: i
     report(total, total)
 
 
-def _worker(runtime: Any, device_index: int, queue: _Queue) -> None:
+def _worker(runtime: Any, device_index: int, queue: _Queue, register: bool) -> None:
     runtime.setDevice(device_index)
     stream = runtime.streamCreateWithFlags(_STREAM_NON_BLOCKING)
     staging: _Staging | None = None
     try:
         finished = 0
         while (block := queue.take(finished)) is not None:
-            if not _copy_registered(runtime, stream, block):
+            if not (register and _copy_registered(runtime, stream, block)):
                 staging = staging or _Staging.allocate(runtime)
                 if staging is not None:
                     staging.copy(stream, block)

@@ -209,6 +209,14 @@ def test_a_block_that_cannot_be_registered_is_staged(tmp_path, small_blocks):
     mapped.close()
 
 
+def test_register_false_stages_every_block(tmp_path, small_blocks):
+    mapped = Mapped(tmp_path, SIZES)
+    runtime = LazyRuntime()
+    upload_all(runtime, 0, mapped.uploads, threads=2, register=False)
+    assert mapped.arrived() and runtime.clean() and runtime.registrations == 0 and runtime.async_copies > 10
+    mapped.close()
+
+
 def test_without_registration_or_pinned_memory_the_copies_are_plain(tmp_path, small_blocks):
     mapped = Mapped(tmp_path, SIZES)
     runtime = LazyRuntime(register=False, pinned=False)
