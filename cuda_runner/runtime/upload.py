@@ -6,8 +6,8 @@ a range of the mapping is registered as pinned memory (read-only) and DMA
 copies are queued from it. Registering is the CPU's share of the work, so the
 storages are cut into blocks of BLOCK_BYTES that several threads register and
 copy at once, each on a stream of its own. On the H200 machine this moved the
-1B decoder's 2.2 GB at 19-20 GB/s with 2 to 8 threads (6.9 with one), against
-16.8 registering and copying one storage after another, 17.1 staging through
+1B decoder's 2.2 GB at 19-20 GB/s with 2 to 8 threads, against 16.8
+registering and copying one storage after another, 17.1 staging through
 pinned slots and 8.1 copying from the pageable mapping
 (scripts/bench_upload.py; docs/benchmarks.md, "Weights at GB scale").
 
@@ -80,8 +80,8 @@ def upload_all(runtime: Any, device_index: int, uploads: Sequence[Upload], progr
     if total == 0:
         return
     runtime.setDevice(device_index)
-    count = threads or min(MAX_THREADS, os.cpu_count() or 1)
-    if total < PIPELINE_MIN_BYTES or count < 2:
+    count = threads or min(MAX_THREADS, _usable_cpus())
+    if total < PIPELINE_MIN_BYTES:
         done = 0
         for upload in uploads:
             if upload.source.nbytes:
@@ -95,12 +95,20 @@ def upload_all(runtime: Any, device_index: int, uploads: Sequence[Upload], progr
     _run_workers(runtime, device_index, blocks, min(count, len(blocks)), report, total, register)
 
 
+def _usable_cpus() -> int:
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not on Linux
+        return os.cpu_count() or 1
+
+
 def blocks_of(uploads: Sequence[Upload], block_bytes: int | None = None) -> list[_Block]:
     """The uploads' source ranges as disjoint page-aligned blocks of at most
-    `block_bytes` (BLOCK_BYTES), each with the copies (or parts of copies) it
-    holds. Ranges whose pages meet are one extent before it is cut: no page is
-    in two blocks, so no two registrations overlap."""
-    size = block_bytes or BLOCK_BYTES
+    `block_bytes` (BLOCK_BYTES, rounded up to whole pages), each with the
+    copies (or parts of copies) it holds. Ranges whose pages meet are one
+    extent before it is cut: no page is in two blocks, so no two
+    registrations overlap."""
+    size = -(-(block_bytes or BLOCK_BYTES) // PAGE) * PAGE
     pieces = sorted((buffer_address(upload.source), upload.destination, upload.source.nbytes) for upload in uploads if upload.source.nbytes)
     extents: list[list[Any]] = []  # [start, end, pieces]
     for address, destination, nbytes in pieces:
@@ -189,6 +197,7 @@ def _worker(runtime: Any, device_index: int, queue: _Queue, register: bool) -> N
     runtime.setDevice(device_index)
     stream = runtime.streamCreateWithFlags(_STREAM_NON_BLOCKING)
     staging: _Staging | None = None
+    failed = True
     try:
         finished = 0
         while (block := queue.take(finished)) is not None:
@@ -200,13 +209,11 @@ def _worker(runtime: Any, device_index: int, queue: _Queue, register: bool) -> N
                     for source, destination, nbytes in block.copies:
                         runtime.memcpy(destination, source, nbytes, HOST_TO_DEVICE)
             finished = block.nbytes
+        failed = False
     finally:
-        try:
-            runtime.streamSynchronize(stream)
-        finally:
-            runtime.streamDestroy(stream)
-            if staging is not None:
-                staging.free()
+        # Every copy queued has run before the slots go; a failure here never hides the one that ended the loop.
+        _clean_up([lambda: runtime.streamSynchronize(stream), lambda: runtime.streamDestroy(stream),
+                   lambda: staging.free() if staging is not None else None], quietly=failed)
 
 
 def _copy_registered(runtime: Any, stream: int, block: _Block) -> bool:
@@ -215,13 +222,30 @@ def _copy_registered(runtime: Any, stream: int, block: _Block) -> bool:
         runtime.hostRegister(block.start, block.end - block.start, HOST_REGISTER_READ_ONLY)
     except runtime.CUDARuntimeError:
         return False
+    failed = True
     try:
         for source, destination, nbytes in block.copies:
             runtime.memcpyAsync(destination, source, nbytes, HOST_TO_DEVICE, stream)
         runtime.streamSynchronize(stream)  # the DMA has read the pages before they are let go
+        failed = False
     finally:
-        runtime.hostUnregister(block.start)
+        # After a failed copy, the ones queued before it finish before the pages are let go.
+        steps = [lambda: runtime.streamSynchronize(stream)] if failed else []
+        _clean_up([*steps, lambda: runtime.hostUnregister(block.start)], quietly=failed)
     return True
+
+
+def _clean_up(steps: Sequence[Callable[[], Any]], quietly: bool) -> None:
+    """Run every step. With an error already on its way (`quietly`), theirs are dropped so
+    that it is the one raised; otherwise the first of theirs is raised once all have run."""
+    first: BaseException | None = None
+    for step in steps:
+        try:
+            step()
+        except BaseException as error:
+            first = first or error
+    if first is not None and not quietly:
+        raise first
 
 
 class _Staging:

@@ -242,3 +242,28 @@ def test_a_failed_copy_is_raised_after_every_thread_has_stopped(tmp_path, small_
     assert runtime.clean()  # its registration let go too
     assert not [thread for thread in threading.enumerate() if thread.name.startswith("cuda-runner-upload")]
     mapped.close()
+
+
+def test_a_copy_failing_inside_a_block_lets_the_earlier_copies_finish_and_is_the_error_raised(tmp_path, small_blocks):
+    mapped = Mapped(tmp_path, [3000] * 20)  # several copies a block
+    runtime = LazyRuntime(fail_after=2)
+    with pytest.raises(DriverError, match="IllegalAddress"):  # not a cleanup error in its place
+        upload_all(runtime, 0, mapped.uploads, threads=2)
+    assert runtime.clean()  # the stand-in asserts no registration went before its queued copies ran
+    mapped.close()
+
+
+def test_one_thread_still_registers_its_blocks(tmp_path, small_blocks):
+    mapped = Mapped(tmp_path, [200_000])
+    runtime = LazyRuntime()
+    upload_all(runtime, 0, mapped.uploads, threads=1)
+    assert mapped.arrived() and runtime.registrations > 1 and runtime.plain_copies == 0
+    mapped.close()
+
+
+def test_a_block_size_off_the_page_size_is_rounded_to_whole_pages(tmp_path):
+    mapped = Mapped(tmp_path, [10 * PAGE + 7])
+    blocks = blocks_of(mapped.uploads, block_bytes=PAGE + 100)
+    assert all(block.start % PAGE == 0 and block.end % PAGE == 0 for block in blocks)
+    assert sum(block.nbytes for block in blocks) == 10 * PAGE + 7
+    mapped.close()
