@@ -53,12 +53,13 @@ STANDALONE_CUDA_OPTIONS: dict[str, Any] = {
     "max_autotune": True, "max_autotune_gemm_backends": "TRITON", "max_autotune_conv_backends": "TRITON",
 }
 
-# A CUDA method that multiplies a single row (a decode step: one token through
-# every Linear) is compiled with coordinate-descent tuning on. With it,
-# Inductor lowers each such product as a reduction over the weight's rows, a
-# matrix-vector kernel it fuses with its neighbours and tunes to the memory
-# bandwidth, instead of a GEMM template made for tiles of many rows
-# (docs/benchmarks.md, "A 1B-parameter Llama-shaped decoder").
+# A CUDA method whose weights mostly go to products of a single row (a decode
+# step: one token through every Linear; single_row_share) is compiled with
+# coordinate-descent tuning on. With it, Inductor lowers each such product as
+# a reduction over the weight's rows, a matrix-vector kernel it fuses with its
+# neighbours and tunes to the memory bandwidth, instead of a GEMM template
+# made for tiles of many rows (docs/benchmarks.md, "A 1B-parameter
+# Llama-shaped decoder").
 SINGLE_ROW_OPTIONS: dict[str, Any] = {"coordinate_descent_tuning": True}
 
 # `compile --quick`: less autotuning, for a standalone library sooner: one
@@ -213,31 +214,58 @@ def compile_program(
     return dataclasses.replace(compiled, note=f"compiled bound to libtorch: {refusal}; {LIBTORCH_COST}")
 
 
-# The ATen matrix products, and which argument is their left operand.
-_PRODUCTS = {"mm": 0, "addmm": 1, "linear": 0, "bmm": 0, "baddbmm": 1, "matmul": 0}
+# The ATen ops that multiply by a weight (or another operand): which argument
+# is the left operand (None for convolutions, never one row) and which the
+# right one, the weight whose elements a call reads.
+_PRODUCTS: dict[str, tuple[int | None, int]] = {
+    "mm": (0, 1), "addmm": (1, 2), "linear": (0, 1), "bmm": (0, 1), "baddbmm": (1, 2), "matmul": (0, 1),
+    "convolution": (None, 1), "conv1d": (None, 1), "conv2d": (None, 1), "conv3d": (None, 1),
+}
+# The single-row rule applies where products of one row read at least this
+# share of the weight elements all products read: a decode step (every
+# projection one token), not a network with one batch-1 head (ViT's
+# classifier, ResNet's fc), where coordinate descent would tune every kernel
+# of the network for the sake of a small one.
+SINGLE_ROW_SHARE = 0.5
 
 
-def single_row_products(program: Any) -> int:
-    """How many matrix products of an ExportedProgram multiply exactly one row,
-    statically: the products Inductor can lower as matrix-vector kernels. A
-    linear's input [..., K] is one row when every leading dim is 1; the left
-    operand [..., M, K] of the others when M is 1 (per batch, for bmm)."""
-    count = 0
+def single_row_share(program: Any) -> float:
+    """The share of the weight elements an ExportedProgram's matrix products and
+    convolutions read that go to products of exactly one row, statically: the
+    products Inductor can lower as matrix-vector kernels. A linear's input
+    [..., K] is one row when every leading dim is 1; the left operand [..., M, K]
+    of the others when M is 1 (per batch, for bmm), or when it is a vector."""
+    single = total = 0
     for node in program.graph.nodes:
         if node.op != "call_function":
             continue
         name = str(getattr(node.target, "__name__", "")).split(".")[0]
-        operand = _PRODUCTS.get(name)
-        if operand is None or len(node.args) <= operand:
+        operands = _PRODUCTS.get(name)
+        if operands is None or len(node.args) <= operands[1]:
             continue
-        value = getattr(node.args[operand], "meta", {}).get("val")
-        shape = tuple(getattr(value, "shape", ()))
-        count += _one_row(name, shape)
+        elements = _static_elements(_shape(node.args[operands[1]]))
+        total += elements
+        if operands[0] is not None and _one_row(name, _shape(node.args[operands[0]])):
+            single += elements
+    return single / total if total else 0.0
+
+
+def _shape(argument: Any) -> tuple[Any, ...]:
+    return tuple(getattr(getattr(argument, "meta", {}).get("val"), "shape", ()))
+
+
+def _static_elements(shape: tuple[Any, ...]) -> int:
+    """Its element count, or 0 where a size is symbolic."""
+    count = 1
+    for size in shape:
+        if not isinstance(size, int):
+            return 0
+        count *= size
     return count
 
 
 def _one_row(product: str, shape: tuple[Any, ...]) -> bool:
-    if product == "linear":
+    if product == "linear" or (product == "matmul" and len(shape) == 1):
         return len(shape) >= 1 and all(_is_one(size) for size in shape[:-1])
     return len(shape) >= 2 and _is_one(shape[-2])
 
@@ -260,7 +288,7 @@ def _compile_once(
     torch = import_torch()
     work_dir = Path(tempfile.mkdtemp(prefix="cuda-runner-compile-"))
     profile = dict(STANDALONE_CUDA_OPTIONS) if standalone and device != "cpu" else {}
-    if device != "cpu" and single_row_products(program):
+    if device != "cpu" and single_row_share(program) >= SINGLE_ROW_SHARE:
         profile.update(SINGLE_ROW_OPTIONS)
     options = {**profile, **(user_options or {}), **SELF_CONTAINED_OPTIONS, "aot_inductor.output_path": str(work_dir)}
     cpu_build: _CpuBuild | None = None

@@ -90,3 +90,36 @@ def test_coordinate_descent_the_caller_asked_for_is_not_second_guessed(monkeypat
     monkeypatch.setattr(compile_package, "disagreement", lambda *args: pytest.fail("checked though the caller chose the option"))
     _compile_method(torch, "decode", MethodSource(program), "cpu", lambda _: None, {"coordinate_descent_tuning": True})
     assert len(calls) == 1
+
+
+def test_tolerances_hold_zeros_infinities_and_dtypes_sensibly():
+    import warnings
+
+    import numpy as np
+
+    from cuda_runner.compile.check import _difference
+
+    zeros = np.zeros(4, np.float32)
+    assert _difference("a", zeros + 1e-12, zeros, overall=0.0) is None  # an output of zeros is not held to zero
+    infinite = np.array([np.inf, -np.inf, np.nan, 1.0], np.float32)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no 'invalid value' from inf - inf
+        assert _difference("b", infinite.copy(), infinite, overall=1.0) is None
+    assert "from eager's" in _difference("c", np.float32([320.0 + 9.7]), np.float32([320.0]), overall=320.0)
+    assert _difference("d", np.float32([320.01]), np.float32([320.0]), overall=320.0) is None  # 3e-5 of the scale
+    assert _difference("e", np.int64([1, 2]), np.int64([1, 3]), overall=0.0) == "output 'e' differs from eager's"
+    assert "shape" in _difference("f", np.zeros((2, 2), np.float32), np.zeros(4, np.float32), overall=0.0)
+
+
+def test_a_temporary_bundle_that_cannot_be_written_leaves_the_method_unchecked(compiled_step, monkeypatch):
+    from cuda_runner.compile import check
+
+    _, program, spec, segments = compiled_step
+    args, kwargs = program.example_inputs
+
+    def full_disk(*args, **kwargs):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(check, "write_bundle", full_disk)
+    with pytest.raises(check.NotChecked, match="No space left"):
+        disagreement(torch, program, spec, segments, args, kwargs, "cpu", ["count"])

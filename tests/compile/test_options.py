@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from cuda_runner.cli.options import option_values
-from cuda_runner.compile.aot import AUTOTUNE_OPTIONS, QUICK_OPTIONS, check_options, single_row_products
+from cuda_runner.compile.aot import AUTOTUNE_OPTIONS, QUICK_OPTIONS, SINGLE_ROW_SHARE, check_options, single_row_share
 from cuda_runner.errors import InputError
 from cuda_runner.format import read_manifest
 
@@ -55,13 +55,13 @@ def test_the_quick_preset_is_known_to_inductor_and_loses_to_an_explicit_option()
 @pytest.mark.parametrize(
     ("tokens", "dynamic", "expected"),
     [
-        ((1, 1), False, 3),   # one token: both projections, and the bmm of one query row
-        ((1, 5), False, 0),   # five tokens
-        ((3, 1), False, 1),   # three single tokens: three rows for the projections, one per batch for the bmm
-        ((1, 5), True, 0),    # a prompt of dynamic length is not known to be one row
+        ((1, 1), False, 1.0),         # one token: both projections (128 + 128 weights) and the bmm of one query row (32)
+        ((1, 5), False, 0.0),         # five tokens
+        ((3, 1), False, 96 / 352),    # three single tokens: three rows for the projections, one per batch for the bmm
+        ((1, 5), True, 0.0),          # a prompt of dynamic length is not known to be one row
     ],
 )
-def test_single_row_products_are_what_a_decode_step_multiplies(tokens, dynamic, expected):
+def test_single_row_share_is_what_a_decode_step_multiplies(tokens, dynamic, expected):
     import torch
 
     class Step(torch.nn.Module):
@@ -76,4 +76,15 @@ def test_single_row_products_are_what_a_decode_step_multiplies(tokens, dynamic, 
     x = torch.randn(*tokens, 8)
     shapes = {"x": {1: torch.export.Dim("length", min=2, max=64)}, "keys": None} if dynamic else None
     program = torch.export.export(Step(), (x, torch.randn(tokens[0], 4, 8)), dynamic_shapes=shapes)
-    assert single_row_products(program) == expected
+    assert single_row_share(program) == pytest.approx(expected)
+
+
+def test_a_batch_one_head_on_a_convolution_network_is_no_decode_step():
+    """One image: the classifier multiplies one row, but it reads a small share of the weights."""
+    import torch
+
+    network = torch.nn.Sequential(torch.nn.Conv2d(3, 64, 3), torch.nn.Conv2d(64, 64, 3), torch.nn.AdaptiveAvgPool2d(1),
+                                  torch.nn.Flatten(), torch.nn.Linear(64, 10))
+    program = torch.export.export(network, (torch.randn(1, 3, 16, 16),))
+    share = single_row_share(program)
+    assert share == pytest.approx(640 / (3 * 64 * 9 + 64 * 64 * 9 + 640)) and share < SINGLE_ROW_SHARE
