@@ -29,6 +29,7 @@ class TerminalProgress:
         self._latest: dict[str, tuple[int, int]] = {}  # method -> (done, total) last heard
         self._timers: dict[str, threading.Timer] = {}
         self._started: dict[str, float] = {}  # method -> when its load was first heard of
+        self._closed = False  # after the with block: nothing is shown any more
 
     def __enter__(self) -> TerminalProgress:
         if self._label is not None:
@@ -37,6 +38,7 @@ class TerminalProgress:
 
     def __exit__(self, kind: type[BaseException] | None, error: BaseException | None, trace: TracebackType | None) -> None:
         with self._lock:
+            self._closed = True
             for timer in self._timers.values():
                 timer.cancel()
             self._timers.clear()
@@ -50,6 +52,8 @@ class TerminalProgress:
 
     def load(self, method: str, done: int, total: int) -> None:
         with self._lock:
+            if self._closed:
+                return
             self._latest[method] = (done, total)
             task = self._load.get(method)
             if done >= total:
@@ -74,7 +78,7 @@ class TerminalProgress:
 
     def _show_load(self, method: str) -> None:
         with self._lock:
-            if self._timers.pop(method, None) is None:
+            if self._timers.pop(method, None) is None or self._closed:
                 return  # finished (or the display closed) meanwhile
             done, total = self._latest[method]
             amount = _bytes_amount(done, total, self._started[method])

@@ -72,3 +72,13 @@ def test_run_shows_no_bar_off_a_terminal_or_when_quiet(compiled, tmp_path, monke
     result = cli(*quiet, "run", str(compiled("linear", "cpu").path), "--random-inputs", "--out-dir", str(tmp_path / "out"))
     assert result.returncode == 0, result.stderr
     assert "loading forward" not in stream.getvalue()
+
+
+def test_nothing_shows_once_the_display_is_closed(monkeypatch):
+    monkeypatch.setattr(progress, "LOAD_BAR_AFTER_S", 0.0)
+    stream = Terminal()
+    with TerminalProgress(stream, None) as bars:
+        pass
+    bars.load("late", 0, 100)
+    time.sleep(0.1)
+    assert bars._progress is None and not bars._timers
