@@ -73,6 +73,8 @@ def _eager(torch: Any, program: Any, args: tuple, kwargs: Mapping[str, Any], wri
     import torch.utils._pytree as pytree
 
     module = program.module()
+    # On copies of the inputs too: a program may write into an input, and these are the caller's example inputs.
+    args, kwargs = pytree.tree_map(lambda leaf: leaf.clone() if isinstance(leaf, torch.Tensor) else leaf, (args, dict(kwargs)))
     with torch.no_grad(), _state_put_back(module, written_buffers):
         return [leaf.detach().clone() for leaf in pytree.tree_leaves(module(*args, **kwargs))]
 

@@ -6,57 +6,53 @@ tuning is compiled again without it where the check disagrees."""
 from __future__ import annotations
 
 import copy
+import dataclasses
 
 import pytest
 import torch
 
 import cuda_runner.compile as compile_package
 from cuda_runner.compile import MethodSource, _compile_method, export_module
-from cuda_runner.compile.aot import CompiledLibrary, compile_program
+from cuda_runner.compile.aot import CompiledLibrary
 from cuda_runner.compile.check import disagreement
-from cuda_runner.compile.signature import program_signature
 from cuda_runner.format.manifest import DeviceSpec
 
 
-class Step(torch.nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.project = torch.nn.Linear(6, 4)
-        self.register_buffer("count", torch.zeros(4))
+@pytest.fixture
+def compiled_writer(compiled):
+    """tests/models.py's Writer (buffers a run adds to, an input it doubles in place), as the
+    fixture bundle holds it: its spec without the segments a temporary bundle does not carry."""
+    import models
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        self.count.add_(1)  # state: eager must start where the bundle starts, and leave the program as it was
-        return self.project(x) + self.count
+    from cuda_runner.format.bundle import open_bundle
+
+    bundle = compiled("writer", "cpu")
+    with open_bundle(bundle.path) as reader:
+        spec = dataclasses.replace(reader.manifest.methods["forward"], call_helper_segment=None, sample_inputs_segment=None,
+                                   sample_outputs_segment=None)
+        segments = {name: bytes(reader.segment(name)) for name in (spec.library_segment, spec.weights_segment) if name is not None}
+    module, args, _ = models.BUILDERS["writer"]()
+    return module, export_module(module, args, {}, None).program, spec, segments
 
 
-@pytest.fixture(scope="module")
-def compiled_step():
-    torch.manual_seed(0)
-    module = Step().eval()
-    program = export_module(module, (torch.randn(1, 6),), {}, None).program
+def test_a_library_agrees_with_its_own_program_and_leaves_the_program_and_its_inputs_as_they_were(compiled_writer):
+    _, program, spec, segments = compiled_writer
     args, kwargs = program.example_inputs
-    library = compile_program(program, args, kwargs, "cpu", lambda _: None)
-    spec, segments = compile_package._method_spec(torch, "forward", program_signature(program, None), library,
-                                                   compile_package._written_state(program), "cpu")
-    return module, program, spec, segments
+    state = {name: value.clone() for name, value in program.state_dict.items()}
+    inputs = [arg.clone() for arg in args]
+    assert disagreement(torch, program, spec, segments, args, kwargs, "cpu", ["steps", "total"]) is None
+    assert all(torch.equal(state[name], value) for name, value in program.state_dict.items())
+    assert all(torch.equal(before, after) for before, after in zip(inputs, args))  # the doubled input was a copy
 
 
-def test_a_library_agrees_with_its_own_program_and_the_program_keeps_its_state(compiled_step):
-    _, program, spec, segments = compiled_step
-    args, kwargs = program.example_inputs
-    before = {name: value.clone() for name, value in program.state_dict.items()}
-    assert disagreement(torch, program, spec, segments, args, kwargs, "cpu", ["count"]) is None
-    assert all(torch.equal(before[name], value) for name, value in program.state_dict.items())
-
-
-def test_a_library_that_computes_something_else_is_told(compiled_step):
-    module, _, spec, segments = compiled_step
+def test_a_library_that_computes_something_else_is_told(compiled_writer):
+    module, _, spec, segments = compiled_writer
     other = copy.deepcopy(module)
     with torch.no_grad():
-        other.project.weight.mul_(1.01)  # a 1% error, far over float32's tolerance
-    program = export_module(other, (torch.randn(1, 6),), {}, None).program
+        other.scale.mul_(1.01)  # a 1% error, far over float32's tolerance
+    program = export_module(other, (torch.ones(4), torch.ones(4)), {}, None).program
     args, kwargs = program.example_inputs
-    problem = disagreement(torch, program, spec, segments, args, kwargs, "cpu", ["count"])
+    problem = disagreement(torch, program, spec, segments, args, kwargs, "cpu", ["steps", "total"])
     assert problem is not None and "output_0" in problem and "from eager's" in problem
 
 
@@ -111,10 +107,10 @@ def test_tolerances_hold_zeros_infinities_and_dtypes_sensibly():
     assert "shape" in _difference("f", np.zeros((2, 2), np.float32), np.zeros(4, np.float32), overall=0.0)
 
 
-def test_a_temporary_bundle_that_cannot_be_written_leaves_the_method_unchecked(compiled_step, monkeypatch):
+def test_a_temporary_bundle_that_cannot_be_written_leaves_the_method_unchecked(compiled_writer, monkeypatch):
     from cuda_runner.compile import check
 
-    _, program, spec, segments = compiled_step
+    _, program, spec, segments = compiled_writer
     args, kwargs = program.example_inputs
 
     def full_disk(*args, **kwargs):
@@ -122,4 +118,4 @@ def test_a_temporary_bundle_that_cannot_be_written_leaves_the_method_unchecked(c
 
     monkeypatch.setattr(check, "write_bundle", full_disk)
     with pytest.raises(check.NotChecked, match="No space left"):
-        disagreement(torch, program, spec, segments, args, kwargs, "cpu", ["count"])
+        disagreement(torch, program, spec, segments, args, kwargs, "cpu", ["steps", "total"])
