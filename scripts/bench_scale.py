@@ -130,12 +130,7 @@ started = time.perf_counter()
 manifest = cuda_runner.compile_methods(module, scale_models.llama_examples(module.config, bench_scale.SETTINGS["prompt"], {device!r}), {path!r},
                                        device={device!r}, dynamic_shapes=scale_models.llama_dynamic_shapes(module.config), runtime={runtime!r},
                                        options=options, warn=notes.append, progress=lambda m: print(m, file=sys.stderr, flush=True))
-seconds = round(time.perf_counter() - started, 1)
-built = {{name: {{"standalone": bool(spec.compile_options.get("standalone")), "libtorch_because": spec.compile_options.get("libtorch_because"),
-                 "coordinate_descent_tuning": spec.compile_options.get("coordinate_descent_tuning", False),
-                 "coordinate_descent_disagreed": spec.compile_options.get("coordinate_descent_disagreed")}}
-          for name, spec in manifest.methods.items()}}
-print(json.dumps({{"seconds": seconds, "notes": notes, "methods": built}}))
+print(json.dumps({{"seconds": round(time.perf_counter() - started, 1), "notes": notes, "methods": bench_scale.how_built(manifest)}}))
 """
 
 COMPILE_TORCH_PACKAGE = """
@@ -158,6 +153,13 @@ import bench_scale
 bench_scale.SETTINGS.update({settings!r})
 print(json.dumps(bench_scale.export_executorch({folder!r})))
 """
+
+
+def how_built(manifest) -> dict[str, dict[str, Any]]:
+    """What each method's library was built as, from its manifest's compile options."""
+    return {name: {key: spec.compile_options.get(key) for key in
+                   ("standalone", "libtorch_because", "coordinate_descent_tuning", "coordinate_descent_disagreed")}
+            for name, spec in manifest.methods.items()}
 
 
 def method_of(module, name: str):
@@ -604,9 +606,7 @@ notes = []
 started = time.perf_counter()
 manifest = cuda_runner.compile_methods(module.cuda(), examples, {path!r}, device="cuda", warn=notes.append,
                                        options=aot.QUICK_OPTIONS if {quick!r} else None)
-built = {{method: {{"standalone": bool(spec.compile_options.get("standalone")), "libtorch_because": spec.compile_options.get("libtorch_because"),
-                   "coordinate_descent_tuning": spec.compile_options.get("coordinate_descent_tuning", False)}} for method, spec in manifest.methods.items()}}
-print(json.dumps({{"seconds": round(time.perf_counter() - started, 1), "notes": notes, "methods": built}}))
+print(json.dumps({{"seconds": round(time.perf_counter() - started, 1), "notes": notes, "methods": bench_scale.how_built(manifest)}}))
 """
 
 
@@ -738,10 +738,7 @@ notes = []
 started = time.perf_counter()
 manifest = cuda_runner.compile_methods(module.cuda(), examples, {path!r}, device="cuda", runtime={runtime!r}, options={options!r},
                                        warn=notes.append)
-options = manifest.methods["decode"].compile_options
-print(json.dumps({{"seconds": round(time.perf_counter() - started, 1), "standalone": bool(options.get("standalone")), "notes": notes,
-                  "coordinate_descent_tuning": options.get("coordinate_descent_tuning", False),
-                  "coordinate_descent_disagreed": options.get("coordinate_descent_disagreed")}}))
+print(json.dumps({{"seconds": round(time.perf_counter() - started, 1), "notes": notes, "methods": bench_scale.how_built(manifest)}}))
 """
 
 WHISPER_VARIANTS = {"default": ("auto", None), "--libtorch": ("libtorch", None), "default, no coordinate descent": ("auto", {"coordinate_descent_tuning": False})}

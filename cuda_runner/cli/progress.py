@@ -95,7 +95,6 @@ class TerminalProgress:
         return self._progress
 
 
-
 def _bytes_amount(done: int, total: int, started: float) -> str:
     """'1.20/2.20 GB, 21.3 GB/s' of a load started at `started` (time.monotonic)."""
     elapsed = time.monotonic() - started
