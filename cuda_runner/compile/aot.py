@@ -28,6 +28,7 @@ from typing import Any
 from ..errors import CompileError, InputError
 from ..format.manifest import DeviceSpec
 from ..runtime.devices import checked_isa_flags
+from . import attention
 
 MIN_TORCH = (2, 10)
 
@@ -47,7 +48,8 @@ AUTOTUNE_OPTIONS: dict[str, Any] = {"max_autotune": True, "coordinate_descent_tu
 # Inductor's Triton templates instead of cuBLAS/cuDNN extern kernels, as
 # ExecuTorch's CUDA backend compiles, so the library imports only tensor
 # basics, which cuda-runner's own shim provides (attention is lowered with
-# SDPA's math backend while compiling, for the same reason). CPU libraries
+# SDPA's math backend while compiling, for the same reason, and a decode
+# step's attention with a fused kernel of our own: compile/attention.py). CPU libraries
 # need nothing extra: the shim has GEMMs on a BLAS, convolution and vector math.
 STANDALONE_CUDA_OPTIONS: dict[str, Any] = {
     "max_autotune": True, "max_autotune_gemm_backends": "TRITON", "max_autotune_conv_backends": "TRITON",
@@ -68,6 +70,9 @@ SINGLE_ROW_OPTIONS: dict[str, Any] = {"coordinate_descent_tuning": True}
 # matrix-vector kernels: without them a decode step of the 1B decoder took
 # 11.5 ms instead of 1.5 (docs/benchmarks.md has what --quick costs).
 QUICK_OPTIONS: dict[str, Any] = {"test_configs.max_mm_configs": 1}
+
+# cuda-runner's own compile options, next to Inductor's (never passed to it).
+_OWN_OPTIONS = frozenset({attention.OPTION})
 
 # What the runtime relies on: a user option may not change these.
 _PROTECTED_OPTIONS = frozenset(SELF_CONTAINED_OPTIONS) | {"aot_inductor.output_path", "cpp.cxx", "aot_inductor.check_lowerbound"}
@@ -111,6 +116,11 @@ def check_options(torch: Any, options: Mapping[str, Any]) -> dict[str, Any]:
     known = torch._inductor.config.get_config_copy()
     checked = {}
     for key, value in options.items():
+        if key in _OWN_OPTIONS:
+            if not isinstance(value, bool):
+                raise InputError(f"option {key!r} takes true or false, not {value!r}", subject="option")
+            checked[key] = value
+            continue
         if key in _PROTECTED_OPTIONS:
             raise InputError(f"option {key!r} is set by cuda-runner (the bundle depends on it) and cannot be changed", subject="option")
         if key not in known:
@@ -290,7 +300,9 @@ def _compile_once(
     profile = dict(STANDALONE_CUDA_OPTIONS) if standalone and device != "cpu" else {}
     if device != "cpu" and single_row_share(program) >= SINGLE_ROW_SHARE:
         profile.update(SINGLE_ROW_OPTIONS)
-    options = {**profile, **(user_options or {}), **SELF_CONTAINED_OPTIONS, "aot_inductor.output_path": str(work_dir)}
+    own = {key: value for key, value in (user_options or {}).items() if key in _OWN_OPTIONS}
+    inductor_options = {key: value for key, value in (user_options or {}).items() if key not in _OWN_OPTIONS}
+    options = {**profile, **inductor_options, **SELF_CONTAINED_OPTIONS, "aot_inductor.output_path": str(work_dir)}
     cpu_build: _CpuBuild | None = None
     isa_pin = contextlib.ExitStack()  # holds Inductor to the level's plain ISA until the compile ends
     try:
@@ -307,16 +319,23 @@ def _compile_once(
             # sizes 0 and 1 of every dynamic dim, which export assumes >= 2 but
             # the generated code handles; the manifest's bounds are checked anyway.
             options["aot_inductor.check_lowerbound"] = False
+        module = program.module()  # a new graph module: the program itself stays as exported
+        fused = 0
+        if standalone and device != "cpu" and own.get(attention.OPTION, True) and attention.fusion_available():
+            fused = attention.fuse_decode_attention(module)
         progress("compiling with AOTInductor (this takes tens of seconds)")
         try:
             with _math_attention(torch) if standalone else contextlib.nullcontext(), torch_talking_to_itself():
-                library_path = Path(torch._inductor.aot_compile(program.module(), example_args, dict(example_kwargs), options=options))
+                library_path = Path(torch._inductor.aot_compile(module, example_args, dict(example_kwargs), options=options))
         except Exception as error:  # inductor raises many types; report one line
             raise CompileError(f"AOTInductor compile failed: {type(error).__name__}: {_first_line(error)}") from error
         weights_path = library_path.with_name(library_path.name[: -len(".so")] + "_weights.blob")
         metadata = _sidecar_metadata(library_path)
         recorded = {key: value for key, value in options.items() if key not in ("aot_inductor.output_path", "cpp.cxx")}
         recorded["cxx_flags"] = list(EXTRA_CXX_FLAGS)
+        recorded.update(own)
+        if fused:
+            recorded["fused_decode_attention"] = fused
         if cpu_build is not None:
             recorded["cpu_target"] = cpu_target
             recorded["cpu_build_flags"] = list(cpu_build.flags)

@@ -1,0 +1,192 @@
+"""Decode attention in standalone CUDA builds: SDPA calls over a few query
+rows become one fused Triton kernel (attention_kernel.py) instead of SDPA's
+math form.
+
+A call qualifies when everything about it is known at compile time and the
+kernel computes exactly what SDPA would: no dropout, not causal (a KV-cache
+model masks by position instead), at most MAX_QUERY_ROWS query rows, static
+shapes, one floating dtype, and a mask that is absent, bool or additive and
+broadcasts to [B, H, L, S]. Keys and values that the model repeated per query
+head (repeat_interleave along the heads, or Hugging Face's
+unsqueeze-expand-reshape) are read from the unrepeated tensor, so
+grouped-query attention copies nothing.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+# The kernel runs one program per query row and reads every key for each:
+# beyond a few rows (a prefill, an encoder) SDPA's own lowering does better.
+MAX_QUERY_ROWS = 16
+# The compile option that turns the fusion off ({"cuda_runner.fuse_decode_attention": False}).
+OPTION = "cuda_runner.fuse_decode_attention"
+_DTYPES = frozenset({"torch.float16", "torch.bfloat16", "torch.float32"})
+_SDPA_PARAMETERS = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale", "enable_gqa")
+_SDPA_DEFAULTS: dict[str, Any] = {"attn_mask": None, "dropout_p": 0.0, "is_causal": False, "scale": None, "enable_gqa": False}
+
+
+@dataclass(frozen=True)
+class AttentionSite:
+    """An SDPA call the fused kernel replaces, with what the kernel reads."""
+
+    node: Any
+    query: Any
+    key: Any
+    value: Any
+    mask: Any
+    scale: float
+    group: int  # query heads per key/value head
+    repeats: tuple[Any, ...]  # the nodes that repeated K/V per query head, dropped once unused
+
+
+def fusion_available() -> bool:
+    """Whether this torch can compile the fused kernel: Triton and torch.library.triton_op."""
+    try:
+        import triton  # noqa: F401
+        from torch.library import triton_op, wrap_triton  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def decode_attention_sites(graph: Any) -> list[AttentionSite]:
+    """The SDPA calls of an FX graph that the fused kernel computes exactly."""
+    sites = []
+    for node in graph.nodes:
+        if node.op == "call_function" and str(node.target) == "aten.scaled_dot_product_attention.default":
+            site = _site(node)
+            if site is not None:
+                sites.append(site)
+    return sites
+
+
+def fuse_decode_attention(graph_module: Any) -> int:
+    """Replace the qualifying SDPA calls of `graph_module` (a copy the caller
+    owns: ExportedProgram.module() makes a new one) by the fused kernel; the
+    number replaced."""
+    sites = decode_attention_sites(graph_module.graph)
+    if not sites:
+        return 0
+    import torch
+
+    from . import attention_kernel  # noqa: F401  (registers the operator)
+
+    operator = torch.ops.cuda_runner.decode_attention.default
+    graph = graph_module.graph
+    for site in sites:
+        with graph.inserting_before(site.node):
+            fused = graph.call_function(operator, (site.query, site.key, site.value, site.mask, site.scale, site.group))
+        fused.meta.update({key: value for key, value in site.node.meta.items() if key != "val"})
+        site.node.replace_all_uses_with(fused)
+        graph.erase_node(site.node)
+        for repeat in site.repeats:  # innermost last: each may free the one before
+            if not repeat.users:
+                graph.erase_node(repeat)
+    graph.lint()
+    graph_module.recompile()
+    return len(sites)
+
+
+def _site(node: Any) -> AttentionSite | None:
+    arguments = _sdpa_arguments(node)
+    if arguments is None or arguments["dropout_p"] != 0 or arguments["is_causal"]:
+        return None
+    query, key, value, mask = (arguments[name] for name in ("query", "key", "value", "attn_mask"))
+    shapes = [shape for shape in map(_static_shape, (query, key, value)) if shape is not None and len(shape) == 4]
+    if len(shapes) != 3 or not _one_dtype(query, key, value):
+        return None
+    (batch, heads, rows, head_dim), (key_batch, kv_heads, length, key_dim), value_shape = shapes
+    if rows > MAX_QUERY_ROWS or key_batch != batch or key_dim != head_dim or value_shape[:3] != (batch, kv_heads, length):
+        return None
+    if kv_heads == 0 or heads % kv_heads or (kv_heads != heads and not arguments["enable_gqa"]):
+        return None
+    if mask is not None and not _broadcast_mask(mask, (batch, heads, rows, length)):
+        return None
+    group, repeats = heads // kv_heads, ()
+    unrepeated = _unrepeated(key), _unrepeated(value)
+    if unrepeated[0] is not None and unrepeated[1] is not None and unrepeated[0][2] == unrepeated[1][2]:
+        (key, key_chain, repeat), (value, value_chain, _) = unrepeated  # type: ignore[misc]
+        group, repeats = group * repeat, key_chain + value_chain
+    scale = arguments["scale"] if arguments["scale"] is not None else 1.0 / math.sqrt(head_dim)
+    return AttentionSite(node, query, key, value, mask, float(scale), group, repeats)
+
+
+def _sdpa_arguments(node: Any) -> dict[str, Any] | None:
+    if len(node.args) > len(_SDPA_PARAMETERS):
+        return None
+    arguments = {**_SDPA_DEFAULTS, **dict(zip(_SDPA_PARAMETERS, node.args, strict=False)), **node.kwargs}
+    return arguments if set(arguments) <= set(_SDPA_PARAMETERS) else None
+
+
+def _value(node: Any) -> Any:
+    return getattr(node, "meta", {}).get("val")
+
+
+def _static_shape(node: Any) -> tuple[int, ...] | None:
+    shape = getattr(_value(node), "shape", None)
+    if shape is None or not all(isinstance(size, int) for size in shape):
+        return None
+    return tuple(shape)
+
+
+def _one_dtype(*nodes: Any) -> bool:
+    dtypes = {str(getattr(_value(node), "dtype", None)) for node in nodes}
+    return len(dtypes) == 1 and dtypes <= _DTYPES
+
+
+def _broadcast_mask(mask: Any, target: tuple[int, ...]) -> bool:
+    """A bool or floating mask whose static shape broadcasts to `target`."""
+    shape = _static_shape(mask)
+    dtype = str(getattr(_value(mask), "dtype", None))
+    if shape is None or len(shape) > len(target) or not (dtype == "torch.bool" or dtype in _DTYPES):
+        return False
+    return all(size in (1, wanted) for size, wanted in zip(reversed(shape), reversed(target), strict=False))
+
+
+def _unrepeated(node: Any) -> tuple[Any, tuple[Any, ...], int] | None:
+    """(X, the nodes that repeated it, r) where `node` is X [B, Hk, S, D] with
+    each head repeated r times along dim 1: repeat_interleave(X, r, dim=1), or
+    reshape(expand(unsqueeze(X, 2), [B, Hk, r, S, D]), [B, Hk*r, S, D])."""
+    target = str(getattr(node, "target", ""))
+    if target == "aten.repeat_interleave.self_int":
+        return _repeat_interleaved(node)
+    if target in ("aten.reshape.default", "aten.view.default", "aten._unsafe_view.default"):
+        return _expanded(node)
+    return None
+
+
+def _repeat_interleaved(node: Any) -> tuple[Any, tuple[Any, ...], int] | None:
+    arguments = dict(zip(("self", "repeats", "dim"), node.args, strict=False)) | dict(node.kwargs)
+    source, repeats, dim = arguments.get("self"), arguments.get("repeats"), arguments.get("dim")
+    if not isinstance(repeats, int) or repeats < 1 or dim not in (1, -3) or _static_shape(source) is None:
+        return None
+    if len(_static_shape(source) or ()) != 4:
+        return None
+    return source, (node,), repeats
+
+
+def _expanded(node: Any) -> tuple[Any, tuple[Any, ...], int] | None:
+    expand = node.args[0]
+    if str(getattr(expand, "target", "")) == "aten.clone.default":  # reshape of an expanded tensor may copy first
+        chain: tuple[Any, ...] = (node, expand)
+        expand = expand.args[0]
+    else:
+        chain = (node,)
+    if str(getattr(expand, "target", "")) != "aten.expand.default":
+        return None
+    unsqueezed = expand.args[0]
+    if str(getattr(unsqueezed, "target", "")) != "aten.unsqueeze.default" or unsqueezed.args[1] not in (2, -3):
+        return None
+    source = unsqueezed.args[0]
+    source_shape, expanded_shape = _static_shape(source), _static_shape(expand)
+    if source_shape is None or expanded_shape is None or len(source_shape) != 4 or len(expanded_shape) != 5:
+        return None
+    batch, kv_heads, length, dim = source_shape
+    repeat = expanded_shape[2]
+    if expanded_shape != (batch, kv_heads, repeat, length, dim) or _static_shape(node) != (batch, kv_heads * repeat, length, dim):
+        return None
+    return source, (*chain, expand, unsqueezed), repeat
+

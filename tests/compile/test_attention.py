@@ -1,0 +1,146 @@
+"""The fused decode attention (compile/attention.py): which SDPA calls it takes
+(exactly those the kernel computes as SDPA would), how grouped K/V repeated by
+the model are read unrepeated, and the graph it leaves. The kernel itself runs
+where Triton does: on the GPU (tests/gpu) and, here, under Triton's CPU
+interpreter when Triton is installed."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+import torch.nn.functional as F
+from models import scale_models
+
+from cuda_runner.compile.aot import check_options
+from cuda_runner.compile.attention import MAX_QUERY_ROWS, OPTION, decode_attention_sites
+from cuda_runner.errors import InputError
+
+
+class _Method(torch.nn.Module):
+    def __init__(self, model: torch.nn.Module, method: str):
+        super().__init__()
+        self.model, self.method = model, method
+
+    def forward(self, tokens, input_pos):
+        return getattr(self.model, self.method)(tokens, input_pos)
+
+
+def _graph(module: torch.nn.Module, args: tuple, dynamic_shapes=None):
+    return torch.export.export(module, args, dynamic_shapes=dynamic_shapes).module().graph
+
+
+def _llama_graph(method: str):
+    config = scale_models.LLAMA_TINY
+    model = scale_models.LlamaDecoder(config, torch.float32).eval()
+    shapes = scale_models.llama_dynamic_shapes(config)[method]
+    return _graph(_Method(model, method), scale_models.llama_examples(config, 6)[method], shapes), config
+
+
+class _Attention(torch.nn.Module):
+    """One SDPA call, its keys and values repeated per query head the way `repeat` names."""
+
+    def __init__(self, repeat: str = "none", **sdpa):
+        super().__init__()
+        self.repeat, self.sdpa = repeat, sdpa
+
+    def forward(self, q, k, v, mask=None):
+        group = q.shape[1] // k.shape[1]
+        if self.repeat == "interleave":
+            k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
+        elif self.repeat == "expand":  # Hugging Face's repeat_kv
+            b, h, s, d = k.shape
+            k = k[:, :, None, :, :].expand(b, h, group, s, d).reshape(b, h * group, s, d)
+            v = v[:, :, None, :, :].expand(b, h, group, s, d).reshape(b, h * group, s, d)
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, **self.sdpa)
+
+
+def _inputs(rows=1, heads=8, kv_heads=2, length=32, dim=16, dtype=torch.float32):
+    return (torch.randn(1, heads, rows, dim, dtype=dtype), torch.randn(1, kv_heads, length, dim, dtype=dtype),
+            torch.randn(1, kv_heads, length, dim, dtype=dtype))
+
+
+def test_the_decode_step_of_the_llama_decoder_is_fused_once_a_layer_reading_its_cache_unrepeated():
+    graph, config = _llama_graph("decode")
+    sites = decode_attention_sites(graph)
+    assert len(sites) == config.layers
+    for site in sites:
+        assert site.group == config.heads // config.kv_heads
+        # the cache itself, as its index_copy_ left it, not a repeated copy
+        assert str(site.key.target) == str(site.value.target) == "aten.index_copy_.default"
+        assert [str(node.target) for node in site.repeats] == ["aten.repeat_interleave.self_int"] * 2
+        assert site.scale == pytest.approx(config.head_dim ** -0.5)
+
+
+def test_a_prompt_of_dynamic_length_is_left_to_sdpa():
+    graph, _ = _llama_graph("prefill")
+    assert decode_attention_sites(graph) == []
+
+
+@pytest.mark.parametrize("repeat", ["interleave", "expand"])
+def test_keys_and_values_repeated_per_head_by_the_model_are_read_unrepeated(repeat):
+    q, k, v = _inputs()
+    (site,) = decode_attention_sites(_graph(_Attention(repeat), (q, k, v)))
+    assert site.group == 4 and site.key.op == "placeholder" and site.value.op == "placeholder"
+
+
+def test_sdpas_own_grouped_query_attention_is_fused_with_its_group():
+    q, k, v = _inputs()
+    (site,) = decode_attention_sites(_graph(_Attention(enable_gqa=True, scale=0.5), (q, k, v)))
+    assert site.group == 4 and site.scale == 0.5 and site.repeats == ()
+
+
+@pytest.mark.parametrize("mask", [torch.ones(1, 32, dtype=torch.bool), torch.zeros(1, 1, 1, 32), torch.zeros(1, 8, 1, 32)],
+                         ids=["bool-row", "additive-broadcast", "additive-per-head"])
+def test_masks_that_broadcast_are_fused(mask):
+    q, k, v = _inputs(kv_heads=8)
+    assert len(decode_attention_sites(_graph(_Attention(), (q, k, v, mask)))) == 1
+
+
+@pytest.mark.parametrize(("case", "module", "inputs"), [
+    ("causal", _Attention(is_causal=True), _inputs(kv_heads=8)),
+    ("dropout", _Attention(dropout_p=0.1), _inputs(kv_heads=8)),
+    ("many query rows", _Attention(), _inputs(rows=MAX_QUERY_ROWS + 1, kv_heads=8)),
+    ("float64", _Attention(), _inputs(kv_heads=8, dtype=torch.float64)),
+])
+def test_calls_the_kernel_would_not_compute_as_sdpa_are_left_alone(case, module, inputs):
+    assert decode_attention_sites(_graph(module, inputs)) == [], case
+
+
+def test_the_option_that_turns_it_off_is_cuda_runners_own_and_takes_a_bool():
+    assert check_options(torch, {OPTION: False}) == {OPTION: False}
+    with pytest.raises(InputError, match="true or false"):
+        check_options(torch, {OPTION: "no"})
+
+
+@pytest.mark.skipif(not __import__("importlib").util.find_spec("triton"), reason="Triton is not installed (CPU torch)")
+def test_the_fused_graph_computes_what_sdpa_does_under_tritons_interpreter(tmp_path):
+    """The rewritten graph run eagerly: the kernel through Triton's CPU interpreter."""
+    script = textwrap.dedent("""
+        import copy, torch
+        from models import scale_models
+        from cuda_runner.compile.attention import fuse_decode_attention
+        config = scale_models.LLAMA_TINY
+        model = scale_models.LlamaDecoder(config, torch.float32).eval()
+        examples = scale_models.llama_examples(config, 6)
+        with torch.no_grad():
+            model.prefill(*examples["prefill"])  # a cache with something in it
+        class Decode(torch.nn.Module):
+            def __init__(self, model): super().__init__(); self.model = model
+            def forward(self, tokens, position): return self.model.decode(tokens, position)
+        fused = torch.export.export(Decode(copy.deepcopy(model)), examples["decode"]).module()
+        plain = torch.export.export(Decode(copy.deepcopy(model)), examples["decode"]).module()
+        assert fuse_decode_attention(fused) == config.layers
+        assert not any("repeat_interleave" in str(node.target) for node in fused.graph.nodes)
+        with torch.no_grad():
+            error = (fused(*examples["decode"]) - plain(*examples["decode"])).abs().max().item()
+        assert error < 1e-4, error
+        print("ok", error)
+    """)
+    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": os.pathsep.join(sys.path)}
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=300)
+    assert result.returncode == 0 and "ok" in result.stdout, result.stderr[-2000:]

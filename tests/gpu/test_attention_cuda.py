@@ -1,0 +1,121 @@
+"""The fused decode attention on the GPU: the kernel against torch's SDPA over
+the shapes and masks it takes, and standalone CUDA builds of the scale
+models' tiny configurations, whose decode methods get it and still match
+eager step after step; the option that turns it off, through the CLI."""
+
+from __future__ import annotations
+
+import copy
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+from models import scale_models
+
+import cuda_runner
+from cuda_runner.compile.attention import OPTION
+
+pytestmark = pytest.mark.gpu
+
+# (heads, kv heads, query rows, cache positions, head dim, value dim)
+SHAPES = [(32, 8, 1, 512, 64, 64), (8, 8, 3, 77, 80, 80), (4, 1, 1, 4096, 128, 128), (6, 2, 16, 5, 32, 16), (2, 2, 1, 1, 8, 8)]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("mask", ["none", "bool", "additive", "all-masked"])
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda shape: "x".join(map(str, shape)))
+def test_the_kernel_computes_what_sdpa_does(shape, mask, dtype):
+    from cuda_runner.compile import attention_kernel  # noqa: F401  (registers the operator)
+
+    heads, kv_heads, rows, length, dim, value_dim = shape
+    generator = torch.Generator("cuda").manual_seed(sum(shape))
+    q, k, v = (torch.randn(size, device="cuda", dtype=dtype, generator=generator)
+               for size in ((2, heads, rows, dim), (2, kv_heads, length, dim), (2, kv_heads, length, value_dim)))
+    attn_mask = {"none": None, "bool": torch.rand(1, 1, rows, length, device="cuda", generator=generator) > 0.3,
+                 "additive": torch.randn(2, 1, 1, length, device="cuda", dtype=dtype, generator=generator),
+                 "all-masked": torch.zeros(rows, length, dtype=torch.bool, device="cuda")}[mask]
+    group = heads // kv_heads
+    got = torch.ops.cuda_runner.decode_attention(q, k, v, attn_mask, 0.37, group)
+    reference_mask = attn_mask if attn_mask is None or attn_mask.dtype == torch.bool else attn_mask.float()
+    want = F.scaled_dot_product_attention(q.float(), k.float().repeat_interleave(group, 1), v.float().repeat_interleave(group, 1),
+                                          attn_mask=reference_mask, scale=0.37)
+    want = torch.nan_to_num(want)  # a row with every position masked: zeros (torch's safe softmax; older torch gave NaN)
+    tolerance = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 2e-2}[dtype]
+    torch.testing.assert_close(got.float(), want, atol=tolerance, rtol=tolerance)
+
+
+def _generate(model, eager, config, prompt, steps):
+    positions = np.arange(prompt.shape[1])
+    errors = []
+    with torch.no_grad():
+        want = eager.prefill(torch.from_numpy(prompt).cuda(), torch.from_numpy(positions).cuda()).float().cpu().numpy()
+    model.run({"tokens": prompt, "input_pos": positions}, "prefill")
+    for step in range(steps):
+        token = np.array([[int(want.argmax())]], np.int64)
+        position = np.array([prompt.shape[1] + step], np.int64)
+        with torch.no_grad():
+            want = eager.decode(torch.from_numpy(token).cuda(), torch.from_numpy(position).cuda()).float().cpu().numpy()
+        got = model.run({"tokens": token, "input_pos": position}, "decode")["output_0"].astype(np.float32)
+        errors.append(float(np.abs(got - want).max()))
+    return errors
+
+
+def test_the_standalone_decoder_fuses_each_layers_decode_attention_and_matches_eager(tmp_path):
+    config = scale_models.LLAMA_TINY
+    torch.manual_seed(0)
+    module = scale_models.LlamaDecoder(config).eval()
+    path = tmp_path / "llama.bundle"
+    cuda_runner.compile_methods(copy.deepcopy(module), scale_models.llama_examples(config, 6), path, device="cuda",
+                                dynamic_shapes=scale_models.llama_dynamic_shapes(config))
+    methods = cuda_runner.read_manifest(path).methods
+    assert methods["decode"].compile_options["fused_decode_attention"] == config.layers
+    assert "fused_decode_attention" not in methods["prefill"].compile_options  # a prompt of dynamic length keeps SDPA's lowering
+    prompt = np.random.default_rng(3).integers(0, config.vocab, (1, 6), dtype=np.int64)
+    with cuda_runner.load(path, "cuda") as model:
+        errors = _generate(model, copy.deepcopy(module).cuda(), config, prompt, steps=12)
+    print(f"tiny decoder, fused attention: worst logit error {max(errors):.3g} over 12 decode steps (bfloat16)")
+    assert max(errors) < 5e-2
+
+
+def test_the_whisper_decoder_step_fuses_self_and_cross_attention_and_matches_eager(tmp_path):
+    config = scale_models.WHISPER_TINY
+    torch.manual_seed(1)
+    module = scale_models.Whisper(config).eval()
+    path = tmp_path / "whisper.bundle"
+    cuda_runner.compile_methods(copy.deepcopy(module), scale_models.whisper_examples(config), path, device="cuda")
+    options = cuda_runner.read_manifest(path).methods["decode"].compile_options
+    assert options["fused_decode_attention"] >= config.decoder_layers
+    eager = copy.deepcopy(module).cuda()
+    audio = scale_models.whisper_examples(config)["decode"][2].numpy()
+    with cuda_runner.load(path, "cuda") as model:
+        for position in range(6):
+            inputs = [np.array([[position + 1]], np.int64), np.array([position], np.int64), audio]
+            got = model.run(inputs, "decode")["output_0"]
+            with torch.no_grad():
+                want = eager.decode(*(torch.from_numpy(value).cuda() for value in inputs)).cpu().numpy()
+            np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4)
+
+
+def test_the_option_turns_it_off_through_the_cli(tmp_path):
+    config = scale_models.LLAMA_TINY
+    module = scale_models.LlamaDecoder(config, torch.float32).eval()
+
+    class Decode(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.model = module
+
+        def forward(self, tokens, input_pos):
+            return self.model.decode(tokens, input_pos)
+
+    torch.export.save(torch.export.export(Decode(), scale_models.llama_examples(config, 4)["decode"]), tmp_path / "decode.pt2")
+    for setting, expected in (("true", config.layers), ("false", None)):
+        bundle = tmp_path / f"{setting}.bundle"
+        result = subprocess.run([sys.executable, "-m", "cuda_runner", "compile", str(tmp_path / "decode.pt2"), "-o", str(bundle),
+                                 "--device", "cuda", "--quick", "--option", f"{OPTION}={setting}"], capture_output=True, text=True)
+        assert result.returncode == 0, result.stderr
+        options = cuda_runner.read_manifest(bundle).methods["forward"].compile_options
+        assert options.get("fused_decode_attention") == expected and options[OPTION] == (setting == "true")
