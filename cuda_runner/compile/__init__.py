@@ -7,6 +7,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import dataclasses
 import os
@@ -22,7 +23,7 @@ from ..files import check_destination, require_regular
 from ..format import Manifest, MethodSpec, write_bundle
 from ..format.manifest import CALL_HELPER, MUTATED_BUFFERS_OPTION, MUTATED_INPUTS_OPTION, READ_ONLY_BUFFERS_OPTION, method_name_problem
 from ..version import __version__
-from . import sharing
+from . import attention, sharing
 from .aot import (
     DEFAULT_CPU_TARGET,
     NO_GPU,
@@ -419,20 +420,8 @@ def _compile_method(
         # and nothing was kept between calls (torch's own aoti_load_package too).
         options = {**options, "joint_graph_constant_folding": False}
     compiled = compile_program(program, args, kwargs, device, progress, options, cpu_target, runtime)
-    spec, segments = _method_spec(torch, method, signature, compiled, written, device)
-    if _got_single_row_rule(compiled, options):
-        progress(f"checking {method!r} against eager PyTorch on its example inputs")
-        try:
-            problem = disagreement(torch, program, spec, segments, args, kwargs, device, None if written is None else written.buffers)
-        except NotChecked as reason:
-            warn(f"method {method!r}: compiled with coordinate-descent tuning and not checked against eager here ({reason})")
-            problem = None
-        if problem is not None:
-            warn(f"method {method!r}: compiled with coordinate-descent tuning (matrix-vector kernels), its library disagreed "
-                 f"with eager PyTorch on the example inputs ({problem}); compiled again without it")
-            compiled = compile_program(program, args, kwargs, device, progress, {**options, "coordinate_descent_tuning": False}, cpu_target, runtime)
-            spec, segments = _method_spec(torch, method, signature, compiled, written, device)
-            spec = dataclasses.replace(spec, compile_options={**spec.compile_options, "coordinate_descent_disagreed": problem})
+    compiled, spec, segments = _checked_against_eager(
+        torch, method, program, signature, written, args, kwargs, device, progress, options, cpu_target, runtime, warn, compiled)
     if compiled.note:
         warn(f"method {method!r}: {compiled.note}")
     if source.sample_inputs is not None:
@@ -467,9 +456,74 @@ def _method_spec(torch: Any, method: str, signature: Any, compiled: CompiledLibr
     return spec, segments
 
 
-def _got_single_row_rule(compiled: CompiledLibrary, options: Mapping[str, Any]) -> bool:
-    """Whether coordinate-descent tuning came from the single-row rule (a CUDA method), not from the caller."""
-    return compiled.device.type == "cuda" and bool(compiled.options.get("coordinate_descent_tuning")) and "coordinate_descent_tuning" not in options
+@dataclass(frozen=True)
+class _Choice:
+    """Something compile chose by itself for a CUDA method, which the check against eager can take back."""
+
+    what: str  # for the warning: "compiled with <what>"
+    off: dict[str, Any]  # the options that compile it without
+    record: str  # the manifest key that says why it was taken back
+
+
+_SINGLE_ROW = _Choice("coordinate-descent tuning (matrix-vector kernels)", {"coordinate_descent_tuning": False}, "coordinate_descent_disagreed")
+_FUSED_ATTENTION = _Choice("the fused decode attention", {attention.OPTION: False}, "fused_decode_attention_disagreed")
+
+
+def _own_choices(compiled: CompiledLibrary, options: Mapping[str, Any]) -> list[_Choice]:
+    """What compile chose for this CUDA method and the caller did not ask for: the
+    single-row rule's coordinate-descent tuning, the fused decode attention."""
+    if compiled.device.type != "cuda":
+        return []
+    choices = []
+    if compiled.options.get("coordinate_descent_tuning") and "coordinate_descent_tuning" not in options:
+        choices.append(_SINGLE_ROW)
+    if compiled.options.get("fused_decode_attention"):
+        choices.append(_FUSED_ATTENTION)
+    return choices
+
+
+def _checked_against_eager(
+    torch: Any, method: str, program: Any, signature: Any, written: _WrittenState | None, args: tuple, kwargs: dict,
+    device: str, progress: Progress, options: Mapping[str, Any], cpu_target: str, runtime: str, warn: Warn,
+    compiled: CompiledLibrary,
+) -> tuple[CompiledLibrary, MethodSpec, dict[str, Any]]:
+    """The method's library run once on its example inputs against eager where
+    compile chose something by itself (compile/check.py); where they disagree,
+    compiled again without those choices, one at a time, the likeliest first."""
+    spec, segments = _method_spec(torch, method, signature, compiled, written, device)
+    choices = _own_choices(compiled, options)
+    taken_back: dict[str, str] = {}
+    while choices:
+        progress(f"checking {method!r} against eager PyTorch on its example inputs")
+        try:
+            problem = disagreement(torch, program, spec, segments, args, kwargs, device, None if written is None else written.buffers)
+        except NotChecked as reason:
+            warn(f"method {method!r}: compiled with {' and '.join(choice.what for choice in choices)} "
+                 f"and not checked against eager here ({reason})")
+            break
+        if problem is None:
+            break
+        choice = choices.pop(0)
+        warn(f"method {method!r}: compiled with {choice.what}, its library disagreed with eager PyTorch on the example inputs "
+             f"({problem}); compiled again without it")
+        options = {**options, **choice.off}
+        taken_back[choice.record] = problem
+        compiled = compile_program(program, args, kwargs, device, progress, options, cpu_target, runtime)
+        spec, segments = _method_spec(torch, method, signature, compiled, written, device)
+        spec = dataclasses.replace(spec, compile_options={**spec.compile_options, **taken_back})
+        if not choices:
+            _last_check(torch, method, program, spec, segments, args, kwargs, device, written, warn)
+    return compiled, spec, segments
+
+
+def _last_check(torch: Any, method: str, program: Any, spec: MethodSpec, segments: dict[str, Any], args: tuple, kwargs: dict,
+                device: str, written: _WrittenState | None, warn: Warn) -> None:
+    """After every choice is taken back: say so where the library still disagrees (the cause is elsewhere)."""
+    with contextlib.suppress(NotChecked):
+        problem = disagreement(torch, program, spec, segments, args, kwargs, device, None if written is None else written.buffers)
+        if problem is not None:
+            warn(f"method {method!r}: its library still disagrees with eager PyTorch on the example inputs ({problem}); "
+                 "bundled as compiled: check its outputs (run --expected)")
 
 
 def _example_inputs(program: Any, device: str) -> tuple[tuple, dict]:

@@ -5,8 +5,10 @@ tuning on for a CUDA method by itself. On the H200 machine, Whisper-base's
 decoder step compiled standalone with it disagreed with eager by 3% of the
 logits' scale, where the libtorch-bound library with it and the standalone
 one without it agreed within 1e-4 (docs/benchmarks.md, "Whisper-base").
-So a method that got the rule is checked here before it is bundled, and
-compiled again without it where it disagrees.
+So a method that got the rule, or the fused decode attention
+(compile/attention.py), is checked here before it is bundled, and compiled
+again without them, one at a time, where it disagrees
+(compile/__init__.py, _checked_against_eager).
 
 The library is checked as the runtime will run it: written to a temporary
 one-method bundle and loaded through cuda_runner's own load path. Eager runs

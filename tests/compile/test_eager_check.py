@@ -74,7 +74,54 @@ def test_a_method_the_check_refuses_is_compiled_again_without_coordinate_descent
     assert [options.get("coordinate_descent_tuning") for options in asked] == [None, False]
     assert spec.compile_options["coordinate_descent_tuning"] is False
     assert "9.7 from eager" in spec.compile_options["coordinate_descent_disagreed"]
-    assert len(notes) == 1 and "compiled again without it" in notes[0]
+    assert "compiled again without it" in notes[0]
+    assert len(notes) == 2 and "still disagrees" in notes[1]  # checked again: the stand-in disagrees whatever is compiled
+
+
+def _fake_compiles(monkeypatch, problems):
+    """compile_program standing in for a CUDA compile that records what it chose (coordinate
+    descent unless told otherwise, the fused attention unless turned off), and a check that
+    answers from `problems` in turn."""
+    from cuda_runner.compile.attention import OPTION
+
+    asked: list[dict] = []
+
+    def fake_compile(program, args, kwargs, device, progress, options, cpu_target, runtime):
+        asked.append(dict(options))
+        recorded = {"coordinate_descent_tuning": options.get("coordinate_descent_tuning", True)}
+        if options.get(OPTION, True):
+            recorded["fused_decode_attention"] = 2
+        return CompiledLibrary(b"library", b"", DeviceSpec(type="cuda", compute_capability="9.0"), recorded)
+
+    answers = iter(problems)
+    monkeypatch.setattr(compile_package, "compile_program", fake_compile)
+    monkeypatch.setattr(compile_package, "_with_library_buffers", lambda written, library, device: written)
+    monkeypatch.setattr(compile_package, "disagreement", lambda *args: next(answers))
+    return asked
+
+
+def test_where_taking_coordinate_descent_back_is_enough_the_fused_attention_stays(monkeypatch):
+    program = export_module(torch.nn.Linear(3, 2), (torch.randn(1, 3),), {}, None).program
+    asked = _fake_compiles(monkeypatch, ["output 'output_0' is 9.7 from eager's", None])
+    notes: list[str] = []
+    spec, _, _ = _compile_method(torch, "decode", MethodSource(program), "cpu", lambda _: None, {}, warn=notes.append)
+    assert len(asked) == 2 and asked[1] == {"coordinate_descent_tuning": False}
+    assert spec.compile_options["fused_decode_attention"] == 2 and "fused_decode_attention_disagreed" not in spec.compile_options
+    assert len(notes) == 1 and "coordinate-descent tuning" in notes[0]
+
+
+def test_then_the_fused_attention_is_taken_back_too(monkeypatch):
+    from cuda_runner.compile.attention import OPTION
+
+    program = export_module(torch.nn.Linear(3, 2), (torch.randn(1, 3),), {}, None).program
+    asked = _fake_compiles(monkeypatch, ["9.7 from eager's", "8.1 from eager's", None])
+    notes: list[str] = []
+    spec, _, _ = _compile_method(torch, "decode", MethodSource(program), "cpu", lambda _: None, {}, warn=notes.append)
+    assert asked[1:] == [{"coordinate_descent_tuning": False}, {"coordinate_descent_tuning": False, OPTION: False}]
+    assert spec.compile_options["coordinate_descent_disagreed"] == "9.7 from eager's"
+    assert spec.compile_options["fused_decode_attention_disagreed"] == "8.1 from eager's"
+    assert "fused_decode_attention" not in spec.compile_options
+    assert len(notes) == 2 and "the fused decode attention" in notes[1]
 
 
 def test_coordinate_descent_the_caller_asked_for_is_not_second_guessed(monkeypatch):
