@@ -65,12 +65,15 @@ SIZES = {"1b": scale_models.LLAMA_1B, "tiny": scale_models.LLAMA_TINY}
 SETTINGS: dict[str, Any] = {"size": "1b", "device": "cuda", "prompt": 32, "steps": 128, "builds": ["default", "libtorch", "quick", "executorch"],
                             "peers": True}
 # The builds of the decoder: compile_methods keywords beyond the common ones.
+# options: a Python expression (aot is cuda_runner.compile.aot).
 BUILDS: dict[str, dict[str, Any]] = {
-    "default": {"runtime": "auto"},
-    "libtorch": {"runtime": "libtorch"},
-    "quick": {"runtime": "auto", "options": "QUICK_OPTIONS"},
+    "default": {"runtime": "auto", "options": "None"},
+    "libtorch": {"runtime": "libtorch", "options": "None"},
+    "quick": {"runtime": "auto", "options": "aot.QUICK_OPTIONS"},
+    "unfused": {"runtime": "auto", "options": "{'cuda_runner.fuse_decode_attention': False}"},
 }
-LABELS = {"default": "default bundle", "libtorch": "--libtorch bundle", "quick": "--quick bundle", "executorch": "ExecuTorch 1.5 program"}
+LABELS = {"default": "default bundle", "libtorch": "--libtorch bundle", "quick": "--quick bundle", "executorch": "ExecuTorch 1.5 program",
+          "unfused": "default bundle, attention not fused (cuda_runner.fuse_decode_attention=false)"}
 COMPILE_TIMEOUT_S = float(os.environ.get("BENCH_SCALE_COMPILE_TIMEOUT", "480"))  # each side-by-side batch of compiles
 
 
@@ -124,7 +127,7 @@ import bench_scale, scale_models, cuda_runner
 from cuda_runner.compile import aot
 bench_scale.SETTINGS.update({settings!r})
 module = bench_scale.build_llama()
-options = getattr(aot, {options!r}) if {options!r} else None
+options = {options}
 notes = []
 started = time.perf_counter()
 manifest = cuda_runner.compile_methods(module, scale_models.llama_examples(module.config, bench_scale.SETTINGS["prompt"], {device!r}), {path!r},
@@ -158,7 +161,8 @@ print(json.dumps(bench_scale.export_executorch({folder!r})))
 def how_built(manifest) -> dict[str, dict[str, Any]]:
     """What each method's library was built as, from its manifest's compile options."""
     return {name: {key: spec.compile_options.get(key) for key in
-                   ("standalone", "libtorch_because", "coordinate_descent_tuning", "coordinate_descent_disagreed")}
+                   ("standalone", "libtorch_because", "coordinate_descent_tuning", "coordinate_descent_disagreed",
+                    "fused_decode_attention", "fused_decode_attention_disagreed")}
             for name, spec in manifest.methods.items()}
 
 
@@ -230,7 +234,7 @@ def stage_compile(work: Path) -> dict[str, Any]:
         path = artifact(work, build)
         path.unlink(missing_ok=True)
         jobs[build] = COMPILE_BUNDLE.format(**common, path=str(path), device=SETTINGS["device"], runtime=keywords["runtime"],
-                                            options=keywords.get("options", ""))
+                                            options=keywords["options"])
     if cuda() and SETTINGS["peers"]:
         jobs["torch package"] = COMPILE_TORCH_PACKAGE.format(**common, path=str(work / "decode.pt2"))
     if cuda() and "executorch" in SETTINGS["builds"] and _has_executorch():
@@ -741,7 +745,8 @@ manifest = cuda_runner.compile_methods(module.cuda(), examples, {path!r}, device
 print(json.dumps({{"seconds": round(time.perf_counter() - started, 1), "notes": notes, "methods": bench_scale.how_built(manifest)}}))
 """
 
-WHISPER_VARIANTS = {"default": ("auto", None), "--libtorch": ("libtorch", None), "default, no coordinate descent": ("auto", {"coordinate_descent_tuning": False})}
+# (--libtorch was measured too: 2.3e-5 - 6.1e-5 per step, docs/benchmarks.md.)
+WHISPER_VARIANTS = {"default": ("auto", None), "default, no coordinate descent": ("auto", {"coordinate_descent_tuning": False})}
 
 
 def stage_whisper(work: Path) -> dict[str, Any]:

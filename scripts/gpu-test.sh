@@ -101,10 +101,11 @@ if [ "${GPU_STANDALONE:-0}" = 1 ]; then
     ${GPU_STANDALONE_HF:+--hf} 2>&1 | tee "$out/standalone.log"
 fi
 if [ -n "${GPU_SCALE:-}" ]; then
-  # GPU_SCALE: the stages of scripts/bench_scale.py to run (compile,check,load,decode,big); WORK kept between calls on a warm
+  # GPU_SCALE: the stages of scripts/bench_scale.py to run (compile,check,load,decode,big,whisper), GPU_SCALE_ARGS more of its
+  # arguments (--builds default,libtorch); WORK kept between calls on a warm
   # machine. With ExecuTorch's wheels carried (.gpu-et/), the compile stage also exports the 1B decoder as an ExecuTorch program.
   PYTHONPATH="$PYTHONPATH${et:+:$et}" python3 -X faulthandler scripts/bench_scale.py --stages "$GPU_SCALE" \
-    --work "${GPU_SCALE_WORK:-/tmp/cuda-runner-scale}" --out "$out" 2>&1 | tee -a "$out/scale.log"
+    --work "${GPU_SCALE_WORK:-/tmp/cuda-runner-scale}" --out "$out" ${GPU_SCALE_ARGS:-} 2>&1 | tee -a "$out/scale.log"
 fi
 if [ "${GPU_FLOOR:-0}" = 1 ]; then
   # The MLP --standalone: per call beside the C program, layer by layer, and a cold no-torch CLI run broken down.
