@@ -321,8 +321,10 @@ def _compile_once(
             options["aot_inductor.check_lowerbound"] = False
         module = program.module()  # a new graph module: the program itself stays as exported
         fused = 0
-        if standalone and device != "cpu" and own.get(attention.OPTION, True) and attention.fusion_available():
-            fused = attention.fuse_decode_attention(module)
+        if standalone and device != "cpu":
+            if own.get(attention.OPTION, True) and attention.fusion_available():
+                fused = attention.fuse_decode_attention(module)
+            attention.pin_sdpa_layout(module)
         progress("compiling with AOTInductor (this takes tens of seconds)")
         try:
             with _math_attention(torch) if standalone else contextlib.nullcontext(), torch_talking_to_itself():

@@ -24,6 +24,8 @@ MAX_QUERY_ROWS = 16
 # The compile option that turns the fusion off ({"cuda_runner.fuse_decode_attention": False}).
 OPTION = "cuda_runner.fuse_decode_attention"
 _DTYPES = frozenset({"torch.float16", "torch.bfloat16", "torch.float32"})
+# SDPA, and the fused kernel that took its place (which writes [B, H, L, D] contiguous, as the math form does).
+_ATTENTION_CALLS = frozenset({"aten.scaled_dot_product_attention.default", "cuda_runner.decode_attention.default"})
 _SDPA_PARAMETERS = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale", "enable_gqa")
 _SDPA_DEFAULTS: dict[str, Any] = {"attn_mask": None, "dropout_p": 0.0, "is_causal": False, "scale": None, "enable_gqa": False}
 
@@ -79,7 +81,7 @@ def fuse_decode_attention(graph_module: Any) -> int:
     for site in sites:
         with graph.inserting_before(site.node):
             fused = graph.call_function(operator, (site.query, site.key, site.value, site.mask, site.scale, site.group))
-        fused.meta.update({key: value for key, value in site.node.meta.items() if key != "val"})
+        fused.meta.update(site.node.meta)  # its value as export saw it: pin_sdpa_layout reads the layout
         site.node.replace_all_uses_with(fused)
         graph.erase_node(site.node)
         for repeat in site.repeats:  # innermost last: each may free the one before
@@ -88,6 +90,67 @@ def fuse_decode_attention(graph_module: Any) -> int:
     graph.lint()
     graph_module.recompile()
     return len(sites)
+
+
+def pin_sdpa_layout(graph_module: Any) -> int:
+    """Give the SDPA calls of `graph_module` (and the fused kernels that replaced
+    some) the memory layout their export assumed where the math form would write
+    another; the number of calls.
+
+    Export computes SDPA's output as the kernel torch would pick lays it out:
+    behind the [B, H, L, D] view, memory ordered [B, L, H, D] or [L, B, H, D].
+    Code after it is traced against that layout: nn.MultiheadAttention
+    permutes the output to [L, B, H, D], finds it contiguous, so drops its
+    .contiguous(), and views it as [L*B, H*D]. The math form a standalone build
+    lowers SDPA to writes [B, H, L, D] instead, and Inductor refused that view
+    (ViT-B/16's and Whisper's encoders fell back to libtorch). A copy in the
+    recorded order restores the layout."""
+    import torch
+
+    graph = graph_module.graph
+    aten = torch.ops.aten
+    pinned = 0
+    for node in list(graph.nodes):
+        if node.op != "call_function" or str(node.target) not in _ATTENTION_CALLS:
+            continue
+        order = _memory_order(_value(node))
+        if order is None:
+            continue
+        users = list(node.users)
+        inverse = [order.index(dim) for dim in range(len(order))]
+        with graph.inserting_after(node):
+            ordered = graph.call_function(aten.permute.default, (node, order))
+        with graph.inserting_after(ordered):
+            packed = graph.call_function(aten.clone.default, (ordered,), {"memory_format": torch.contiguous_format})
+        with graph.inserting_after(packed):
+            restored = graph.call_function(aten.permute.default, (packed, inverse))
+        for user in users:
+            user.replace_input_with(node, restored)
+        pinned += 1
+    if pinned:
+        graph.lint()
+        graph_module.recompile()
+    return pinned
+
+
+def _memory_order(value: Any) -> list[int] | None:
+    """The dims of a dense tensor from the outermost in memory to the innermost,
+    where that is not their order (None where it is, or the strides are not a
+    dense permutation, or symbolic)."""
+    shape, strides = getattr(value, "shape", None), value.stride() if hasattr(value, "stride") else None
+    if shape is None or strides is None or not all(isinstance(size, int) for size in (*shape, *strides)):
+        return None
+    sized = [dim for dim in range(len(shape)) if shape[dim] != 1]  # a dim of one element sits anywhere
+    order = sorted(sized, key=lambda dim: -strides[dim])
+    expected = 1
+    for dim in reversed(order):
+        if strides[dim] != expected:
+            return None
+        expected *= shape[dim]
+    if order == sized:
+        return None  # contiguous already: the math form writes it so
+    ones = [dim for dim in range(len(shape)) if shape[dim] == 1]
+    return ones + order
 
 
 def _site(node: Any) -> AttentionSite | None:

@@ -144,3 +144,16 @@ def test_the_fused_graph_computes_what_sdpa_does_under_tritons_interpreter(tmp_p
     env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": os.pathsep.join(sys.path)}
     result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=300)
     assert result.returncode == 0 and "ok" in result.stdout, result.stderr[-2000:]
+
+
+def test_sdpa_outputs_keep_the_layout_export_saw_and_their_values():
+    from cuda_runner.compile.attention import pin_sdpa_layout
+
+    module = scale_models.VisionTransformer(scale_models.VIT_TINY).eval()
+    image = torch.randn(2, 3, 32, 32)
+    graph_module = torch.export.export(module, (image,)).module()
+    with torch.no_grad():
+        before = graph_module(image)
+        assert pin_sdpa_layout(graph_module) == scale_models.VIT_TINY.layers
+        torch.testing.assert_close(graph_module(image), before)
+    assert sum(str(node.target) == "aten.clone.default" for node in graph_module.graph.nodes) >= scale_models.VIT_TINY.layers

@@ -119,3 +119,17 @@ def test_the_option_turns_it_off_through_the_cli(tmp_path):
         assert result.returncode == 0, result.stderr
         options = cuda_runner.read_manifest(bundle).methods["forward"].compile_options
         assert options.get("fused_decode_attention") == expected and options[OPTION] == (setting == "true")
+
+
+def test_an_encoder_with_multi_head_attention_compiles_standalone_and_matches_eager(tmp_path):
+    """ViT's nn.MultiheadAttention views SDPA's output in the layout export saw (compile/attention.py, pin_sdpa_layout):
+    without the pin the standalone compile failed on a view and fell back to libtorch."""
+    torch.manual_seed(2)
+    module = scale_models.VisionTransformer(scale_models.VIT_TINY).eval().cuda()
+    image = torch.randn(2, 3, 32, 32, device="cuda")
+    path = tmp_path / "vit.bundle"
+    cuda_runner.compile_methods(module, {"forward": (image,)}, path, device="cuda", runtime="standalone")
+    with cuda_runner.load(path, "cuda") as model:
+        got = model.run([image.cpu().numpy()])["output_0"]
+    with torch.no_grad():
+        np.testing.assert_allclose(got, module(image).cpu().numpy(), rtol=1e-4, atol=1e-4)
