@@ -420,6 +420,9 @@ def _compile_method(
         # and nothing was kept between calls (torch's own aoti_load_package too).
         options = {**options, "joint_graph_constant_folding": False}
     compiled = compile_program(program, args, kwargs, device, progress, options, cpu_target, runtime)
+    if compiled.options.get("fused_decode_attention_failed"):
+        warn(f"method {method!r}: the fused decode attention did not compile ({compiled.options['fused_decode_attention_failed']}); "
+             "compiled without it")
     compiled, spec, segments = _checked_against_eager(
         torch, method, program, signature, written, args, kwargs, device, progress, options, cpu_target, runtime, warn, compiled)
     if compiled.note:

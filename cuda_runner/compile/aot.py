@@ -48,8 +48,8 @@ AUTOTUNE_OPTIONS: dict[str, Any] = {"max_autotune": True, "coordinate_descent_tu
 # Inductor's Triton templates instead of cuBLAS/cuDNN extern kernels, as
 # ExecuTorch's CUDA backend compiles, so the library imports only tensor
 # basics, which cuda-runner's own shim provides (attention is lowered with
-# SDPA's math backend while compiling, for the same reason, and a decode
-# step's attention with a fused kernel of our own: compile/attention.py). CPU libraries
+# SDPA's math backend while compiling, for the same reason; a decode step's
+# attention can take a fused kernel of our own instead: compile/attention.py). CPU libraries
 # need nothing extra: the shim has GEMMs on a BLAS, convolution and vector math.
 STANDALONE_CUDA_OPTIONS: dict[str, Any] = {
     "max_autotune": True, "max_autotune_gemm_backends": "TRITON", "max_autotune_conv_backends": "TRITON",
@@ -319,18 +319,8 @@ def _compile_once(
             # sizes 0 and 1 of every dynamic dim, which export assumes >= 2 but
             # the generated code handles; the manifest's bounds are checked anyway.
             options["aot_inductor.check_lowerbound"] = False
-        module = program.module()  # a new graph module: the program itself stays as exported
-        fused = 0
-        if standalone and device != "cpu":
-            if own.get(attention.OPTION, True) and attention.fusion_available():
-                fused = attention.fuse_decode_attention(module)
-            attention.pin_sdpa_layout(module)
-        progress("compiling with AOTInductor (this takes tens of seconds)")
-        try:
-            with _math_attention(torch) if standalone else contextlib.nullcontext(), torch_talking_to_itself():
-                library_path = Path(torch._inductor.aot_compile(module, example_args, dict(example_kwargs), options=options))
-        except Exception as error:  # inductor raises many types; report one line
-            raise CompileError(f"AOTInductor compile failed: {type(error).__name__}: {_first_line(error)}") from error
+        fuse = standalone and device != "cpu" and own.get(attention.OPTION, False)
+        library_path, fused, fusion_failed = _aot_compile(torch, program, example_args, example_kwargs, options, standalone, device, fuse, progress)
         weights_path = library_path.with_name(library_path.name[: -len(".so")] + "_weights.blob")
         metadata = _sidecar_metadata(library_path)
         recorded = {key: value for key, value in options.items() if key not in ("aot_inductor.output_path", "cpp.cxx")}
@@ -338,6 +328,8 @@ def _compile_once(
         recorded.update(own)
         if fused:
             recorded["fused_decode_attention"] = fused
+        if fusion_failed:
+            recorded["fused_decode_attention_failed"] = fusion_failed
         if cpu_build is not None:
             recorded["cpu_target"] = cpu_target
             recorded["cpu_build_flags"] = list(cpu_build.flags)
@@ -353,6 +345,31 @@ def _compile_once(
     finally:
         isa_pin.close()  # the one place the pin is released, however the compile ended
         shutil.rmtree(work_dir, ignore_errors=True)
+
+
+def _aot_compile(
+    torch: Any, program: Any, example_args: tuple, example_kwargs: Mapping[str, Any], options: Mapping[str, Any], standalone: bool,
+    device: str, fuse: bool, progress: Progress,
+) -> tuple[Path, int, str | None]:
+    """The library AOTInductor builds from the program, how many SDPA calls became
+    the fused decode attention, and why the fusion was given up where its
+    compile failed (the method is then compiled without it: the kernel is an
+    optimisation, never a reason to lose the build)."""
+    failure: str | None = None
+    while True:
+        module = program.module()  # a new graph module: the program itself stays as exported
+        fused = attention.fuse_decode_attention(module) if fuse and attention.fusion_available() else 0
+        if standalone and device != "cpu":
+            attention.pin_sdpa_layout(module)
+        progress("compiling with AOTInductor (this takes tens of seconds)")
+        try:
+            with _math_attention(torch) if standalone else contextlib.nullcontext(), torch_talking_to_itself():
+                return Path(torch._inductor.aot_compile(module, example_args, dict(example_kwargs), options=dict(options))), fused, failure
+        except Exception as error:  # inductor raises many types; report one line
+            if not fused:
+                raise CompileError(f"AOTInductor compile failed: {type(error).__name__}: {_first_line(error)}") from error
+            failure, fuse = f"{type(error).__name__}: {_first_line(error)}", False
+            progress(f"the fused decode attention did not compile ({failure}); compiling without it")
 
 
 @contextlib.contextmanager

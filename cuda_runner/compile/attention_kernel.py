@@ -44,7 +44,9 @@ def _decode_attention_kernel(
     dims = tl.arange(0, BLOCK_D)
     value_dims = tl.arange(0, BLOCK_DV)
     q = tl.load(query + batch * q_b + head * q_h + row * q_l + dims * q_d, mask=dims < HEAD_DIM, other=0.0)
-    q = q.to(tl.float32) * scale
+    # The product is cast, not the scale: Inductor passes the scale as fp64 to the
+    # kernel it builds, and as a Python float to its analysis of what the kernel writes.
+    q = (q.to(tl.float32) * scale).to(tl.float32)
     running_max = tl.full([], float("-inf"), tl.float32)
     running_sum = tl.full([], 0.0, tl.float32)
     acc = tl.zeros([BLOCK_DV], dtype=tl.float32)

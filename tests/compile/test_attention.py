@@ -18,7 +18,7 @@ from models import scale_models
 
 from cuda_runner.compile.aot import check_options
 from cuda_runner.compile.attention import MAX_QUERY_ROWS, OPTION, decode_attention_sites
-from cuda_runner.errors import InputError
+from cuda_runner.errors import CompileError, InputError
 
 
 class _Method(torch.nn.Module):
@@ -157,3 +157,56 @@ def test_sdpa_outputs_keep_the_layout_export_saw_and_their_values():
         assert pin_sdpa_layout(graph_module) == scale_models.VIT_TINY.layers
         torch.testing.assert_close(graph_module(image), before)
     assert sum(str(node.target) == "aten.clone.default" for node in graph_module.graph.nodes) >= scale_models.VIT_TINY.layers
+
+
+def test_a_fused_attention_that_does_not_compile_costs_the_fusion_not_the_build(monkeypatch):
+    """What happened on the H200 before the kernel's scale was cast: Inductor's build of the kernel failed."""
+    from types import SimpleNamespace
+
+    from cuda_runner.compile import aot, attention
+
+    compiled: list[int] = []
+
+    def aot_compile(module, args, kwargs, options):
+        compiled.append(module.fused)
+        if module.fused:
+            raise RuntimeError("Failed to run autotuning code block: at 22:4:\n    for start in range(0, kv_length, BLOCK_N):")
+        return "/nowhere/model.so"
+
+    fake_torch = SimpleNamespace(_inductor=SimpleNamespace(aot_compile=aot_compile))
+    monkeypatch.setattr(attention, "fusion_available", lambda: True)
+    monkeypatch.setattr(attention, "fuse_decode_attention", lambda module: setattr(module, "fused", 2) or 2)
+    monkeypatch.setattr(attention, "pin_sdpa_layout", lambda module: 0)
+    program = SimpleNamespace(module=lambda: SimpleNamespace(fused=0))
+    heard: list[str] = []
+    path, fused, failure = aot._aot_compile(fake_torch, program, (), {}, {}, False, "cuda", True, heard.append)
+    assert compiled == [2, 0] and fused == 0 and str(path) == "/nowhere/model.so"
+    assert failure == "RuntimeError: Failed to run autotuning code block: at 22:4:"
+    assert any("compiling without it" in line for line in heard)
+    with pytest.raises(CompileError, match="AOTInductor compile failed: RuntimeError"):  # without the fusion, a failure is the compile's
+        aot._aot_compile(fake_torch, SimpleNamespace(module=lambda: SimpleNamespace(fused=1)), (), {}, {}, False, "cuda", False, heard.append)
+
+
+@pytest.mark.skipif(not __import__("importlib").util.find_spec("triton"), reason="Triton is not installed (CPU torch)")
+@pytest.mark.parametrize("scale_type", ["fp64", "constexpr"])
+def test_the_kernel_builds_for_sm90_as_inductor_passes_its_scale(scale_type):
+    """Inductor passes the scale as fp64 to the kernel it builds and as a specialised Python
+    float to its analysis of what the kernel writes; on the H200 the first broke the softmax's
+    loop-carried types and the second a .to() on the scale. Triton compiles for sm90 without a GPU."""
+    import inspect
+
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from cuda_runner.compile.attention_kernel import _decode_attention_kernel
+
+    parameters = list(inspect.signature(_decode_attention_kernel.fn).parameters)
+    pointers = {"query": "*bf16", "key": "*bf16", "value": "*bf16", "out": "*bf16", "mask": "*i1"}
+    signature = {name: pointers.get(name, scale_type if name == "scale" else "constexpr" if name.isupper() else "i32") for name in parameters}
+    constants = {"HEADS": 32, "ROWS": 1, "HEAD_DIM": 64, "VALUE_DIM": 64, "BLOCK_N": 128, "BLOCK_D": 64, "BLOCK_DV": 64, "MASK_KIND": 1}
+    if scale_type == "constexpr":
+        constants["scale"] = 0.125
+    source = ASTSource(fn=_decode_attention_kernel, signature=signature,
+                       constexprs={(parameters.index(name),): value for name, value in constants.items()})
+    triton.compile(source, target=GPUTarget("cuda", 90, 32))

@@ -1,7 +1,8 @@
 """The fused decode attention on the GPU: the kernel against torch's SDPA over
 the shapes and masks it takes, and standalone CUDA builds of the scale
-models' tiny configurations, whose decode methods get it and still match
-eager step after step; the option that turns it off, through the CLI."""
+models' tiny configurations that ask for it (--option
+cuda_runner.fuse_decode_attention=true), whose decode methods get it and
+still match eager step after step; the option through the CLI."""
 
 from __future__ import annotations
 
@@ -69,7 +70,7 @@ def test_the_standalone_decoder_fuses_each_layers_decode_attention_and_matches_e
     module = scale_models.LlamaDecoder(config).eval()
     path = tmp_path / "llama.bundle"
     cuda_runner.compile_methods(copy.deepcopy(module), scale_models.llama_examples(config, 6), path, device="cuda",
-                                dynamic_shapes=scale_models.llama_dynamic_shapes(config))
+                                dynamic_shapes=scale_models.llama_dynamic_shapes(config), options={OPTION: True})
     methods = cuda_runner.read_manifest(path).methods
     assert methods["decode"].compile_options["fused_decode_attention"] == config.layers
     assert "fused_decode_attention" not in methods["prefill"].compile_options  # a prompt of dynamic length keeps SDPA's lowering
@@ -85,7 +86,7 @@ def test_the_whisper_decoder_step_fuses_self_and_cross_attention_and_matches_eag
     torch.manual_seed(1)
     module = scale_models.Whisper(config).eval()
     path = tmp_path / "whisper.bundle"
-    cuda_runner.compile_methods(copy.deepcopy(module), scale_models.whisper_examples(config), path, device="cuda")
+    cuda_runner.compile_methods(copy.deepcopy(module), scale_models.whisper_examples(config), path, device="cuda", options={OPTION: True})
     options = cuda_runner.read_manifest(path).methods["decode"].compile_options
     assert options["fused_decode_attention"] >= config.decoder_layers
     eager = copy.deepcopy(module).cuda()
@@ -96,10 +97,10 @@ def test_the_whisper_decoder_step_fuses_self_and_cross_attention_and_matches_eag
             got = model.run(inputs, "decode")["output_0"]
             with torch.no_grad():
                 want = eager.decode(*(torch.from_numpy(value).cuda() for value in inputs)).cpu().numpy()
-            np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4)
+            np.testing.assert_allclose(got, want, rtol=1e-3, atol=2e-3)  # float32 GEMMs in Triton templates, sums reordered
 
 
-def test_the_option_turns_it_off_through_the_cli(tmp_path):
+def test_the_option_turns_it_on_and_off_through_the_cli(tmp_path):
     config = scale_models.LLAMA_TINY
     module = scale_models.LlamaDecoder(config, torch.float32).eval()
 
@@ -119,6 +120,7 @@ def test_the_option_turns_it_off_through_the_cli(tmp_path):
         assert result.returncode == 0, result.stderr
         options = cuda_runner.read_manifest(bundle).methods["forward"].compile_options
         assert options.get("fused_decode_attention") == expected and options[OPTION] == (setting == "true")
+        assert "fused_decode_attention_failed" not in options and options["standalone"] is True
 
 
 def test_an_encoder_with_multi_head_attention_compiles_standalone_and_matches_eager(tmp_path):
@@ -132,4 +134,4 @@ def test_an_encoder_with_multi_head_attention_compiles_standalone_and_matches_ea
     with cuda_runner.load(path, "cuda") as model:
         got = model.run([image.cpu().numpy()])["output_0"]
     with torch.no_grad():
-        np.testing.assert_allclose(got, module(image).cpu().numpy(), rtol=1e-4, atol=1e-4)
+        np.testing.assert_allclose(got, module(image).cpu().numpy(), rtol=1e-3, atol=2e-3)  # float32 GEMMs in Triton templates, sums reordered
