@@ -461,7 +461,7 @@ def _method_spec(torch: Any, method: str, signature: Any, compiled: CompiledLibr
 
 @dataclass(frozen=True)
 class _Choice:
-    """Something compile chose by itself for a CUDA method, which the check against eager can take back."""
+    """Something in a CUDA method's build that the check against eager can take back."""
 
     what: str  # for the warning: "compiled with <what>"
     off: dict[str, Any]  # the options that compile it without
@@ -473,8 +473,10 @@ _FUSED_ATTENTION = _Choice("the fused decode attention", {attention.OPTION: Fals
 
 
 def _own_choices(compiled: CompiledLibrary, options: Mapping[str, Any]) -> list[_Choice]:
-    """What compile chose for this CUDA method and the caller did not ask for: the
-    single-row rule's coordinate-descent tuning, the fused decode attention."""
+    """What the check against eager may take back from this CUDA method: the
+    single-row rule's coordinate-descent tuning (where the caller did not set
+    the option), and the fused decode attention (cuda-runner's own kernel,
+    checked wherever a caller asked for it)."""
     if compiled.device.type != "cuda":
         return []
     choices = []
@@ -491,8 +493,9 @@ def _checked_against_eager(
     compiled: CompiledLibrary,
 ) -> tuple[CompiledLibrary, MethodSpec, dict[str, Any]]:
     """The method's library run once on its example inputs against eager where
-    compile chose something by itself (compile/check.py); where they disagree,
-    compiled again without those choices, one at a time, the likeliest first."""
+    its build has something the check may take back (_own_choices;
+    compile/check.py); where they disagree, compiled again without them, one
+    at a time, the likeliest first."""
     spec, segments = _method_spec(torch, method, signature, compiled, written, device)
     choices = _own_choices(compiled, options)
     taken_back: dict[str, str] = {}
