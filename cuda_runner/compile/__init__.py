@@ -419,10 +419,7 @@ def _compile_method(
         # add_(1)) was folded into the code, so every run wrote the same value
         # and nothing was kept between calls (torch's own aoti_load_package too).
         options = {**options, "joint_graph_constant_folding": False}
-    compiled = compile_program(program, args, kwargs, device, progress, options, cpu_target, runtime)
-    if compiled.options.get("fused_decode_attention_failed"):
-        warn(f"method {method!r}: the fused decode attention did not compile ({compiled.options['fused_decode_attention_failed']}); "
-             "compiled without it")
+    compiled = _compiled(program, args, kwargs, device, progress, options, cpu_target, runtime, method, warn)
     compiled, spec, segments = _checked_against_eager(
         torch, method, program, signature, written, args, kwargs, device, progress, options, cpu_target, runtime, warn, compiled)
     if compiled.note:
@@ -514,12 +511,23 @@ def _checked_against_eager(
              f"({problem}); compiled again without it")
         options = {**options, **choice.off}
         taken_back[choice.record] = problem
-        compiled = compile_program(program, args, kwargs, device, progress, options, cpu_target, runtime)
+        compiled = _compiled(program, args, kwargs, device, progress, options, cpu_target, runtime, method, warn)
         spec, segments = _method_spec(torch, method, signature, compiled, written, device)
         spec = dataclasses.replace(spec, compile_options={**spec.compile_options, **taken_back})
+        choices = [choice for choice in _own_choices(compiled, options) if choice.record not in taken_back]  # what this build has
         if not choices:
             _last_check(torch, method, program, spec, segments, args, kwargs, device, written, warn)
     return compiled, spec, segments
+
+
+def _compiled(program: Any, args: tuple, kwargs: dict, device: str, progress: Progress, options: Mapping[str, Any], cpu_target: str,
+              runtime: str, method: str, warn: Warn) -> CompiledLibrary:
+    """compile_program, saying where the fused decode attention was asked for and did not compile."""
+    compiled = compile_program(program, args, kwargs, device, progress, options, cpu_target, runtime)
+    failure = compiled.options.get("fused_decode_attention_failed")
+    if failure:
+        warn(f"method {method!r}: the fused decode attention did not compile ({failure}); compiled without it")
+    return compiled
 
 
 def _last_check(torch: Any, method: str, program: Any, spec: MethodSpec, segments: dict[str, Any], args: tuple, kwargs: dict,

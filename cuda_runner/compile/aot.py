@@ -357,16 +357,17 @@ def _aot_compile(
     optimisation, never a reason to lose the build)."""
     failure: str | None = None
     while True:
-        module = program.module()  # a new graph module: the program itself stays as exported
-        fused = attention.fuse_decode_attention(module) if fuse and attention.fusion_available() else 0
-        if standalone and device != "cpu":
-            attention.pin_sdpa_layout(module)
-        progress("compiling with AOTInductor (this takes tens of seconds)")
+        fused: int | None = None  # None until the fusion is done: a failure before then is the fusion's
         try:
+            module = program.module()  # a new graph module: the program itself stays as exported
+            fused = attention.fuse_decode_attention(module) if fuse and attention.fusion_available() else 0
+            if standalone and device != "cpu":
+                attention.pin_sdpa_layout(module)
+            progress("compiling with AOTInductor (this takes tens of seconds)")
             with _math_attention(torch) if standalone else contextlib.nullcontext(), torch_talking_to_itself():
                 return Path(torch._inductor.aot_compile(module, example_args, dict(example_kwargs), options=dict(options))), fused, failure
         except Exception as error:  # inductor raises many types; report one line
-            if not fused:
+            if fused == 0 or not fuse:
                 raise CompileError(f"AOTInductor compile failed: {type(error).__name__}: {_first_line(error)}") from error
             failure, fuse = f"{type(error).__name__}: {_first_line(error)}", False
             progress(f"the fused decode attention did not compile ({failure}); compiling without it")

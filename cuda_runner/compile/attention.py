@@ -21,7 +21,7 @@ from typing import Any
 # The kernel runs one program per query row and reads every key for each:
 # beyond a few rows (a prefill, an encoder) SDPA's own lowering does better.
 MAX_QUERY_ROWS = 16
-# The compile option that turns the fusion off ({"cuda_runner.fuse_decode_attention": False}).
+# The compile option that asks for the fusion ({"cuda_runner.fuse_decode_attention": True}).
 OPTION = "cuda_runner.fuse_decode_attention"
 _DTYPES = frozenset({"torch.float16", "torch.bfloat16", "torch.float32"})
 # SDPA, and the fused kernel that took its place (which writes [B, H, L, D] contiguous, as the math form does).
@@ -170,11 +170,35 @@ def _site(node: Any) -> AttentionSite | None:
         return None
     group, repeats = heads // kv_heads, ()
     unrepeated = _unrepeated(key), _unrepeated(value)
-    if unrepeated[0] is not None and unrepeated[1] is not None and unrepeated[0][2] == unrepeated[1][2]:
+    if (unrepeated[0] is not None and unrepeated[1] is not None and unrepeated[0][2] == unrepeated[1][2]
+            and not _written_between(node, unrepeated[0][1] + unrepeated[1][1])):
         (key, key_chain, repeat), (value, value_chain, _) = unrepeated  # type: ignore[misc]
-        group, repeats = group * repeat, key_chain + value_chain
+        group, repeats = group * repeat, tuple(dict.fromkeys(key_chain + value_chain))  # K and V may be one repeat
     scale = arguments["scale"] if arguments["scale"] is not None else 1.0 / math.sqrt(head_dim)
     return AttentionSite(node, query, key, value, mask, float(scale), group, repeats)
+
+
+def _written_between(call: Any, repeats: tuple[Any, ...]) -> bool:
+    """Whether anything may write a tensor in place between the first repeat and
+    the SDPA call: the repeat copied K/V as they were then, so the kernel must
+    not read their source later (a cache updated after it was repeated)."""
+    first = min(repeats, key=_position)
+    node = first.next
+    while node is not call:
+        schema = getattr(node.target, "_schema", None)
+        if node.op == "call_function" and (schema is None or schema.is_mutable):
+            return True  # a mutating op, or a call whose effects are not known
+        node = node.next
+    return False
+
+
+def _position(node: Any) -> int:
+    position = 0
+    for earlier in node.graph.nodes:
+        if earlier is node:
+            return position
+        position += 1
+    return position
 
 
 def _sdpa_arguments(node: Any) -> dict[str, Any] | None:

@@ -36,7 +36,7 @@ def _decode_attention_kernel(
     HEADS: tl.constexpr, ROWS: tl.constexpr, HEAD_DIM: tl.constexpr, VALUE_DIM: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, MASK_KIND: tl.constexpr,
 ):
-    program = tl.program_id(0)
+    program = tl.program_id(0).to(tl.int64)  # 64-bit offsets: a layer's cache may pass 2**31 elements
     row = program % ROWS
     head = (program // ROWS) % HEADS
     batch = program // (ROWS * HEADS)
@@ -54,7 +54,7 @@ def _decode_attention_kernel(
     value_base = value + batch * v_b + kv_head * v_h
     mask_base = mask + batch * m_b + head * m_h + row * m_l
     for start in range(0, kv_length, BLOCK_N):
-        positions = start + tl.arange(0, BLOCK_N)
+        positions = start + tl.arange(0, BLOCK_N).to(tl.int64)
         inside = positions < kv_length
         keys = tl.load(key_base + positions[:, None] * k_s + dims[None, :] * k_d,
                        mask=inside[:, None] & (dims[None, :] < HEAD_DIM), other=0.0)
@@ -97,13 +97,14 @@ def decode_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor
         kind = _BOOL_MASK if mask.dtype == torch.bool else _ADDITIVE_MASK
         mask_view = mask.expand(batch, heads, rows, kv_length)
         mask_strides = mask_view.stride()
-    block_d = triton.next_power_of_2(head_dim)
-    block_n = max(16, min(triton.next_power_of_2(kv_length), _TILE_ELEMENTS // max(block_d, 1)))
+    block_d, block_dv = triton.next_power_of_2(head_dim), triton.next_power_of_2(value_dim)
+    # A program holds a tile of keys and one of values: the wider sets the tile's rows.
+    block_n = max(16, min(triton.next_power_of_2(kv_length), _TILE_ELEMENTS // max(block_d, block_dv, 1)))
     wrap_triton(_decode_attention_kernel)[(batch * heads * rows,)](
         query, key, value, mask_view, out, scale, kv_length, group,
         *query.stride(), *key.stride(), *value.stride(), *mask_strides, *out.stride(),
         HEADS=heads, ROWS=rows, HEAD_DIM=head_dim, VALUE_DIM=value_dim,
-        BLOCK_N=block_n, BLOCK_D=block_d, BLOCK_DV=triton.next_power_of_2(value_dim), MASK_KIND=kind,
+        BLOCK_N=block_n, BLOCK_D=block_d, BLOCK_DV=block_dv, MASK_KIND=kind,
         num_warps=4,
     )
     return out

@@ -88,6 +88,37 @@ def test_keys_and_values_repeated_per_head_by_the_model_are_read_unrepeated(repe
     assert site.group == 4 and site.key.op == "placeholder" and site.value.op == "placeholder"
 
 
+class _WrittenAfterRepeat(torch.nn.Module):
+    """A cache repeated per head, then written in place, then attended: the repeat holds the old values."""
+
+    def __init__(self):
+        super().__init__()
+        self.register_buffer("k", torch.randn(1, 2, 32, 16))
+        self.register_buffer("v", torch.randn(1, 2, 32, 16))
+
+    def forward(self, q, new_k):
+        keys, values = self.k.repeat_interleave(4, 1), self.v.repeat_interleave(4, 1)
+        self.k.add_(new_k)
+        return F.scaled_dot_product_attention(q, keys, values)
+
+
+def test_a_repeat_taken_before_its_source_is_written_is_kept():
+    q, k, _ = _inputs()
+    (site,) = decode_attention_sites(_graph(_WrittenAfterRepeat(), (q, k)))
+    assert site.repeats == () and site.group == 1 and str(site.key.target) == "aten.repeat_interleave.self_int"
+
+
+def test_one_repeat_serving_as_keys_and_values_is_dropped_once():
+    class Shared(torch.nn.Module):
+        def forward(self, q, k):
+            repeated = k.repeat_interleave(4, 1)
+            return F.scaled_dot_product_attention(q, repeated, repeated)
+
+    q, k, _ = _inputs()
+    (site,) = decode_attention_sites(_graph(Shared(), (q, k)))
+    assert len(site.repeats) == 1 and site.group == 4
+
+
 def test_sdpas_own_grouped_query_attention_is_fused_with_its_group():
     q, k, v = _inputs()
     (site,) = decode_attention_sites(_graph(_Attention(enable_gqa=True, scale=0.5), (q, k, v)))
@@ -210,3 +241,19 @@ def test_the_kernel_builds_for_sm90_as_inductor_passes_its_scale(scale_type):
     source = ASTSource(fn=_decode_attention_kernel, signature=signature,
                        constexprs={(parameters.index(name),): value for name, value in constants.items()})
     triton.compile(source, target=GPUTarget("cuda", 90, 32))
+
+
+def test_a_fusion_that_fails_before_the_compile_costs_the_fusion_not_the_build(monkeypatch):
+    """A Triton that imports but cannot register the kernel, say: the method is compiled without it."""
+    from types import SimpleNamespace
+
+    from cuda_runner.compile import aot, attention
+
+    def broken_fusion(module):
+        raise RuntimeError("triton_op: cannot register cuda_runner::decode_attention")
+
+    monkeypatch.setattr(attention, "fusion_available", lambda: True)
+    monkeypatch.setattr(attention, "fuse_decode_attention", broken_fusion)
+    fake_torch = SimpleNamespace(_inductor=SimpleNamespace(aot_compile=lambda module, args, kwargs, options: "/nowhere/model.so"))
+    path, fused, failure = aot._aot_compile(fake_torch, SimpleNamespace(module=object), (), {}, {}, False, "cuda", True, lambda _: None)
+    assert str(path) == "/nowhere/model.so" and fused == 0 and failure == "RuntimeError: triton_op: cannot register cuda_runner::decode_attention"

@@ -166,3 +166,26 @@ def test_a_temporary_bundle_that_cannot_be_written_leaves_the_method_unchecked(c
     monkeypatch.setattr(check, "write_bundle", full_disk)
     with pytest.raises(check.NotChecked, match="No space left"):
         disagreement(torch, program, spec, segments, args, kwargs, "cpu", ["steps", "total"])
+
+
+def test_a_rebuild_that_lost_the_fused_attention_is_not_taken_back_for_it(monkeypatch):
+    """The rebuild without coordinate descent could not fuse (its fused build failed): the check
+    works from what that build has, and the failure is heard."""
+    program = export_module(torch.nn.Linear(3, 2), (torch.randn(1, 3),), {}, None).program
+    asked: list[dict] = []
+
+    def fake_compile(program, args, kwargs, device, progress, options, cpu_target, runtime):
+        asked.append(dict(options))
+        recorded = {"coordinate_descent_tuning": options.get("coordinate_descent_tuning", True)}
+        recorded.update({"fused_decode_attention": 2} if len(asked) == 1 else {"fused_decode_attention_failed": "RuntimeError: boom"})
+        return CompiledLibrary(b"library", b"", DeviceSpec(type="cuda", compute_capability="9.0"), recorded)
+
+    answers = iter(["9.7 from eager's", None])
+    monkeypatch.setattr(compile_package, "compile_program", fake_compile)
+    monkeypatch.setattr(compile_package, "_with_library_buffers", lambda written, library, device: written)
+    monkeypatch.setattr(compile_package, "disagreement", lambda *args: next(answers))
+    notes: list[str] = []
+    spec, _, _ = _compile_method(torch, "decode", MethodSource(program), "cpu", lambda _: None, {}, warn=notes.append)
+    assert len(asked) == 2
+    assert "fused_decode_attention_disagreed" not in spec.compile_options
+    assert [("coordinate-descent" in note, "did not compile" in note) for note in notes] == [(True, False), (False, True)]

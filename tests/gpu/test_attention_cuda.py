@@ -22,7 +22,8 @@ from cuda_runner.compile.attention import OPTION
 pytestmark = pytest.mark.gpu
 
 # (heads, kv heads, query rows, cache positions, head dim, value dim)
-SHAPES = [(32, 8, 1, 512, 64, 64), (8, 8, 3, 77, 80, 80), (4, 1, 1, 4096, 128, 128), (6, 2, 16, 5, 32, 16), (2, 2, 1, 1, 8, 8)]
+SHAPES = [(32, 8, 1, 512, 64, 64), (8, 8, 3, 77, 80, 80), (4, 1, 1, 4096, 128, 128), (6, 2, 16, 5, 32, 16), (2, 2, 1, 1, 8, 8),
+          (4, 2, 1, 300, 16, 256)]  # values wider than keys: the tile's rows follow the wider
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
