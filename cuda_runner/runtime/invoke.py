@@ -205,13 +205,13 @@ class HelperInvoker(Invoker):
         # Run writes the output handles straight into `owned`: ours from the moment they exist.
         owned = self._owned
         owned.reclaim()
-        if self._capture:
-            status, printed = self.container.guarded(lambda: self._call(self._address))
-        else:
-            status, printed = self._call(self._address), ""
-        if status != 0:
-            self._raise(status, printed, owned)
-        try:
+        try:  # from the call on: an interrupt right after it returns (Ctrl-C is raised there) frees its outputs now
+            if self._capture:
+                status, printed = self.container.guarded(lambda: self._call(self._address))
+            else:
+                status, printed = self._call(self._address), ""
+            if status != 0:
+                self._raise(status, printed, owned)
             return owned, [self._view(item) for item in self._output_items]
         except BaseException:
             owned.release()
