@@ -7,7 +7,6 @@
 
 from __future__ import annotations
 
-import contextlib
 import copy
 import dataclasses
 import os
@@ -496,15 +495,20 @@ def _checked_against_eager(
     spec, segments = _method_spec(torch, method, signature, compiled, written, device)
     choices = _own_choices(compiled, options)
     taken_back: dict[str, str] = {}
-    while choices:
+    while choices or taken_back:  # a rebuild with nothing left to take back is checked once more, to say so
         progress(f"checking {method!r} against eager PyTorch on its example inputs")
         try:
             problem = disagreement(torch, program, spec, segments, args, kwargs, device, None if written is None else written.buffers)
         except NotChecked as reason:
-            warn(f"method {method!r}: compiled with {' and '.join(choice.what for choice in choices)} "
-                 f"and not checked against eager here ({reason})")
+            if choices:
+                warn(f"method {method!r}: compiled with {' and '.join(choice.what for choice in choices)} "
+                     f"and not checked against eager here ({reason})")
             break
         if problem is None:
+            break
+        if not choices:
+            warn(f"method {method!r}: its library still disagrees with eager PyTorch on the example inputs ({problem}); "
+                 "bundled as compiled: check its outputs (run --expected)")
             break
         choice = choices.pop(0)
         warn(f"method {method!r}: compiled with {choice.what}, its library disagreed with eager PyTorch on the example inputs "
@@ -515,8 +519,6 @@ def _checked_against_eager(
         spec, segments = _method_spec(torch, method, signature, compiled, written, device)
         spec = dataclasses.replace(spec, compile_options={**spec.compile_options, **taken_back})
         choices = [choice for choice in _own_choices(compiled, options) if choice.record not in taken_back]  # what this build has
-        if not choices:
-            _last_check(torch, method, program, spec, segments, args, kwargs, device, written, warn)
     return compiled, spec, segments
 
 
@@ -528,16 +530,6 @@ def _compiled(program: Any, args: tuple, kwargs: dict, device: str, progress: Pr
     if failure:
         warn(f"method {method!r}: the fused decode attention did not compile ({failure}); compiled without it")
     return compiled
-
-
-def _last_check(torch: Any, method: str, program: Any, spec: MethodSpec, segments: dict[str, Any], args: tuple, kwargs: dict,
-                device: str, written: _WrittenState | None, warn: Warn) -> None:
-    """After every choice is taken back: say so where the library still disagrees (the cause is elsewhere)."""
-    with contextlib.suppress(NotChecked):
-        problem = disagreement(torch, program, spec, segments, args, kwargs, device, None if written is None else written.buffers)
-        if problem is not None:
-            warn(f"method {method!r}: its library still disagrees with eager PyTorch on the example inputs ({problem}); "
-                 "bundled as compiled: check its outputs (run --expected)")
 
 
 def _example_inputs(program: Any, device: str) -> tuple[tuple, dict]:

@@ -182,23 +182,15 @@ def _written_between(call: Any, repeats: tuple[Any, ...]) -> bool:
     """Whether anything may write a tensor in place between the first repeat and
     the SDPA call: the repeat copied K/V as they were then, so the kernel must
     not read their source later (a cache updated after it was repeated)."""
-    first = min(repeats, key=_position)
-    node = first.next
-    while node is not call:
-        schema = getattr(node.target, "_schema", None)
-        if node.op == "call_function" and (schema is None or schema.is_mutable):
+    pending = set(repeats)
+    node = call.prev
+    while pending:  # walking back from the call: until the earliest repeat is passed
+        if node in pending:
+            pending.discard(node)
+        elif node.op == "call_function" and getattr(getattr(node.target, "_schema", None), "is_mutable", True):
             return True  # a mutating op, or a call whose effects are not known
-        node = node.next
+        node = node.prev
     return False
-
-
-def _position(node: Any) -> int:
-    position = 0
-    for earlier in node.graph.nodes:
-        if earlier is node:
-            return position
-        position += 1
-    return position
 
 
 def _sdpa_arguments(node: Any) -> dict[str, Any] | None:
