@@ -7,7 +7,14 @@ five kernels a layer (scores, a softmax in two passes, the product with the
 values, the copies that repeat grouped K/V heads); this kernel reads each
 cached key and value once, keeps the softmax online (a running maximum and
 sum), and indexes the K/V head of a query head directly (grouped-query
-attention without copies). One program per (batch, head, query row).
+attention without copies).
+
+The keys are split among programs (as flash-decoding does): a decode step
+has one query row per head, and one program per (batch, head, row) left most
+of the GPU idle while each walked the whole cache (on the H200, 15 us a layer
+of the 1B decoder for 1 MB of cache). Each program reduces one stretch of
+the keys to a partial maximum, sum and weighted value, and a second small
+kernel merges the stretches of each row.
 
 Importing this module needs Triton (a CUDA build of torch has it); it
 registers the operator cuda_runner::decode_attention, which Inductor compiles
@@ -27,16 +34,21 @@ OPERATOR = "cuda_runner::decode_attention"
 _NO_MASK, _BOOL_MASK, _ADDITIVE_MASK = 0, 1, 2
 # Elements of one tile of keys a program holds in registers (keys x head dim).
 _TILE_ELEMENTS = 8192
+# Programs a call aims for: a few per SM of a large GPU (132 on the H200), so that loads overlap.
+_TARGET_PROGRAMS = 512
+# The fewest keys a program takes: below this the merge costs more than the split saves.
+_MIN_SPLIT_KEYS = 32
 
 
 @triton.jit
 def _decode_attention_kernel(
-    query, key, value, mask, out, scale, kv_length, group,
+    query, key, value, mask, out, part_max, part_sum, part_acc, scale, kv_length, group, split_keys,
     q_b, q_h, q_l, q_d, k_b, k_h, k_s, k_d, v_b, v_h, v_s, v_d, m_b, m_h, m_l, m_s, o_b, o_h, o_l, o_d,
     HEADS: tl.constexpr, ROWS: tl.constexpr, HEAD_DIM: tl.constexpr, VALUE_DIM: tl.constexpr,
-    BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, MASK_KIND: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, MASK_KIND: tl.constexpr, SPLITS: tl.constexpr,
 ):
     program = tl.program_id(0).to(tl.int64)  # 64-bit offsets: a layer's cache may pass 2**31 elements
+    split = tl.program_id(1).to(tl.int64)
     row = program % ROWS
     head = (program // ROWS) % HEADS
     batch = program // (ROWS * HEADS)
@@ -53,9 +65,11 @@ def _decode_attention_kernel(
     key_base = key + batch * k_b + kv_head * k_h
     value_base = value + batch * v_b + kv_head * v_h
     mask_base = mask + batch * m_b + head * m_h + row * m_l
-    for start in range(0, kv_length, BLOCK_N):
+    begin = split * split_keys
+    end = tl.minimum(begin + split_keys, kv_length)
+    for start in range(begin, end, BLOCK_N):
         positions = start + tl.arange(0, BLOCK_N).to(tl.int64)
-        inside = positions < kv_length
+        inside = positions < end
         keys = tl.load(key_base + positions[:, None] * k_s + dims[None, :] * k_d,
                        mask=inside[:, None] & (dims[None, :] < HEAD_DIM), other=0.0)
         scores = tl.sum(keys.to(tl.float32) * q[None, :], axis=1)
@@ -75,10 +89,59 @@ def _decode_attention_kernel(
         running_sum = running_sum * rescale + tl.sum(weights, axis=0)
         acc = acc * rescale + tl.sum(weights[:, None] * values.to(tl.float32), axis=0)
         running_max = new_max
+    if SPLITS == 1:
+        # A row with every position masked gives zeros, as torch's SDPA does (its safe softmax).
+        result = tl.where(running_sum > 0, acc / tl.where(running_sum > 0, running_sum, 1.0), 0.0)
+        tl.store(out + batch * o_b + head * o_h + row * o_l + value_dims * o_d, result.to(out.dtype.element_ty),
+                 mask=value_dims < VALUE_DIM)
+    else:
+        # This stretch's share, relative to its own maximum (-inf with a sum of 0 where all of it is masked).
+        slot = program * SPLITS + split
+        tl.store(part_max + slot, running_max)
+        tl.store(part_sum + slot, running_sum)
+        tl.store(part_acc + slot * BLOCK_DV + value_dims, acc)
+
+
+@triton.jit
+def _merge_splits_kernel(
+    part_max, part_sum, part_acc, out, o_b, o_h, o_l, o_d,
+    HEADS: tl.constexpr, ROWS: tl.constexpr, VALUE_DIM: tl.constexpr, BLOCK_DV: tl.constexpr,
+    SPLITS: tl.constexpr, BLOCK_S: tl.constexpr,
+):
+    """One row's stretches brought to a common maximum and summed: the softmax over all its keys."""
+    program = tl.program_id(0).to(tl.int64)
+    row = program % ROWS
+    head = (program // ROWS) % HEADS
+    batch = program // (ROWS * HEADS)
+    splits = tl.arange(0, BLOCK_S)
+    value_dims = tl.arange(0, BLOCK_DV)
+    real = splits < SPLITS
+    slots = program * SPLITS + splits
+    maxima = tl.load(part_max + slots, mask=real, other=float("-inf"))
+    sums = tl.load(part_sum + slots, mask=real, other=0.0)
+    top = tl.max(maxima, axis=0)
+    shift = tl.where(top == float("-inf"), 0.0, top)
+    weights = tl.where(maxima == float("-inf"), 0.0, tl.exp(maxima - shift))
+    total = tl.sum(sums * weights, axis=0)
+    accs = tl.load(part_acc + slots[:, None] * BLOCK_DV + value_dims[None, :], mask=real[:, None], other=0.0)
+    acc = tl.sum(accs * weights[:, None], axis=0)
     # A row with every position masked gives zeros, as torch's SDPA does (its safe softmax).
-    result = tl.where(running_sum > 0, acc / tl.where(running_sum > 0, running_sum, 1.0), 0.0)
+    result = tl.where(total > 0, acc / tl.where(total > 0, total, 1.0), 0.0)
     tl.store(out + batch * o_b + head * o_h + row * o_l + value_dims * o_d, result.to(out.dtype.element_ty),
              mask=value_dims < VALUE_DIM)
+
+
+def split_plan(rows_total: int, kv_length: int, tile_rows: int) -> tuple[int, int, int]:
+    """How a call's keys are shared out: (keys per program, programs per row, key tile rows).
+    Enough programs to fill the GPU, none with fewer than _MIN_SPLIT_KEYS keys."""
+    wanted = max(1, _TARGET_PROGRAMS // max(1, rows_total))
+    split_keys = max(_MIN_SPLIT_KEYS, -(-kv_length // wanted))
+    split_keys = -(-split_keys // 16) * 16  # whole tiles of 16 keys, the smallest tile
+    splits = max(1, -(-kv_length // split_keys))
+    if splits == 1:
+        split_keys = max(1, kv_length)
+    block_n = max(16, min(tile_rows, triton.next_power_of_2(max(1, split_keys))))
+    return split_keys, splits, block_n
 
 
 @triton_op(OPERATOR, mutates_args=())
@@ -98,13 +161,26 @@ def decode_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor
         mask_view = mask.expand(batch, heads, rows, kv_length)
         mask_strides = mask_view.stride()
     block_d, block_dv = triton.next_power_of_2(head_dim), triton.next_power_of_2(value_dim)
+    rows_total = batch * heads * rows
     # A program holds a tile of keys and one of values: the wider sets the tile's rows.
-    block_n = max(16, min(triton.next_power_of_2(kv_length), _TILE_ELEMENTS // max(block_d, block_dv, 1)))
-    wrap_triton(_decode_attention_kernel)[(batch * heads * rows,)](
-        query, key, value, mask_view, out, scale, kv_length, group,
+    split_keys, splits, block_n = split_plan(rows_total, kv_length, _TILE_ELEMENTS // max(block_d, block_dv, 1))
+    # Each stretch's maximum, sum and weighted values (float32), merged by the second kernel.
+    # With one stretch the first kernel writes the output itself and these are never touched.
+    slots = rows_total * splits if splits > 1 else 1
+    part_max = torch.empty((slots,), dtype=torch.float32, device=query.device)
+    part_sum = torch.empty((slots,), dtype=torch.float32, device=query.device)
+    part_acc = torch.empty((slots * block_dv,), dtype=torch.float32, device=query.device)
+    wrap_triton(_decode_attention_kernel)[(rows_total, splits)](
+        query, key, value, mask_view, out, part_max, part_sum, part_acc, scale, kv_length, group, split_keys,
         *query.stride(), *key.stride(), *value.stride(), *mask_strides, *out.stride(),
         HEADS=heads, ROWS=rows, HEAD_DIM=head_dim, VALUE_DIM=value_dim,
-        BLOCK_N=block_n, BLOCK_D=block_d, BLOCK_DV=block_dv, MASK_KIND=kind,
-        num_warps=4,
+        BLOCK_N=block_n, BLOCK_D=block_d, BLOCK_DV=block_dv, MASK_KIND=kind, SPLITS=splits,
+        num_warps=4 if block_n * max(block_d, block_dv) >= 4096 else 2,
     )
+    if splits > 1:
+        wrap_triton(_merge_splits_kernel)[(rows_total,)](
+            part_max, part_sum, part_acc, out, *out.stride(),
+            HEADS=heads, ROWS=rows, VALUE_DIM=value_dim, BLOCK_DV=block_dv, SPLITS=splits, BLOCK_S=triton.next_power_of_2(splits),
+            num_warps=1 if splits * block_dv <= 1024 else 4,
+        )
     return out

@@ -230,17 +230,49 @@ def test_the_kernel_builds_for_sm90_as_inductor_passes_its_scale(scale_type):
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
-    from cuda_runner.compile.attention_kernel import _decode_attention_kernel
+    from cuda_runner.compile.attention_kernel import _decode_attention_kernel, _merge_splits_kernel
 
-    parameters = list(inspect.signature(_decode_attention_kernel.fn).parameters)
-    pointers = {"query": "*bf16", "key": "*bf16", "value": "*bf16", "out": "*bf16", "mask": "*i1"}
-    signature = {name: pointers.get(name, scale_type if name == "scale" else "constexpr" if name.isupper() else "i32") for name in parameters}
-    constants = {"HEADS": 32, "ROWS": 1, "HEAD_DIM": 64, "VALUE_DIM": 64, "BLOCK_N": 128, "BLOCK_D": 64, "BLOCK_DV": 64, "MASK_KIND": 1}
-    if scale_type == "constexpr":
-        constants["scale"] = 0.125
-    source = ASTSource(fn=_decode_attention_kernel, signature=signature,
-                       constexprs={(parameters.index(name),): value for name, value in constants.items()})
-    triton.compile(source, target=GPUTarget("cuda", 90, 32))
+    pointers = {"query": "*bf16", "key": "*bf16", "value": "*bf16", "out": "*bf16", "mask": "*i1",
+                "part_max": "*fp32", "part_sum": "*fp32", "part_acc": "*fp32"}
+    shapes = {"HEADS": 32, "ROWS": 1, "HEAD_DIM": 64, "VALUE_DIM": 64, "BLOCK_N": 32, "BLOCK_D": 64, "BLOCK_DV": 64, "MASK_KIND": 1,
+              "BLOCK_S": 16}
+    for kernel, splits in ((_decode_attention_kernel, 1), (_decode_attention_kernel, 16), (_merge_splits_kernel, 16)):
+        parameters = list(inspect.signature(kernel.fn).parameters)
+        signature = {name: pointers.get(name, scale_type if name == "scale" else "constexpr" if name.isupper() else "i32") for name in parameters}
+        constants = {name: value for name, value in {**shapes, "SPLITS": splits}.items() if name in parameters}
+        if scale_type == "constexpr" and "scale" in parameters:
+            constants["scale"] = 0.125
+        source = ASTSource(fn=kernel, signature=signature, constexprs={(parameters.index(name),): value for name, value in constants.items()})
+        triton.compile(source, target=GPUTarget("cuda", 90, 32))
+
+
+@pytest.mark.skipif(not __import__("importlib").util.find_spec("triton"), reason="Triton is not installed (CPU torch)")
+def test_the_kernel_split_over_the_keys_computes_what_sdpa_does_under_tritons_interpreter():
+    """Shapes whose keys are shared out among programs (16 stretches of 32 keys, their merge),
+    whose first stretches are wholly masked, and a row with every key masked (zeros, as SDPA)."""
+    script = textwrap.dedent("""
+        import itertools, torch
+        from cuda_runner.compile.attention_kernel import decode_attention, split_plan
+        assert split_plan(4, 512, 512)[1] == 16 and split_plan(4096, 300, 128)[1] == 1
+        torch.manual_seed(0)
+        worst = 0.0
+        for (B, H, G, L, S, D), kind in itertools.product([(1, 4, 2, 1, 512, 16), (2, 2, 1, 3, 100, 8), (1, 2, 2, 1, 7, 16)],
+                                                         ["none", "bool", "additive", "late"]):
+            q, k, v = torch.randn(B, H, L, D), torch.randn(B, H // G, S, D), torch.randn(B, H // G, S, 2 * D)
+            mask = {"none": None, "bool": torch.rand(B, 1, L, S) > 0.3, "additive": torch.randn(1, 1, L, S)}.get(kind)
+            if kind == "late":  # only the last keys allowed; with several rows, none for the first
+                mask = torch.zeros(B, 1, L, S, dtype=torch.bool)
+                mask[..., -3:] = True
+                mask[:, :, 0, :] = L == 1
+            out = decode_attention(q, k, v, mask, D ** -0.5, G)
+            expected = torch.nn.functional.scaled_dot_product_attention(q, k.repeat_interleave(G, 1), v.repeat_interleave(G, 1), attn_mask=mask)
+            worst = max(worst, (out - torch.nan_to_num(expected, nan=0.0)).abs().max().item())
+        assert worst < 1e-5, worst
+        print("ok", worst)
+    """)
+    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": os.pathsep.join(sys.path)}
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=300)
+    assert result.returncode == 0 and "ok" in result.stdout, result.stderr[-2000:]
 
 
 def test_a_fusion_that_fails_before_the_compile_costs_the_fusion_not_the_build(monkeypatch):
