@@ -16,8 +16,9 @@ later stages use what earlier ones left in WORK):
            fed eager's greedy tokens, logits compared at every step; then
            reset_state and a second prompt. Peak GPU memory against weights +
            KV cache.
-  load     the default bundle's load, warm page cache and cold (the file's
-           pages dropped with posix_fadvise), against a plain read of the file.
+  load     the first build's load, warm page cache and cold (the file's
+           pages dropped with posix_fadvise), against a plain read of the file;
+           the load_weights phase broken into its parts (LOAD_PARTS).
   decode   per decode step, in one process: every build and the ExecuTorch
            program (host arrays, with and without --cuda-graph; device arrays),
            eager PyTorch, torch.compile(mode="reduce-overhead"), torch's
@@ -32,7 +33,8 @@ later stages use what earlier ones left in WORK):
            compiled side by side (ResNet-50 also --quick), run through the CLI
            with --expected against eager, Whisper's decoder stepped against
            eager, and timed against eager and torch.compile; the CLI's copies
-           and checks as a share of a call.
+           and checks as a share of a call. `big-compile` only compiles
+           them; a later `big` measures what is there, compiling the rest.
 
     python3 scripts/bench_scale.py --stages compile,check,load,decode --work /tmp/scale --out $OUT
     python3 scripts/bench_scale.py --size tiny --device cpu --stages compile,check,load,decode   # a quick dry run
@@ -41,6 +43,7 @@ later stages use what earlier ones left in WORK):
 from __future__ import annotations
 
 import argparse
+import contextlib
 import copy
 import json
 import os
@@ -62,19 +65,20 @@ import scale_models  # noqa: E402
 HBM_BYTES_PER_S = 4.8e12  # H200
 # What the run sets (--size, --device); the compile subprocesses get them as arguments.
 SIZES = {"1b": scale_models.LLAMA_1B, "tiny": scale_models.LLAMA_TINY}
+BIG = ("vit_b16", "resnet50", "whisper_base")  # the big models (big_model)
 SETTINGS: dict[str, Any] = {"size": "1b", "device": "cuda", "prompt": 32, "steps": 128, "builds": ["default", "libtorch", "quick", "executorch"],
-                            "peers": True}
+                            "peers": True, "big": list(BIG)}
 # The builds of the decoder: compile_methods keywords beyond the common ones.
 # options: a Python expression (aot is cuda_runner.compile.aot).
 BUILDS: dict[str, dict[str, Any]] = {
     "default": {"runtime": "auto", "options": "None"},
     "libtorch": {"runtime": "libtorch", "options": "None"},
     "quick": {"runtime": "auto", "options": "aot.QUICK_OPTIONS"},
-    "fused": {"runtime": "auto", "options": "{'cuda_runner.fuse_decode_attention': True}"},
+    "unfused": {"runtime": "auto", "options": "{'cuda_runner.fuse_decode_attention': False}"},
     "combo": {"runtime": "auto", "options": "{'combo_kernels': True}"},
 }
 LABELS = {"default": "default bundle", "libtorch": "--libtorch bundle", "quick": "--quick bundle", "executorch": "ExecuTorch 1.5 program",
-          "fused": "default bundle + fused decode attention (cuda_runner.fuse_decode_attention=true)",
+          "unfused": "default bundle without the fused decode attention (cuda_runner.fuse_decode_attention=false)",
           "combo": "default bundle + Inductor's combo kernels (combo_kernels=true)"}
 COMPILE_TIMEOUT_S = float(os.environ.get("BENCH_SCALE_COMPILE_TIMEOUT", "480"))  # each side-by-side batch of compiles
 
@@ -399,17 +403,56 @@ def weight_bytes(path: Path) -> int:
     return sum(manifest.segment(name).size for name in segments)
 
 
+# Where the load_weights phase goes: the functions it calls, timed from outside (module, attribute, label).
+LOAD_PARTS = (("cuda_runner.runtime.constants", "_internal_names", "match_names_s"),
+              ("cuda_runner.runtime.constants", "_copy_storages", "allocate_and_upload_s"),
+              ("cuda_runner.runtime.upload", "upload_all", "upload_s"),
+              ("cuda_runner.runtime.container", "Container.bind_constants", "bind_s"))
+
+
+@contextlib.contextmanager
+def load_parts_timed(totals: dict[str, float]):
+    """Wrap each of LOAD_PARTS so that its seconds add up in `totals`; unwrapped on exit."""
+    import importlib
+
+    undo = []
+    for module_name, attribute, label in LOAD_PARTS:
+        owner: Any = importlib.import_module(module_name)
+        *path, name = attribute.split(".")
+        for part in path:
+            owner = getattr(owner, part)
+        original = getattr(owner, name)
+
+        def timed(*args, _original=original, _label=label, **kwargs):
+            started = time.perf_counter()
+            try:
+                return _original(*args, **kwargs)
+            finally:
+                totals[_label] = totals.get(_label, 0.0) + time.perf_counter() - started
+        setattr(owner, name, timed)
+        undo.append((owner, name, original))
+    try:
+        yield
+    finally:
+        for owner, name, original in undo:
+            setattr(owner, name, original)
+
+
 def timed_load(path: Path) -> dict[str, float]:
     import cuda_runner
 
+    parts: dict[str, float] = {}
     started = time.perf_counter()
-    with cuda_runner.load(path, SETTINGS["device"], warm_up=False) as model:
+    with load_parts_timed(parts), cuda_runner.load(path, SETTINGS["device"], warm_up=False) as model:
         total = time.perf_counter() - started
         weights = sum(model.load_timings(name).get("load_weights", 0.0) for name in model.methods)
-    return {"load_s": round(total, 4), "load_weights_s": round(weights, 4)}
+    parts = {label: round(seconds, 4) for label, seconds in parts.items()}
+    # What _copy_storages does besides the upload: the one device allocation and the views of the file.
+    parts["allocate_s"] = round(parts.get("allocate_and_upload_s", 0.0) - parts.get("upload_s", 0.0), 4)
+    return {"load_s": round(total, 4), "load_weights_s": round(weights, 4), **parts}
 
 
-def stage_load(work: Path, rounds: int = 3) -> dict[str, Any]:
+def stage_load(work: Path, rounds: int = 5) -> dict[str, Any]:
     path = artifact(work, SETTINGS["builds"][0])
     if not path.exists():
         return {"error": f"{path} is missing"}
@@ -599,7 +642,6 @@ def cli_bench(work: Path, graph: bool) -> dict[str, Any]:
 # ---------------------------------------------------------------------------
 # big models
 
-BIG = ("vit_b16", "resnet50", "whisper_base")
 
 COMPILE_BIG = """
 import sys, time, json, copy
@@ -628,17 +670,17 @@ def big_model(name: str):
     return scale_models.Whisper(scale_models.WHISPER_BASE).eval(), scale_models.whisper_examples(scale_models.WHISPER_BASE)
 
 
-def stage_big(work: Path, count: int) -> dict[str, Any]:
+def stage_big(work: Path, count: int, measure: bool = True) -> dict[str, Any]:
+    """The big models compiled side by side (those not compiled by an earlier big-compile stage), then measured."""
     import torch
 
     common = {"scripts": str(ROOT / "scripts"), "root": str(ROOT)}
-    jobs = {}
-    for name in BIG:
-        jobs[name] = COMPILE_BIG.format(**common, name=name, path=str(work / f"{name}.bundle"), quick=False)
-    jobs["resnet50 --quick"] = COMPILE_BIG.format(**common, name="resnet50", path=str(work / "resnet50-quick.bundle"), quick=True)
-    compiled = run_side_by_side(work, jobs, COMPILE_TIMEOUT_S)
-    results: dict[str, Any] = {"compile": compiled}
-    for name, path in (*((name, work / f"{name}.bundle") for name in BIG), ("resnet50 --quick", work / "resnet50-quick.bundle")):
+    paths = {**{name: work / f"{name}.bundle" for name in BIG}, "resnet50 --quick": work / "resnet50-quick.bundle"}
+    paths = {name: path for name, path in paths.items() if name.split()[0] in SETTINGS["big"]}
+    jobs = {name: COMPILE_BIG.format(**common, name=name.split()[0], path=str(path), quick=name.endswith("--quick"))
+            for name, path in paths.items() if not path.exists()}
+    results: dict[str, Any] = {"compile": run_side_by_side(work, jobs, COMPILE_TIMEOUT_S) if jobs else "compiled before"}
+    for name, path in paths.items() if measure else ():
         if not path.exists():
             continue
         module, methods = big_model(name.split()[0])
@@ -786,8 +828,10 @@ def main() -> int:
     parser.add_argument("--builds", default=",".join(SETTINGS["builds"]),
                         help="the decoder's builds to compile, check and time (the first is the one load, profile and the CLI use)")
     parser.add_argument("--no-peers", action="store_true", help="leave out eager, torch.compile and torch's package")
+    parser.add_argument("--big", default=",".join(BIG), help="the big models the big stages compile and measure")
     options = parser.parse_args()
-    SETTINGS.update(size=options.size, device=options.device, builds=options.builds.split(","), peers=not options.no_peers)
+    SETTINGS.update(size=options.size, device=options.device, builds=options.builds.split(","), peers=not options.no_peers,
+                    big=options.big.split(","))
     if options.size == "tiny":
         SETTINGS.update(prompt=6, steps=8)
     options.work.mkdir(parents=True, exist_ok=True)
@@ -810,6 +854,8 @@ def main() -> int:
             result = stage_decode(options.work, options.steps)
         elif stage == "big":
             result = stage_big(options.work, options.steps)
+        elif stage == "big-compile":
+            result = stage_big(options.work, options.steps, measure=False)
         elif stage == "whisper":
             result = stage_whisper(options.work)
         else:

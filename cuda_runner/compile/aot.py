@@ -212,7 +212,13 @@ def compile_program(
     except CompileError as error:
         if runtime == "standalone":
             raise
-        refusal = f"the standalone compile failed ({str(error).removeprefix('AOTInductor compile failed: ')})"
+        failure = str(error).removeprefix("AOTInductor compile failed: ")
+        if gpu_unusable_after(error):
+            # A kernel fault (seen: a misaligned address while autotuning ViT-B/16) leaves this
+            # process's CUDA context broken: a second compile here would only fail on it.
+            raise CompileError(f"the standalone compile failed with a CUDA error that leaves this process unable to use the GPU "
+                               f"({failure}); compile again with --libtorch") from error
+        refusal = f"the standalone compile failed ({failure})"
     if refusal is None:
         compiled.options["standalone"] = True
         return compiled
@@ -319,7 +325,8 @@ def _compile_once(
             # sizes 0 and 1 of every dynamic dim, which export assumes >= 2 but
             # the generated code handles; the manifest's bounds are checked anyway.
             options["aot_inductor.check_lowerbound"] = False
-        fuse = standalone and device != "cpu" and own.get(attention.OPTION, False)
+        # On by default: a decode step's attention in one kernel (compile/attention.py); =false turns it off.
+        fuse = standalone and device != "cpu" and own.get(attention.OPTION, True)
         library_path, fused, fusion_failed = _aot_compile(torch, program, example_args, example_kwargs, options, standalone, device, fuse, progress)
         weights_path = library_path.with_name(library_path.name[: -len(".so")] + "_weights.blob")
         metadata = _sidecar_metadata(library_path)
@@ -367,7 +374,7 @@ def _aot_compile(
             with _math_attention(torch) if standalone else contextlib.nullcontext(), torch_talking_to_itself():
                 return Path(torch._inductor.aot_compile(module, example_args, dict(example_kwargs), options=dict(options))), fused, failure
         except Exception as error:  # inductor raises many types; report one line
-            if fused == 0 or not fuse:
+            if fused == 0 or not fuse or gpu_unusable_after(error):
                 raise CompileError(f"AOTInductor compile failed: {type(error).__name__}: {_first_line(error)}") from error
             failure, fuse = f"{type(error).__name__}: {_first_line(error)}", False
             progress(f"the fused decode attention did not compile ({failure}); compiling without it")
@@ -611,6 +618,19 @@ def _private_cache_dir(digest: str) -> Path | None:
     if info.st_uid != os.getuid() or info.st_mode & 0o077:
         return None  # someone else could swap the script: use the private temp folder
     return base
+
+
+def gpu_unusable_after(error: BaseException) -> bool:
+    """Whether `error`, or one it was raised from, is a CUDA fault (an illegal or misaligned
+    address, say): CUDA reports those as sticky, and every later call in the process fails."""
+    seen: BaseException | None = error
+    for _ in range(16):  # a cause chain is short; never loop on a cyclic one
+        if seen is None:
+            return False
+        if type(seen).__name__ == "AcceleratorError" or str(seen).lstrip().startswith("CUDA error:"):
+            return True
+        seen = seen.__cause__ if seen.__cause__ is not None else None if seen.__suppress_context__ else seen.__context__
+    return False
 
 
 def _first_line(error: BaseException) -> str:

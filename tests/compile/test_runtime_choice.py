@@ -21,6 +21,11 @@ def compiles(monkeypatch):
 
     def compile_once(program, args, kwargs, device, progress, options, cpu_target, standalone):
         made.append(standalone)
+        if standalone and state["fails"] == "cuda fault":
+            try:
+                raise _AcceleratorError("CUDA error: misaligned address")
+            except _AcceleratorError as fault:
+                raise CompileError("AOTInductor compile failed: AcceleratorError: CUDA error: misaligned address") from fault
         if standalone and state["fails"]:
             raise CompileError("AOTInductor compile failed: InductorError: no fallback kernel for aten.foo")
         library = b"standalone" if standalone else b"libtorch"
@@ -29,6 +34,13 @@ def compiles(monkeypatch):
     monkeypatch.setattr(aot, "_compile_once", compile_once)
     monkeypatch.setattr(aot, "standalone_refusal", lambda library: state["refusal"] if library == b"standalone" else "libtorch-bound")
     return made, state
+
+
+class _AcceleratorError(RuntimeError):
+    """Named as torch's error for a CUDA fault: the check goes by the name (torch is not imported here)."""
+
+
+_AcceleratorError.__name__ = "AcceleratorError"
 
 
 def _compile(device="cuda:0", runtime="auto"):
@@ -55,6 +67,36 @@ def test_a_standalone_compile_that_fails_falls_back_too(compiles):
     state["fails"] = True
     compiled = _compile()
     assert made == [True, False] and "the standalone compile failed (InductorError: no fallback kernel for aten.foo)" in compiled.note
+
+
+def test_a_standalone_compile_that_broke_the_gpu_is_not_followed_by_one_that_would_fail_on_it(compiles):
+    """A CUDA fault while autotuning is sticky: the libtorch compile in the same process
+    would fail too (ViT-B/16 on the H200), so the error says to compile with --libtorch."""
+    made, state = compiles
+    state["fails"] = "cuda fault"
+    with pytest.raises(CompileError, match=r"leaves this process unable to use the GPU \(AcceleratorError: CUDA error: misaligned "
+                                           r"address\); compile again with --libtorch"):
+        _compile()
+    assert made == [True]
+
+
+def test_what_counts_as_a_cuda_fault():
+    assert aot.gpu_unusable_after(RuntimeError("CUDA error: an illegal memory access was encountered"))
+    assert not aot.gpu_unusable_after(RuntimeError("No valid triton configs. OutOfResources: shared memory"))
+    try:
+        try:
+            raise RuntimeError("CUDA error: misaligned address")
+        except RuntimeError:
+            raise ValueError("while benchmarking") from None
+    except ValueError as wrapped:
+        assert not aot.gpu_unusable_after(wrapped)  # `from None` cut the chain: nothing says a fault
+    try:
+        try:
+            raise RuntimeError("CUDA error: misaligned address")
+        except RuntimeError as fault:
+            raise ValueError("while benchmarking") from fault
+    except ValueError as wrapped:
+        assert aot.gpu_unusable_after(wrapped)
 
 
 def test_standalone_refuses_instead_of_falling_back(compiles):
