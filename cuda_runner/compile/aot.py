@@ -28,7 +28,7 @@ from typing import Any
 from ..errors import CompileError, InputError
 from ..format.manifest import DeviceSpec
 from ..runtime.devices import checked_isa_flags
-from . import attention
+from . import attention, convolution
 
 MIN_TORCH = (2, 10)
 
@@ -370,6 +370,7 @@ def _aot_compile(
             fused = attention.fuse_decode_attention(module) if fuse and attention.fusion_available() else 0
             if standalone and device != "cpu":
                 attention.pin_sdpa_layout(module)
+                convolution.as_two_dimensional(module)
             progress("compiling with AOTInductor (this takes tens of seconds)")
             with _math_attention(torch) if standalone else contextlib.nullcontext(), torch_talking_to_itself():
                 return Path(torch._inductor.aot_compile(module, example_args, dict(example_kwargs), options=dict(options))), fused, failure
