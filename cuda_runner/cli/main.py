@@ -294,8 +294,9 @@ def compile_command(
         "--sample-inputs", metavar="[METHOD=]FILE.npz", help="Inputs to store with their eager outputs, for run --self-test (repeatable).")] = [],  # noqa: B006
     sign_key: SignKeyOption = None,
     option: Annotated[list[str], typer.Option("--option", metavar="KEY=VALUE", help=(
-        "An Inductor option, e.g. max_autotune=true, or cuda_runner.fuse_decode_attention=true "
-        "(experimental: a standalone CUDA build's decode-step attention as one fused kernel); repeatable; recorded in the manifest."))] = [],  # noqa: B006
+        "An Inductor option, e.g. max_autotune=true, or cuda_runner.fuse_decode_attention=false "
+        "(a standalone CUDA build's decode-step attention as SDPA's math form, not cuda-runner's fused kernel); "
+        "repeatable; recorded in the manifest."))] = [],  # noqa: B006
     autotune: Annotated[bool, typer.Option("--autotune", help=(
         "Let Inductor benchmark its kernel choices on this machine (max_autotune, coordinate_descent_tuning); compiles take longer."))] = False,
     quick: Annotated[bool, typer.Option("--quick", help=(

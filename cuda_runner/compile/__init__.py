@@ -472,7 +472,7 @@ def _own_choices(compiled: CompiledLibrary, options: Mapping[str, Any]) -> list[
     """What the check against eager may take back from this CUDA method: the
     single-row rule's coordinate-descent tuning (where the caller did not set
     the option), and the fused decode attention (cuda-runner's own kernel,
-    checked wherever a caller asked for it)."""
+    checked wherever it replaced an SDPA call)."""
     if compiled.device.type != "cuda":
         return []
     choices = []

@@ -21,7 +21,7 @@ from typing import Any
 # The kernel runs one program per query row and reads every key for each:
 # beyond a few rows (a prefill, an encoder) SDPA's own lowering does better.
 MAX_QUERY_ROWS = 16
-# The compile option that asks for the fusion ({"cuda_runner.fuse_decode_attention": True}).
+# The compile option that turns the fusion off ({"cuda_runner.fuse_decode_attention": False}); it is on by default.
 OPTION = "cuda_runner.fuse_decode_attention"
 _DTYPES = frozenset({"torch.float16", "torch.bfloat16", "torch.float32"})
 # SDPA, and the fused kernel that took its place (which writes [B, H, L, D] contiguous, as the math form does).

@@ -1,8 +1,8 @@
 """The fused decode attention on the GPU: the kernel against torch's SDPA over
 the shapes and masks it takes, and standalone CUDA builds of the scale
-models' tiny configurations that ask for it (--option
-cuda_runner.fuse_decode_attention=true), whose decode methods get it and
-still match eager step after step; the option through the CLI."""
+models' tiny configurations (where it is on by default; the tests name the
+option anyway), whose decode methods get it and still match eager step after
+step; the option through the CLI, on and off."""
 
 from __future__ import annotations
 
