@@ -2,18 +2,20 @@
 """Weights from a mapped file to the GPU, every way cuda-runner has had, side by side (GPU machine).
 
 A file laid out as the 1B decoder's bundle holds its storages (the same 181
-sizes, 2.2 GB, random bytes) is mapped as the bundle reader maps it, and
-uploaded to device memory by:
+sizes, 2.2 GB, random bytes) is mapped as the bundle reader maps it, afresh
+for every round as every load maps its bundle afresh, and uploaded to device
+memory by:
 
   upload_all       runtime/upload.py as loads use it: blocks of the mapping
-                   registered and copied by several threads (1, 2, 4, 8)
-  upload_all, staged   the same threads, each block copied through pinned
-                   staging slots (the path where registration is refused)
+                   registered and copied by several threads (1, 2, 4, 8, 16)
+  upload_all, staged   the same threads, each block copied from the mapping
+                   through pinned slots (the path where registration is refused)
   per storage, registered   the previous loader: register each storage,
                    copy it, let it go, one after another
   per storage, pageable     cudaMemcpy from the mapping as it is
 
-The file is in the page cache (bench_scale.py's load stage measures a load
+beside the link's own ceiling: the same bytes from one pinned allocation
+(cudaHostAlloc) in 64 MB copies. The file is in the page cache (bench_scale.py's load stage measures a load
 from the disk: posix_fadvise cannot drop the pages of a file this process has
 mapped). Every result is read back and compared once. Also the device allocations of
 the same storages: one cudaMalloc each against one for all.
@@ -82,6 +84,26 @@ def allocations(runtime, sizes: list[int], rounds: int) -> dict[str, float]:
     return result
 
 
+def pinned_ceiling(runtime, device, total: int, rounds: int) -> dict[str, float]:
+    """GB/s of the same byte count from one pinned allocation, in 64 MB copies on one stream: what the link gives."""
+    block = 64 << 20
+    host = runtime.hostAlloc(block, 0)
+    try:
+        seconds = []
+        for _ in range(rounds):
+            runtime.deviceSynchronize()
+            started = time.perf_counter()
+            for offset in range(0, total, block):
+                runtime.memcpyAsync(device.data.ptr + offset, host, min(block, total - offset), HOST_TO_DEVICE, 0)
+            runtime.deviceSynchronize()
+            seconds.append(time.perf_counter() - started)
+    finally:
+        runtime.freeHost(host)
+    result = {"warm_s": [round(value, 4) for value in seconds], "gb_per_s": round(total / statistics.median(seconds) / 1e9, 2)}
+    print(f"{'pinned memory, the ceiling':<36} {result['gb_per_s']:6.2f} GB/s", flush=True)
+    return result
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--output", type=Path, default=None)
@@ -98,43 +120,52 @@ def main() -> int:
     with path.open("wb") as handle:  # segments 64-byte aligned, as in a bundle
         for size in sizes:
             handle.write(rng.integers(0, 256, size, dtype=np.uint8).tobytes() + bytes(-size % 64))
-    with path.open("rb") as handle:
-        mapping = mmap.mmap(handle.fileno(), 0, access=mmap.ACCESS_READ)
     device = cupy.empty(total + 256 * len(sizes), dtype=cupy.uint8)
-    uploads, offset, target = [], 0, 0
-    for size in sizes:
-        uploads.append(upload.Upload(memoryview(mapping)[offset:offset + size], device.data.ptr + target))
-        offset += size + (-size % 64)
-        target += size + (-size % 256)
-    strategies = {f"upload_all, {n} threads": (lambda n=n: upload.upload_all(runtime, 0, uploads, threads=n)) for n in (1, 2, 4, 8)}
-    strategies["upload_all, 4 threads, staged"] = lambda: upload.upload_all(runtime, 0, uploads, threads=4, register=False)
-    strategies["per storage, registered (before)"] = lambda: per_storage(runtime, uploads, register=True)
-    strategies["per storage, pageable"] = lambda: per_storage(runtime, uploads, register=False)
+
+    handle = path.open("rb")
+
+    def mapped() -> tuple[mmap.mmap, list[upload.Upload]]:
+        """A fresh mapping of the file (as a load has) and the uploads that read it."""
+        mapping = mmap.mmap(handle.fileno(), 0, access=mmap.ACCESS_READ)
+        uploads, offset, target = [], 0, 0
+        for size in sizes:
+            uploads.append(upload.Upload(memoryview(mapping)[offset:offset + size], device.data.ptr + target))
+            offset += size + (-size % 64)
+            target += size + (-size % 256)
+        return mapping, uploads
+
+    strategies = {f"upload_all, {n} threads": (lambda uploads, n=n: upload.upload_all(runtime, 0, uploads, threads=n)) for n in (1, 2, 4, 8, 16)}
+    strategies["upload_all, 4 threads, staged"] = lambda uploads: upload.upload_all(runtime, 0, uploads, threads=4, register=False)
+    strategies["per storage, registered (before)"] = lambda uploads: per_storage(runtime, uploads, register=True)
+    strategies["per storage, pageable"] = lambda uploads: per_storage(runtime, uploads, register=False)
     results: dict[str, object] = {"bytes": total, "storages": len(sizes), "gpu": cupy.cuda.runtime.getDeviceProperties(0)["name"].decode(),
                                   "cpus": os.cpu_count(), "date": time.strftime("%Y-%m-%d")}
+    results["pinned ceiling"] = pinned_ceiling(runtime, device, total, options.rounds)
     checked = False
     for label, strategy in strategies.items():
         seconds = []
         for _ in range(options.rounds):
+            mapping, uploads = mapped()
             device.fill(0)
             runtime.deviceSynchronize()
             started = time.perf_counter()
-            strategy()
+            strategy(uploads)
             runtime.deviceSynchronize()
             seconds.append(time.perf_counter() - started)
-        if not checked:
-            host = cupy.asnumpy(device)
+            if not checked:
+                host = cupy.asnumpy(device)
+                for item in uploads:
+                    start = item.destination - device.data.ptr
+                    assert bytes(host[start:start + item.source.nbytes]) == bytes(item.source), label
+                checked = True
             for item in uploads:
-                start = item.destination - device.data.ptr
-                assert bytes(host[start:start + item.source.nbytes]) == bytes(item.source), label
-            checked = True
+                item.source.release()
+            mapping.close()
         median = statistics.median(seconds)
         results[label] = {"warm_s": [round(value, 4) for value in seconds], "warm_gb_per_s": round(total / median / 1e9, 2)}
         print(f"{label:<36} warm {total / median / 1e9:6.2f} GB/s  ({', '.join(f'{value:.3f}' for value in seconds)} s)", flush=True)
     results["device allocations"] = allocations(runtime, sizes, options.rounds)
-    for item in uploads:
-        item.source.release()
-    mapping.close()
+    handle.close()
     path.unlink()
     if options.output is not None:
         options.output.write_text(json.dumps(results, indent=1))
