@@ -5,11 +5,14 @@ cache once the file has been read. The copy engine reads them where they are:
 a range of the mapping is registered as pinned memory (read-only) and DMA
 copies are queued from it. Registering is the CPU's share of the work, so the
 storages are cut into blocks of BLOCK_BYTES that several threads register and
-copy at once, each on a stream of its own. On the H200 machine this moved the
-1B decoder's 2.2 GB at 19-20 GB/s with 2 to 8 threads, against 16.8
-registering and copying one storage after another, 17.1 staging through
-pinned slots and 8.1 copying from the pageable mapping
-(scripts/bench_upload.py; docs/benchmarks.md, "Weights at GB scale").
+copy at once, each on a stream of its own. On the H200 machines this moved
+the 1B decoder's 2.2 GB from a fresh mapping at 17-20 GB/s, about the same
+from 2 to 16 threads and with the pages mapped in first or not: the
+registrations appear to be serialized (pinned memory itself goes at 55).
+Reading the blocks from the file with pread into pinned slots was slower
+(16 GB/s at best: the CPU's copy out of the page cache), staging from the
+mapping 16-17 and copying from the pageable mapping 7 (scripts/bench_upload.py;
+docs/benchmarks.md, "Weights at GB scale").
 
 Where a block cannot be registered (a kernel or driver that refuses it), it
 is copied through two staging slots of the thread instead, and where no
