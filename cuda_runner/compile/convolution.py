@@ -36,7 +36,12 @@ def as_two_dimensional(graph_module: Any) -> int:
         padding = padding if isinstance(padding, str) else [0, _single(padding, 0)]
         target = aten.conv2d.padding if isinstance(padding, str) else aten.conv2d.default
         with graph.inserting_before(node):
-            rows = graph.call_function(aten.unsqueeze.default, (arguments["input"], -2))
+            # ATen's 1-D convolution makes its input contiguous first, so its output is
+            # contiguous too, and code after it may view it so. A transposed [N, L, C]
+            # input unsqueezed as it is would look channels-last to the 2-D convolution,
+            # whose output then could not be viewed.
+            dense = graph.call_function(aten.contiguous.default, (arguments["input"],))
+            rows = graph.call_function(aten.unsqueeze.default, (dense, -2))
             kernel = graph.call_function(aten.unsqueeze.default, (arguments["weight"], 2))
             planar = graph.call_function(target, (
                 rows, kernel, arguments["bias"], [1, _single(arguments["stride"], 1)], padding,
@@ -72,11 +77,12 @@ def _conv1d_arguments(node: Any) -> dict[str, Any] | None:
 
 
 def _plain_one_dimensional(arguments: dict[str, Any]) -> bool:
-    """Whether the weight is known to be a 1-D kernel's, and the convolution is not
-    depthwise (one input channel a group: Inductor has a template for those)."""
+    """Whether the weight is known to be a 1-D kernel's, and a 2-D template can take
+    the convolution: not dilated (the templates cannot), and not depthwise (one
+    input channel a group: Inductor has a 1-D template for those)."""
     weight = getattr(arguments["weight"], "meta", {}).get("val")
     shape = tuple(getattr(weight, "shape", ()))
-    if len(shape) != 3:
+    if len(shape) != 3 or _single(arguments["dilation"], 1) != 1:
         return False
     return not (arguments["groups"] > 1 and shape[1] == 1 and shape[0] == arguments["groups"])
 

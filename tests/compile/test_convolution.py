@@ -21,7 +21,8 @@ class _Convolutions(torch.nn.Module):
 
 _CASES = {
     "whisper's stem": ([torch.nn.Conv1d(4, 8, 3, padding=1), torch.nn.GELU(), torch.nn.Conv1d(8, 8, 3, stride=2, padding=1)], 2),
-    "dilated, grouped, no bias": ([torch.nn.Conv1d(4, 6, 5, dilation=2, groups=2, bias=False)], 1),
+    "grouped, no bias": ([torch.nn.Conv1d(4, 6, 5, groups=2, bias=False)], 1),
+    "dilated, left alone (no template takes it either way)": ([torch.nn.Conv1d(4, 6, 5, dilation=2)], 0),
     "padding named": ([torch.nn.Conv1d(4, 4, 3, padding="same"), torch.nn.Conv1d(4, 4, 3, padding="valid")], 2),
     "depthwise, left to its own template": ([torch.nn.Conv1d(4, 4, 3, groups=4, padding=1)], 0),
     "2-D, left alone": ([torch.nn.Unflatten(2, (4, 4)), torch.nn.Conv2d(4, 4, 3)], 0),
@@ -45,6 +46,31 @@ def test_one_dimensional_convolutions_become_two_dimensional_and_compute_the_sam
         assert not targets & {"aten.conv1d.default", "aten.conv1d.padding"}
     with torch.no_grad():
         torch.testing.assert_close(module(x), model(x), rtol=1e-5, atol=1e-5)
+
+
+class _LengthFirst(torch.nn.Module):
+    """[N, L, C] in, as audio and text front ends have it; the output viewed flat."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv = torch.nn.Conv1d(4, 6, 3)
+
+    def forward(self, x):
+        y = self.conv(x.transpose(1, 2))
+        return y.view(y.shape[0], -1)
+
+
+@pytest.mark.parametrize("decomposed", [False, True], ids=["export", "decomposed"])
+def test_a_transposed_input_still_gives_an_output_that_views_as_before(decomposed):
+    """Unsqueezed as it was, the transposed input looked channels-last to the 2-D convolution and its output could not be viewed."""
+    model = _LengthFirst().eval()
+    x = torch.randn(2, 17, 4)
+    program = torch.export.export(model, (x,))
+    module = (program.run_decompositions() if decomposed else program).module()
+    assert as_two_dimensional(module) == 1
+    with torch.no_grad():
+        torch.testing.assert_close(module(x), model(x), rtol=1e-5, atol=1e-5)
+    torch.export.export(module, (x,))  # as Inductor traces it again
 
 
 def test_an_unbatched_input_keeps_its_shape():
