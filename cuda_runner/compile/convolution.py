@@ -44,8 +44,7 @@ def as_two_dimensional(graph_module: Any) -> int:
             rows = graph.call_function(aten.unsqueeze.default, (dense, -2))
             kernel = graph.call_function(aten.unsqueeze.default, (arguments["weight"], 2))
             planar = graph.call_function(target, (
-                rows, kernel, arguments["bias"], [1, _single(arguments["stride"], 1)], padding,
-                [1, _single(arguments["dilation"], 1)], arguments["groups"],
+                rows, kernel, arguments["bias"], [1, _single(arguments["stride"], 1)], padding, [1, 1], arguments["groups"],
             ))
             flat = graph.call_function(aten.squeeze.dim, (planar, -2))
         flat.meta.update(node.meta)
