@@ -133,6 +133,33 @@ class PrefillDecode(torch.nn.Module):
         return torch.tanh(self.shared(x))
 
 
+class MethodOf(torch.nn.Module):
+    """One method of a decoder with several (prefill, decode: tokens and their positions) as a
+    module's forward, for torch.export (named arguments, as the dynamic shapes name them)."""
+
+    def __init__(self, model: torch.nn.Module, method: str) -> None:
+        super().__init__()
+        self.model, self.method = model, method
+
+    def forward(self, tokens: torch.Tensor, input_pos: torch.Tensor) -> torch.Tensor:
+        return getattr(self.model, self.method)(tokens, input_pos)
+
+
+def compile_tiny_llama(path, options: dict, seed: int = 0) -> torch.nn.Module:
+    """The scale models' tiny decoder (bfloat16, prefill and decode) compiled for CUDA into `path` with
+    `options`; the eager module, on the CPU."""
+    import copy
+
+    import cuda_runner
+
+    config = scale_models.LLAMA_TINY
+    torch.manual_seed(seed)
+    module = scale_models.LlamaDecoder(config).eval()
+    cuda_runner.compile_methods(copy.deepcopy(module), scale_models.llama_examples(config, 6), path, device="cuda",
+                                dynamic_shapes=scale_models.llama_dynamic_shapes(config), options=options)
+    return module
+
+
 def _scale_models():
     """scripts/scale_models.py: the models bench_scale.py measures at their real sizes, here at tiny ones."""
     import importlib.util

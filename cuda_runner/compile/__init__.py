@@ -22,10 +22,12 @@ from ..files import check_destination, require_regular
 from ..format import Manifest, MethodSpec, write_bundle
 from ..format.manifest import CALL_HELPER, MUTATED_BUFFERS_OPTION, MUTATED_INPUTS_OPTION, READ_ONLY_BUFFERS_OPTION, method_name_problem
 from ..version import __version__
-from . import attention, sharing
+from . import attention, matvec, sharing
 from .aot import (
     DEFAULT_CPU_TARGET,
     NO_GPU,
+    OWN_KERNEL_NAMES,
+    OWN_KERNEL_RECORDS,
     RUNTIMES,
     CompiledLibrary,
     Progress,
@@ -466,16 +468,20 @@ class _Choice:
 
 _SINGLE_ROW = _Choice("coordinate-descent tuning (matrix-vector kernels)", {"coordinate_descent_tuning": False}, "coordinate_descent_disagreed")
 _FUSED_ATTENTION = _Choice("the fused decode attention", {attention.OPTION: False}, "fused_decode_attention_disagreed")
+_MATVEC = _Choice("the matrix-vector kernel", {matvec.OPTION: False}, "matvec_disagreed")
 
 
 def _own_choices(compiled: CompiledLibrary, options: Mapping[str, Any]) -> list[_Choice]:
     """What the check against eager may take back from this CUDA method: the
     single-row rule's coordinate-descent tuning (where the caller did not set
-    the option), and the fused decode attention (cuda-runner's own kernel,
-    checked wherever it replaced an SDPA call)."""
+    the option), and cuda-runner's own kernels wherever they took calls over:
+    the matrix-vector kernel (the newest, taken back first) and the fused
+    decode attention."""
     if compiled.device.type != "cuda":
         return []
     choices = []
+    if compiled.options.get("matvec_products"):
+        choices.append(_MATVEC)
     if compiled.options.get("coordinate_descent_tuning") and "coordinate_descent_tuning" not in options:
         choices.append(_SINGLE_ROW)
     if compiled.options.get("fused_decode_attention"):
@@ -524,11 +530,12 @@ def _checked_against_eager(
 
 def _compiled(program: Any, args: tuple, kwargs: dict, device: str, progress: Progress, options: Mapping[str, Any], cpu_target: str,
               runtime: str, method: str, warn: Warn) -> CompiledLibrary:
-    """compile_program, saying where the fused decode attention was asked for and did not compile."""
+    """compile_program, saying where one of cuda-runner's own kernels was asked for and did not compile."""
     compiled = compile_program(program, args, kwargs, device, progress, options, cpu_target, runtime)
-    failure = compiled.options.get("fused_decode_attention_failed")
-    if failure:
-        warn(f"method {method!r}: the fused decode attention did not compile ({failure}); compiled without it")
+    for kernel, (_, failed) in OWN_KERNEL_RECORDS.items():
+        failure = compiled.options.get(failed)
+        if failure:
+            warn(f"method {method!r}: {OWN_KERNEL_NAMES[kernel]} did not compile ({failure}); compiled without it")
     return compiled
 
 

@@ -28,7 +28,7 @@ from typing import Any
 from ..errors import CompileError, InputError
 from ..format.manifest import DeviceSpec
 from ..runtime.devices import checked_isa_flags
-from . import attention, convolution
+from . import attention, convolution, matvec
 
 MIN_TORCH = (2, 10)
 
@@ -72,7 +72,7 @@ SINGLE_ROW_OPTIONS: dict[str, Any] = {"coordinate_descent_tuning": True}
 QUICK_OPTIONS: dict[str, Any] = {"test_configs.max_mm_configs": 1}
 
 # cuda-runner's own compile options, next to Inductor's (never passed to it).
-_OWN_OPTIONS = frozenset({attention.OPTION})
+_OWN_OPTIONS = frozenset({attention.OPTION, matvec.OPTION})
 
 # What the runtime relies on: a user option may not change these.
 _PROTECTED_OPTIONS = frozenset(SELF_CONTAINED_OPTIONS) | {"aot_inductor.output_path", "cpp.cxx", "aot_inductor.check_lowerbound"}
@@ -325,18 +325,19 @@ def _compile_once(
             # sizes 0 and 1 of every dynamic dim, which export assumes >= 2 but
             # the generated code handles; the manifest's bounds are checked anyway.
             options["aot_inductor.check_lowerbound"] = False
-        # On by default: a decode step's attention in one kernel (compile/attention.py); =false turns it off.
-        fuse = standalone and device != "cpu" and own.get(attention.OPTION, True)
-        library_path, fused, fusion_failed = _aot_compile(torch, program, example_args, example_kwargs, options, standalone, device, fuse, progress)
+        # Standalone CUDA builds only: a decode step's attention in one kernel
+        # (compile/attention.py; on by default, =false turns it off) and its products
+        # of one row in another (compile/matvec.py; asked for with =true: on the 1B
+        # decoder it was on par with Inductor's fused reductions, not ahead).
+        own_kernels = standalone and device != "cpu" and triton_ops_available()
+        kernels = OwnKernels(attention=own_kernels and own.get(attention.OPTION, True), matvec=own_kernels and own.get(matvec.OPTION, False))
+        library_path = _aot_compile(torch, program, example_args, example_kwargs, options, standalone, device, kernels, progress)
         weights_path = library_path.with_name(library_path.name[: -len(".so")] + "_weights.blob")
         metadata = _sidecar_metadata(library_path)
         recorded = {key: value for key, value in options.items() if key not in ("aot_inductor.output_path", "cpp.cxx")}
         recorded["cxx_flags"] = list(EXTRA_CXX_FLAGS)
         recorded.update(own)
-        if fused:
-            recorded["fused_decode_attention"] = fused
-        if fusion_failed:
-            recorded["fused_decode_attention_failed"] = fusion_failed
+        recorded.update(kernels.record())
         if cpu_build is not None:
             recorded["cpu_target"] = cpu_target
             recorded["cpu_build_flags"] = list(cpu_build.flags)
@@ -354,31 +355,88 @@ def _compile_once(
         shutil.rmtree(work_dir, ignore_errors=True)
 
 
+def triton_ops_available() -> bool:
+    """Whether this torch can compile cuda-runner's own kernels: Triton and torch.library.triton_op."""
+    try:
+        import triton  # noqa: F401
+        from torch.library import triton_op, wrap_triton  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+# How the manifest's compile options name what happened to each own kernel: (calls it took, why it was given up).
+OWN_KERNEL_RECORDS = {"attention": ("fused_decode_attention", "fused_decode_attention_failed"), "matvec": ("matvec_products", "matvec_failed")}
+# How a user hears of each.
+OWN_KERNEL_NAMES = {"attention": "the fused decode attention", "matvec": "the matrix-vector kernel"}
+
+
+@dataclass
+class OwnKernels:
+    """cuda-runner's own kernels in one build: which to use, how many calls each
+    took over, and why one was given up (its compile failed)."""
+
+    attention: bool  # the fused decode attention (compile/attention.py)
+    matvec: bool  # the matrix-vector kernel (compile/matvec.py)
+    fused: int = 0  # SDPA calls the attention took
+    products: int = 0  # products of one row the matvec took
+    failures: dict[str, str] = dataclasses.field(default_factory=dict)  # "attention"/"matvec" -> why given up
+
+    def record(self) -> dict[str, Any]:
+        counts = {"attention": self.fused, "matvec": self.products}
+        recorded: dict[str, Any] = {}
+        for kernel, (used, failed) in OWN_KERNEL_RECORDS.items():
+            if counts[kernel]:
+                recorded[used] = counts[kernel]
+            if kernel in self.failures:
+                recorded[failed] = self.failures[kernel]
+        return recorded
+
+    def apply(self, module: Any, in_use: list[str]) -> None:
+        """Put the kernels in `module`'s graph, each named in `in_use` (newest last)
+        before its rewrite starts: a failure from then on may be the kernel's."""
+        self.fused = self.products = 0
+        if self.attention:
+            in_use.append("attention")
+            self.fused = attention.fuse_decode_attention(module)
+            if not self.fused:
+                in_use.pop()
+        if self.matvec:
+            in_use.append("matvec")
+            self.products = matvec.use_matvec(module)
+            if not self.products:
+                in_use.pop()
+
+    def give_up(self, kernel: str, failure: str) -> None:
+        setattr(self, kernel, False)
+        self.failures[kernel] = failure
+
+
 def _aot_compile(
     torch: Any, program: Any, example_args: tuple, example_kwargs: Mapping[str, Any], options: Mapping[str, Any], standalone: bool,
-    device: str, fuse: bool, progress: Progress,
-) -> tuple[Path, int, str | None]:
-    """The library AOTInductor builds from the program, how many SDPA calls became
-    the fused decode attention, and why the fusion was given up where its
-    compile failed (the method is then compiled without it: the kernel is an
-    optimisation, never a reason to lose the build)."""
-    failure: str | None = None
+    device: str, kernels: OwnKernels, progress: Progress,
+) -> Path:
+    """The library AOTInductor builds from the program, with cuda-runner's own
+    kernels where they apply (`kernels` says which were used). A compile that
+    fails with one of them in the graph is done again without it, the newest
+    first: a kernel is an optimisation, never a reason to lose the build."""
     while True:
-        fused: int | None = None  # None until the fusion is done: a failure before then is the fusion's
+        in_use: list[str] = []
         try:
             module = program.module()  # a new graph module: the program itself stays as exported
-            fused = attention.fuse_decode_attention(module) if fuse and attention.fusion_available() else 0
+            kernels.apply(module, in_use)
             if standalone and device != "cpu":
                 attention.pin_sdpa_layout(module)
                 convolution.as_two_dimensional(module)
             progress("compiling with AOTInductor (this takes tens of seconds)")
             with _math_attention(torch) if standalone else contextlib.nullcontext(), torch_talking_to_itself():
-                return Path(torch._inductor.aot_compile(module, example_args, dict(example_kwargs), options=dict(options))), fused, failure
+                return Path(torch._inductor.aot_compile(module, example_args, dict(example_kwargs), options=dict(options)))
         except Exception as error:  # inductor raises many types; report one line
-            if fused == 0 or not fuse or gpu_unusable_after(error):
+            if not in_use or gpu_unusable_after(error):
                 raise CompileError(f"AOTInductor compile failed: {type(error).__name__}: {_first_line(error)}") from error
-            failure, fuse = f"{type(error).__name__}: {_first_line(error)}", False
-            progress(f"the fused decode attention did not compile ({failure}); compiling without it")
+            failure = f"{type(error).__name__}: {_first_line(error)}"
+            kernels.give_up(in_use[-1], failure)
+            progress(f"{OWN_KERNEL_NAMES[in_use[-1]]} did not compile ({failure}); compiling without it")
 
 
 @contextlib.contextmanager

@@ -44,16 +44,6 @@ class AttentionSite:
     repeats: tuple[Any, ...]  # the nodes that repeated K/V per query head, dropped once unused
 
 
-def fusion_available() -> bool:
-    """Whether this torch can compile the fused kernel: Triton and torch.library.triton_op."""
-    try:
-        import triton  # noqa: F401
-        from torch.library import triton_op, wrap_triton  # noqa: F401
-    except ImportError:
-        return False
-    return True
-
-
 def decode_attention_sites(graph: Any) -> list[AttentionSite]:
     """The SDPA calls of an FX graph that the fused kernel computes exactly."""
     sites = []

@@ -14,20 +14,11 @@ import textwrap
 import pytest
 import torch
 import torch.nn.functional as F
-from models import scale_models
+from models import MethodOf, scale_models
 
 from cuda_runner.compile.aot import check_options
 from cuda_runner.compile.attention import MAX_QUERY_ROWS, OPTION, decode_attention_sites
 from cuda_runner.errors import CompileError, InputError
-
-
-class _Method(torch.nn.Module):
-    def __init__(self, model: torch.nn.Module, method: str):
-        super().__init__()
-        self.model, self.method = model, method
-
-    def forward(self, tokens, input_pos):
-        return getattr(self.model, self.method)(tokens, input_pos)
 
 
 def _graph(module: torch.nn.Module, args: tuple, dynamic_shapes=None):
@@ -38,7 +29,7 @@ def _llama_graph(method: str):
     config = scale_models.LLAMA_TINY
     model = scale_models.LlamaDecoder(config, torch.float32).eval()
     shapes = scale_models.llama_dynamic_shapes(config)[method]
-    return _graph(_Method(model, method), scale_models.llama_examples(config, 6)[method], shapes), config
+    return _graph(MethodOf(model, method), scale_models.llama_examples(config, 6)[method], shapes), config
 
 
 class _Attention(torch.nn.Module):
@@ -153,7 +144,7 @@ def test_the_fused_graph_computes_what_sdpa_does_under_tritons_interpreter(tmp_p
     """The rewritten graph run eagerly: the kernel through Triton's CPU interpreter."""
     script = textwrap.dedent("""
         import copy, torch
-        from models import scale_models
+        from models import MethodOf, scale_models
         from cuda_runner.compile.attention import fuse_decode_attention
         config = scale_models.LLAMA_TINY
         model = scale_models.LlamaDecoder(config, torch.float32).eval()
@@ -205,17 +196,18 @@ def test_a_fused_attention_that_does_not_compile_costs_the_fusion_not_the_build(
         return "/nowhere/model.so"
 
     fake_torch = SimpleNamespace(_inductor=SimpleNamespace(aot_compile=aot_compile))
-    monkeypatch.setattr(attention, "fusion_available", lambda: True)
     monkeypatch.setattr(attention, "fuse_decode_attention", lambda module: setattr(module, "fused", 2) or 2)
     monkeypatch.setattr(attention, "pin_sdpa_layout", lambda module: 0)
     program = SimpleNamespace(module=lambda: SimpleNamespace(fused=0))
     heard: list[str] = []
-    path, fused, failure = aot._aot_compile(fake_torch, program, (), {}, {}, False, "cuda", True, heard.append)
-    assert compiled == [2, 0] and fused == 0 and str(path) == "/nowhere/model.so"
-    assert failure == "RuntimeError: Failed to run autotuning code block: at 22:4:"
+    kernels = aot.OwnKernels(attention=True, matvec=False)
+    path = aot._aot_compile(fake_torch, program, (), {}, {}, False, "cuda", kernels, heard.append)
+    assert compiled == [2, 0] and kernels.fused == 0 and str(path) == "/nowhere/model.so"
+    assert kernels.record() == {"fused_decode_attention_failed": "RuntimeError: Failed to run autotuning code block: at 22:4:"}
     assert any("compiling without it" in line for line in heard)
     with pytest.raises(CompileError, match="AOTInductor compile failed: RuntimeError"):  # without the fusion, a failure is the compile's
-        aot._aot_compile(fake_torch, SimpleNamespace(module=lambda: SimpleNamespace(fused=1)), (), {}, {}, False, "cuda", False, heard.append)
+        aot._aot_compile(fake_torch, SimpleNamespace(module=lambda: SimpleNamespace(fused=1)), (), {}, {}, False, "cuda",
+                         aot.OwnKernels(attention=False, matvec=False), heard.append)
 
 
 @pytest.mark.skipif(not __import__("importlib").util.find_spec("triton"), reason="Triton is not installed (CPU torch)")
@@ -284,8 +276,9 @@ def test_a_fusion_that_fails_before_the_compile_costs_the_fusion_not_the_build(m
     def broken_fusion(module):
         raise RuntimeError("triton_op: cannot register cuda_runner::decode_attention")
 
-    monkeypatch.setattr(attention, "fusion_available", lambda: True)
     monkeypatch.setattr(attention, "fuse_decode_attention", broken_fusion)
     fake_torch = SimpleNamespace(_inductor=SimpleNamespace(aot_compile=lambda module, args, kwargs, options: "/nowhere/model.so"))
-    path, fused, failure = aot._aot_compile(fake_torch, SimpleNamespace(module=object), (), {}, {}, False, "cuda", True, lambda _: None)
-    assert str(path) == "/nowhere/model.so" and fused == 0 and failure == "RuntimeError: triton_op: cannot register cuda_runner::decode_attention"
+    kernels = aot.OwnKernels(attention=True, matvec=False)
+    path = aot._aot_compile(fake_torch, SimpleNamespace(module=object), (), {}, {}, False, "cuda", kernels, lambda _: None)
+    assert str(path) == "/nowhere/model.so" and kernels.fused == 0
+    assert kernels.failures == {"attention": "RuntimeError: triton_op: cannot register cuda_runner::decode_attention"}

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
-from models import scale_models
+from models import compile_tiny_llama, scale_models
 
 import cuda_runner
 from cuda_runner.compile.attention import OPTION
@@ -67,11 +67,8 @@ def _generate(model, eager, config, prompt, steps):
 
 def test_the_standalone_decoder_fuses_each_layers_decode_attention_and_matches_eager(tmp_path):
     config = scale_models.LLAMA_TINY
-    torch.manual_seed(0)
-    module = scale_models.LlamaDecoder(config).eval()
     path = tmp_path / "llama.bundle"
-    cuda_runner.compile_methods(copy.deepcopy(module), scale_models.llama_examples(config, 6), path, device="cuda",
-                                dynamic_shapes=scale_models.llama_dynamic_shapes(config), options={OPTION: True})
+    module = compile_tiny_llama(path, {OPTION: True})
     methods = cuda_runner.read_manifest(path).methods
     assert methods["decode"].compile_options["fused_decode_attention"] == config.layers
     assert "fused_decode_attention" not in methods["prefill"].compile_options  # a prompt of dynamic length keeps SDPA's lowering

@@ -1,0 +1,148 @@
+"""Products of one row in standalone CUDA builds: each becomes cuda-runner's
+own matrix-vector kernel (matvec_kernel.py) instead of what Inductor
+generates for it.
+
+A decode step multiplies a single row by every weight of the model, so its
+speed is how fast those products stream the weights from memory. Inductor
+lowers them either as a GEMM template built for tiles of many rows, or (with
+the coordinate-descent tuning a decode method gets) as reductions fused with
+their neighbours; on the H200 those read the 1B decoder's weights at about
+2.3 TB/s of the 4.8 the memory gives. The kernel reads them at 2.7 TB/s, but
+gives up the fusions (a norm, an activation or a residual around a product
+becomes a small kernel of its own), and the 1B decoder's step came out on par
+(docs/benchmarks.md). So it is asked for, not on by default:
+{"cuda_runner.matvec": True}.
+
+A product qualifies when the kernel computes exactly it: a Linear, or a
+matrix product with a transposed weight (as a decomposed program writes a
+Linear: mm or addmm of t(W)), whose input holds one row (every dim but the
+last is 1), with static shapes, one floating dtype, and a weight whose rows
+are contiguous.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+# The compile option that asks for the rewrite in a standalone CUDA build ({"cuda_runner.matvec": True}).
+OPTION = "cuda_runner.matvec"
+_DTYPES = frozenset({"torch.float16", "torch.bfloat16", "torch.float32"})
+_TRANSPOSES = frozenset({"aten.t.default", "aten.transpose.int", "aten.permute.default"})
+
+
+@dataclass(frozen=True)
+class ProductSite:
+    """A product of one row the kernel takes over, with what the kernel reads."""
+
+    node: Any
+    row: Any  # [..., K], every leading dim 1
+    weight: Any  # [N, K], each row contiguous
+    bias: Any  # [N], or None
+    transpose: Any  # the t(W) an mm read W through, dropped once unused; or None
+
+
+def single_row_products(graph: Any) -> list[ProductSite]:
+    """The products of an FX graph that the kernel computes exactly."""
+    sites = []
+    for node in graph.nodes:
+        if node.op != "call_function":
+            continue
+        site = _site(node)
+        if site is not None:
+            sites.append(site)
+    return sites
+
+
+def use_matvec(graph_module: Any) -> int:
+    """Replace the qualifying products of `graph_module` (a copy the caller owns)
+    by the kernel; the number replaced."""
+    sites = single_row_products(graph_module.graph)
+    if not sites:
+        return 0
+    import torch
+
+    from . import matvec_kernel  # noqa: F401  (registers the operator)
+
+    operator = torch.ops.cuda_runner.matvec.default
+    aten = torch.ops.aten
+    graph = graph_module.graph
+    for site in sites:
+        with graph.inserting_before(site.node):
+            bias = site.bias  # addmm's [1, N] viewed as the [N] the kernel reads
+            if bias is not None and len(_shape(bias) or ()) == 2:
+                bias = graph.call_function(aten.view.default, (bias, [-1]))
+            # [..., N] from a row [..., K]: the shape of the Linear (or mm's [1, N]) it replaces.
+            product = graph.call_function(operator, (site.row, site.weight, bias))
+        product.meta.update(site.node.meta)
+        site.node.replace_all_uses_with(product)
+        graph.erase_node(site.node)
+        if site.transpose is not None and not site.transpose.users:
+            graph.erase_node(site.transpose)
+    graph.lint()
+    graph_module.recompile()
+    return len(sites)
+
+
+def _site(node: Any) -> ProductSite | None:
+    target = str(node.target)
+    if target == "aten.linear.default" and not node.kwargs:
+        row, weight, bias = (*node.args, None)[:3]
+        transpose = None
+    elif target == "aten.mm.default" and not node.kwargs and len(node.args) == 2:
+        row, bias = node.args[0], None
+        weight, transpose = _untransposed(node.args[1])
+    elif target == "aten.addmm.default" and not node.kwargs and len(node.args) == 3:
+        bias, row = node.args[0], node.args[1]
+        weight, transpose = _untransposed(node.args[2])
+    else:
+        return None
+    if weight is None or not _one_dtype(row, weight, *([bias] if bias is not None else [])):
+        return None
+    row_shape, weight_shape = _shape(row), _shape(weight)
+    if row_shape is None or weight_shape is None or len(weight_shape) != 2 or not row_shape:
+        return None
+    rows_n, columns_k = weight_shape
+    if rows_n == 0 or columns_k == 0 or row_shape[-1] != columns_k or any(size != 1 for size in row_shape[:-1]):
+        return None
+    if _stride(weight)[1:] != (1,):  # each row of W contiguous
+        return None
+    if bias is not None and _shape(bias) not in ((rows_n,), (1, rows_n)):
+        return None
+    return ProductSite(node, row, weight, bias, transpose)
+
+
+def _untransposed(operand: Any) -> tuple[Any, Any]:
+    """(W, the transpose) where `operand` is W [N, K] transposed to [K, N]; (None, None) otherwise."""
+    target = str(getattr(operand, "target", ""))
+    if target not in _TRANSPOSES:
+        return None, None
+    source = operand.args[0]
+    if len(_shape(source) or ()) != 2:
+        return None, None
+    if target == "aten.transpose.int" and sorted(d % 2 for d in operand.args[1:3]) != [0, 1]:
+        return None, None
+    if target == "aten.permute.default" and [d % 2 for d in operand.args[1]] != [1, 0]:
+        return None, None
+    return source, operand
+
+
+def _value(node: Any) -> Any:
+    return getattr(node, "meta", {}).get("val")
+
+
+def _shape(node: Any) -> tuple[int, ...] | None:
+    shape = getattr(_value(node), "shape", None)
+    if shape is None or not all(isinstance(size, int) for size in shape):
+        return None
+    return tuple(shape)
+
+
+def _stride(node: Any) -> tuple[Any, ...]:
+    value = _value(node)
+    return tuple(value.stride()) if hasattr(value, "stride") else ()
+
+
+def _one_dtype(*nodes: Any) -> bool:
+    dtypes = {str(getattr(_value(node), "dtype", None)) for node in nodes}
+    return len(dtypes) == 1 and dtypes <= _DTYPES

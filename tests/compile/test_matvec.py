@@ -1,0 +1,187 @@
+"""The matrix-vector rewrite (compile/matvec.py): which products it takes
+(exactly those the kernel computes: one row, static shapes, one dtype, rows of
+W contiguous), in exported and decomposed graphs, the graph it leaves, and how
+a build that fails with it is compiled again without it. The kernel itself
+runs on the GPU (tests/gpu) and, here, under Triton's CPU interpreter when
+Triton is installed."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+from types import SimpleNamespace
+
+import pytest
+import torch
+from models import MethodOf, scale_models
+
+from cuda_runner.compile import aot, attention, matvec
+from cuda_runner.compile.aot import check_options
+from cuda_runner.compile.matvec import OPTION, single_row_products
+from cuda_runner.errors import CompileError, InputError
+
+
+def _llama_program(method: str):
+    config = scale_models.LLAMA_TINY
+    model = scale_models.LlamaDecoder(config, torch.float32).eval()
+    shapes = scale_models.llama_dynamic_shapes(config)[method]
+    return torch.export.export(MethodOf(model, method), scale_models.llama_examples(config, 6)[method], dynamic_shapes=shapes), config
+
+
+def _products(module: torch.nn.Module, *inputs: torch.Tensor, decomposed: bool = False) -> list[str]:
+    program = torch.export.export(module, inputs)
+    if decomposed:
+        program = program.run_decompositions()
+    return [str(site.node.target) for site in single_row_products(program.graph)]
+
+
+def test_each_projection_of_the_decode_step_and_the_head_are_taken():
+    program, config = _llama_program("decode")
+    assert len(single_row_products(program.graph)) == 7 * config.layers + 1
+
+
+def test_a_prompt_of_dynamic_length_keeps_inductors_products_but_for_its_head():
+    """The prefill's projections take rows of a dynamic count; its head reads the last position alone."""
+    program, config = _llama_program("prefill")
+    sites = single_row_products(program.graph)
+    assert len(sites) == 1 and tuple(sites[0].weight.meta["val"].shape) == (config.vocab, config.dim)
+
+
+def test_a_decomposed_linear_is_taken_as_mm_or_addmm_of_the_transposed_weight():
+    with_bias, without = torch.nn.Linear(16, 8), torch.nn.Linear(16, 8, bias=False)
+    assert _products(with_bias, torch.randn(1, 16), decomposed=True) == ["aten.addmm.default"]
+    assert _products(without, torch.randn(1, 16), decomposed=True) == ["aten.mm.default"]
+    assert _products(with_bias, torch.randn(1, 1, 16)) == ["aten.linear.default"]
+
+
+class _Product(torch.nn.Module):
+    def __init__(self, weight: torch.Tensor):
+        super().__init__()
+        self.weight = torch.nn.Parameter(weight)
+
+    def forward(self, x):
+        return x @ self.weight
+
+
+@pytest.mark.parametrize("case, module, inputs", [
+    ("several rows", torch.nn.Linear(16, 8), (torch.randn(2, 16),)),
+    ("a row of a batch of two", torch.nn.Linear(16, 8), (torch.randn(2, 1, 16),)),
+    ("float64", torch.nn.Linear(16, 8).to(torch.float64), (torch.randn(1, 16, dtype=torch.float64),)),
+    ("a weight read down its columns", _Product(torch.randn(16, 8)), (torch.randn(1, 16),)),
+])
+def test_products_the_kernel_would_not_compute_exactly_or_fast_are_left_alone(case, module, inputs):
+    assert _products(module, *inputs) == [] and _products(module, *inputs, decomposed=True) == [], case
+
+
+def test_a_row_of_dynamic_size_is_left_alone():
+    module, x = torch.nn.Linear(16, 8), torch.randn(1, 3, 16)
+    program = torch.export.export(module, (x,), dynamic_shapes=({1: torch.export.Dim("rows", max=64)},))
+    assert single_row_products(program.graph) == []
+
+
+def test_the_rewritten_graph_keeps_shapes_and_drops_the_transposes():
+    pytest.importorskip("triton", reason="Triton is not installed (CPU torch): the operator cannot be registered")
+    module = torch.nn.Sequential(torch.nn.Linear(16, 8), torch.nn.ReLU(), torch.nn.Linear(8, 4, bias=False))
+    graph_module = torch.export.export(module, (torch.randn(1, 16),)).run_decompositions().module()
+    assert matvec.use_matvec(graph_module) == 2
+    targets = [str(node.target) for node in graph_module.graph.nodes]
+    assert targets.count("cuda_runner.matvec.default") == 2 and not any(target in ("aten.t.default", "aten.permute.default") for target in targets)
+
+
+def test_the_option_asks_for_it_and_takes_a_bool():
+    assert check_options(torch, {OPTION: True}) == {OPTION: True}
+    with pytest.raises(InputError, match="true or false"):
+        check_options(torch, {OPTION: 1})
+
+
+def _failing_compile(fails_while: set[str], compiled: list[tuple[int, int]]):
+    def aot_compile(module, args, kwargs, options):
+        compiled.append((module.fused, module.products))
+        if ("attention" in fails_while and module.fused) or ("matvec" in fails_while and module.products):
+            raise RuntimeError("C++ compile error\nCommand: ...")
+        return "/nowhere/model.so"
+    return SimpleNamespace(_inductor=SimpleNamespace(aot_compile=aot_compile))
+
+
+@pytest.mark.parametrize("fails_while, tries, given_up", [
+    ({"matvec"}, [(2, 5), (2, 0)], {"matvec"}),  # the newest kernel is given up first, the attention kept
+    ({"attention"}, [(2, 5), (2, 0), (0, 0)], {"matvec", "attention"}),  # a failure that is not the matvec's costs both
+    (set(), [(2, 5)], set()),
+])
+def test_a_build_that_fails_with_its_own_kernels_is_compiled_again_without_them(monkeypatch, fails_while, tries, given_up):
+    monkeypatch.setattr(attention, "fuse_decode_attention", lambda module: setattr(module, "fused", 2) or 2)
+    monkeypatch.setattr(matvec, "use_matvec", lambda module: setattr(module, "products", 5) or 5)
+    compiled: list[tuple[int, int]] = []
+    heard: list[str] = []
+    kernels = aot.OwnKernels(attention=True, matvec=True)
+    program = SimpleNamespace(module=lambda: SimpleNamespace(fused=0, products=0))
+    path = aot._aot_compile(_failing_compile(fails_while, compiled), program, (), {}, {}, False, "cuda", kernels, heard.append)
+    assert str(path) == "/nowhere/model.so" and compiled == tries and set(kernels.failures) == given_up
+    assert kernels.record().get("matvec_failed") == ("RuntimeError: C++ compile error" if "matvec" in given_up else None)
+    assert kernels.record().get("matvec_products") == (None if "matvec" in given_up else 5)
+    assert sum("did not compile" in line for line in heard) == len(given_up)
+
+
+def test_a_build_that_fails_without_its_own_kernels_fails():
+    compiled: list[tuple[int, int]] = []
+    program = SimpleNamespace(module=lambda: SimpleNamespace(fused=0, products=1))
+    with pytest.raises(CompileError, match=r"AOTInductor compile failed: RuntimeError: C\+\+ compile error"):
+        aot._aot_compile(_failing_compile({"matvec"}, compiled), program, (), {}, {}, False, "cuda",
+                         aot.OwnKernels(attention=False, matvec=False), lambda _: None)
+
+
+@pytest.mark.skipif(not __import__("importlib").util.find_spec("triton"), reason="Triton is not installed (CPU torch)")
+def test_the_rewritten_decoder_computes_what_it_did_under_tritons_interpreter():
+    """The decode step with every product on the kernel, run eagerly (the kernel through Triton's
+    CPU interpreter), exported and decomposed; and shapes no tile divides, with a bias."""
+    script = textwrap.dedent("""
+        import copy, torch
+        from models import MethodOf, scale_models
+        from cuda_runner.compile.matvec import use_matvec
+        from cuda_runner.compile.matvec_kernel import matvec
+        config = scale_models.LLAMA_TINY
+        model = scale_models.LlamaDecoder(config, torch.float32).eval()
+        examples = scale_models.llama_examples(config, 6)
+        class Decode(torch.nn.Module):
+            def __init__(self, model): super().__init__(); self.model = model
+            def forward(self, tokens, position): return self.model.decode(tokens, position)
+        worst = 0.0
+        for decomposed in (False, True):
+            program = torch.export.export(Decode(copy.deepcopy(model)), examples["decode"])
+            rewritten = (program.run_decompositions() if decomposed else program).module()
+            plain = torch.export.export(Decode(copy.deepcopy(model)), examples["decode"]).module()
+            assert use_matvec(rewritten) == 7 * config.layers + 1
+            with torch.no_grad():
+                worst = max(worst, (rewritten(*examples["decode"]) - plain(*examples["decode"])).abs().max().item())
+        for n, k in ((7, 5), (300, 1000), (3, 4097)):
+            x, w, b = torch.randn(1, k), torch.randn(n, k), torch.randn(n)
+            worst = max(worst, (matvec(x, w, b) - torch.nn.functional.linear(x, w, b)).abs().max().item() / k ** 0.5)
+        assert worst < 1e-4, worst
+        print("ok", worst)
+    """)
+    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": os.pathsep.join(sys.path)}
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=300)
+    assert result.returncode == 0 and "ok" in result.stdout, result.stderr[-2000:]
+
+
+@pytest.mark.skipif(not __import__("importlib").util.find_spec("triton"), reason="Triton is not installed (CPU torch)")
+@pytest.mark.parametrize("shape, bias", [((32000, 2048), False), ((7, 5), True)])
+def test_the_kernel_builds_for_sm90_with_its_shape_compiled_in(shape, bias):
+    """Triton compiles for sm90 without a GPU: every plan the 1B decoder's shapes get, and a masked one."""
+    import inspect
+
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from cuda_runner.compile.matvec_kernel import _matvec_kernel, plan
+
+    rows_n, columns_k = shape
+    block_n, block_k, _ = plan(rows_n, columns_k)
+    constants = {"ROWS_N": rows_n, "COLUMNS_K": columns_k, "ROW_STRIDE": columns_k, "HAS_BIAS": bias, "BLOCK_N": block_n, "BLOCK_K": block_k}
+    parameters = list(inspect.signature(_matvec_kernel.fn).parameters)
+    signature = {name: "constexpr" if name in constants else "*bf16" for name in parameters}
+    source = ASTSource(fn=_matvec_kernel, signature=signature, constexprs={(parameters.index(name),): value for name, value in constants.items()})
+    triton.compile(source, target=GPUTarget("cuda", 90, 32))
