@@ -22,7 +22,20 @@ call, as a step finds them) as:
 It answers whether a kernel of our own would beat what Inductor generates,
 per shape, before anything is built on it.
 
+--graph times the products as a decode step runs them instead: 16 products
+of a shape, each on weights of its own (a layer's), launched back to back
+from one CUDA graph, so that neither the launch nor a cold start of the
+timing counts; and the step's whole mix (7 products x 16 layers and the
+head, 2.07 GB) in one graph. Each as:
+
+  cuBLAS             F.linear
+  cuda-runner        the matrix-vector kernel bundles get
+                     (cuda_runner/compile/matvec_kernel.py), as planned
+  sweep              the same kernel over rows per program, columns per
+                     step and warps: the best plan for the shape
+
     python3 scripts/bench_gemv.py --output gemv.json
+    python3 scripts/bench_gemv.py --graph --output gemv-graph.json
 """
 
 from __future__ import annotations
@@ -131,20 +144,123 @@ def measure(shape: tuple[int, int], kernels_: tuple) -> dict:
     return row
 
 
+GRAPH_LAYERS = 16
+# The shapes of one layer, in the order a step runs them, and the head once.
+STEP_MIX = ["q/o 2048x2048", "k/v 512x2048", "k/v 512x2048", "q/o 2048x2048", "gate/up 8192x2048", "gate/up 8192x2048", "down 2048x8192"]
+
+
+def graph_time_us(launches, replays: int = 30) -> list[float]:
+    """Microseconds of each replay of a CUDA graph holding `launches` (called in order)."""
+    import torch
+
+    stream = torch.cuda.Stream()
+    with torch.cuda.stream(stream):
+        for launch in launches:  # compile and warm up outside the capture
+            launch()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, stream=stream):
+        for launch in launches:
+            launch()
+    times = []
+    for _ in range(replays):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) * 1000)
+    return times
+
+
+def kernel_launch(kernel, x, weight, out, block_n: int, block_k: int, warps: int):
+    import triton
+
+    n, k = weight.shape
+    return lambda: kernel[(triton.cdiv(n, block_n),)](
+        x, weight, out, out, ROWS_N=n, COLUMNS_K=k, ROW_STRIDE=weight.stride(0), HAS_BIAS=False, BLOCK_N=block_n, BLOCK_K=block_k,
+        num_warps=warps)
+
+
+def measure_in_graph(shape: tuple[int, int]) -> dict:
+    """One shape, GRAPH_LAYERS products on weights of their own, from one graph."""
+    import torch
+    import torch.nn.functional as F
+
+    from cuda_runner.compile.matvec_kernel import _matvec_kernel, matvec, plan
+
+    n, k = shape
+    weights = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) for _ in range(GRAPH_LAYERS)]
+    x = torch.randn(1, k, device="cuda", dtype=torch.bfloat16)
+    out = torch.empty(1, n, device="cuda", dtype=torch.bfloat16)
+    nbytes = n * k * 2 * GRAPH_LAYERS
+    want = F.linear(x, weights[0]).float()
+    error = (matvec(x, weights[0], None).float() - want).abs().max().item()
+    row: dict = {"bytes_per_product": n * k * 2, "plan": plan(n, k), "max_abs_error": round(error, 4)}
+
+    def record(name: str, launches) -> float:
+        per_product = statistics.median(graph_time_us(launches)) / GRAPH_LAYERS
+        row[name] = {"us": round(per_product, 2), "tb_per_s": round(nbytes / GRAPH_LAYERS / per_product / 1e6, 2)}
+        return per_product
+
+    record("cuBLAS", [lambda w=w: F.linear(x, w) for w in weights])
+    record("cuda-runner", [lambda w=w: matvec(x, w, None) for w in weights])
+    tried = []
+    for block_n, block_k, warps in itertools.product((1, 2, 4, 8, 16), (256, 512, 1024, 2048), (2, 4, 8)):
+        if block_n * block_k > 16384 or block_k > max(256, k):
+            continue
+        launches = [kernel_launch(_matvec_kernel, x, w, out, block_n, block_k, warps) for w in weights]
+        tried.append((statistics.median(graph_time_us(launches, replays=10)) / GRAPH_LAYERS, (block_n, block_k, warps)))
+    tried.sort()
+    row["sweep"] = {"us": round(tried[0][0], 2), "tb_per_s": round(nbytes / GRAPH_LAYERS / tried[0][0] / 1e6, 2), "plan": tried[0][1],
+                    "next best": [{"us": round(us, 2), "plan": plan_} for us, plan_ in tried[1:6]]}
+    return row
+
+
+def measure_step_mix() -> dict:
+    """A step's products (STEP_MIX x GRAPH_LAYERS and the head) from one graph: its weights once each."""
+    import torch
+    import torch.nn.functional as F
+
+    from cuda_runner.compile.matvec_kernel import matvec
+
+    shapes = [SHAPES[label] for _ in range(GRAPH_LAYERS) for label in STEP_MIX] + [SHAPES["head 32000x2048"]]
+    weights = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) for n, k in shapes]
+    inputs = {k: torch.randn(1, k, device="cuda", dtype=torch.bfloat16) for _, k in shapes}
+    nbytes = sum(n * k * 2 for n, k in shapes)
+    row: dict = {"products": len(shapes), "bytes": nbytes}
+    for name, product in (("cuBLAS", lambda x, w: F.linear(x, w)), ("cuda-runner", lambda x, w: matvec(x, w, None))):
+        times = graph_time_us([lambda w=w, product=product: product(inputs[w.shape[1]], w) for w in weights])
+        row[name] = {**summary_us(times), "tb_per_s": round(nbytes / statistics.median(times) / 1e6, 2)}
+    row["floor_us"] = round(nbytes / 4.8e6, 1)
+    return row
+
+
+def summary_us(times: list[float]) -> dict:
+    ordered = sorted(times)
+    return {"median_us": round(statistics.median(ordered), 1), "p10_us": round(ordered[len(ordered) // 10], 1),
+            "p90_us": round(ordered[(9 * len(ordered)) // 10], 1)}
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--output", type=Path, default=None)
+    parser.add_argument("--graph", action="store_true", help="time the products from CUDA graphs, as a decode step runs them")
     options = parser.parse_args()
     import torch
     import triton
 
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
     torch.manual_seed(0)
     results: dict[str, object] = {"gpu": torch.cuda.get_device_name(0), "torch": torch.__version__, "triton": triton.__version__,
-                                  "date": time.strftime("%Y-%m-%d")}
-    compiled_kernels = kernels()
+                                  "date": time.strftime("%Y-%m-%d"), "mode": "graph" if options.graph else "one call"}
+    compiled_kernels = None if options.graph else kernels()
     for label, shape in SHAPES.items():
-        results[label] = measure(shape, compiled_kernels)
+        results[label] = measure_in_graph(shape) if options.graph else measure(shape, compiled_kernels)
         print(label, json.dumps(results[label]), flush=True)
+    if options.graph:
+        results["step mix"] = measure_step_mix()
+        print("step mix", json.dumps(results["step mix"]), flush=True)
     if options.output is not None:
         options.output.write_text(json.dumps(results, indent=1))
     return 0

@@ -53,6 +53,7 @@ import statistics
 import subprocess
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -66,7 +67,9 @@ import scale_models  # noqa: E402
 
 HBM_BYTES_PER_S = 4.8e12  # H200
 # What the run sets (--size, --device); the compile subprocesses get them as arguments.
-SIZES = {"1b": scale_models.LLAMA_1B, "tiny": scale_models.LLAMA_TINY}
+SIZES = {"1b": scale_models.LLAMA_1B, "tiny": scale_models.LLAMA_TINY,
+         # The 1B decoder's layers at full width, 4 of them: a build compiles and is measured sooner, per layer alike.
+         "1b-4layers": replace(scale_models.LLAMA_1B, layers=4)}
 BIG = ("vit_b16", "resnet50", "whisper_base")  # the big models (big_model)
 SETTINGS: dict[str, Any] = {"size": "1b", "device": "cuda", "prompt": 32, "steps": 128, "builds": ["default", "libtorch", "quick", "executorch"],
                             "peers": True, "big": list(BIG)}
@@ -77,10 +80,12 @@ BUILDS: dict[str, dict[str, Any]] = {
     "libtorch": {"runtime": "libtorch", "options": "None"},
     "quick": {"runtime": "auto", "options": "aot.QUICK_OPTIONS"},
     "unfused": {"runtime": "auto", "options": "{'cuda_runner.fuse_decode_attention': False}"},
+    "matvec": {"runtime": "auto", "options": "{'cuda_runner.matvec': True}"},
     "combo": {"runtime": "auto", "options": "{'combo_kernels': True}"},
 }
 LABELS = {"default": "default bundle", "libtorch": "--libtorch bundle", "quick": "--quick bundle", "executorch": "ExecuTorch 1.5 program",
           "unfused": "default bundle without the fused decode attention (cuda_runner.fuse_decode_attention=false)",
+          "matvec": "default bundle + the matrix-vector kernel (cuda_runner.matvec=true)",
           "combo": "default bundle + Inductor's combo kernels (combo_kernels=true)"}
 COMPILE_TIMEOUT_S = float(os.environ.get("BENCH_SCALE_COMPILE_TIMEOUT", "480"))  # each side-by-side batch of compiles
 
@@ -170,7 +175,8 @@ def how_built(manifest) -> dict[str, dict[str, Any]]:
     """What each method's library was built as, from its manifest's compile options."""
     return {name: {key: spec.compile_options.get(key) for key in
                    ("standalone", "libtorch_because", "coordinate_descent_tuning", "coordinate_descent_disagreed",
-                    "fused_decode_attention", "fused_decode_attention_disagreed", "fused_decode_attention_failed")}
+                    "fused_decode_attention", "fused_decode_attention_disagreed", "fused_decode_attention_failed",
+                    "matvec_products", "matvec_disagreed", "matvec_failed")}
             for name, spec in manifest.methods.items()}
 
 
@@ -662,20 +668,23 @@ def stage_decode(work: Path, count: int) -> dict[str, Any]:
         results.update(peers(work, module, count))
     del module
     if cuda():
-        results["profile"] = profile_steps(work)
+        results["profile"] = profile_steps(work, SETTINGS["builds"][0])
+        for build in SETTINGS["builds"][1:]:
+            if build != "executorch":
+                results[f"profile {build}"] = profile_steps(work, build)
     results["cli bench --steps"] = cli_bench(work, graph=False)
     if cuda():
         results["cli bench --steps --cuda-graph"] = cli_bench(work, graph=True)
     return results
 
 
-def profile_steps(work: Path) -> dict[str, Any]:
-    """Where a decode step of the default bundle goes: CUPTI kernel times (torch.profiler sees every kernel in the process)."""
+def profile_steps(work: Path, build: str) -> dict[str, Any]:
+    """Where a decode step of a bundle goes: CUPTI kernel times (torch.profiler sees every kernel in the process)."""
     import torch
 
     import cuda_runner
 
-    path = artifact(work, SETTINGS["builds"][0])
+    path = artifact(work, build)
     if not path.exists():
         return {}
     token = np.array([[1]], np.int64)
