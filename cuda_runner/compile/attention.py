@@ -18,12 +18,14 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
+from .graph_values import FLOATING_DTYPES, dtype_name, one_floating_dtype, static_shape
+from .graph_values import value as recorded_value
+
 # The kernel runs one program per query row and reads every key for each:
 # beyond a few rows (a prefill, an encoder) SDPA's own lowering does better.
 MAX_QUERY_ROWS = 16
 # The compile option that turns the fusion off ({"cuda_runner.fuse_decode_attention": False}); it is on by default.
 OPTION = "cuda_runner.fuse_decode_attention"
-_DTYPES = frozenset({"torch.float16", "torch.bfloat16", "torch.float32"})
 # SDPA, and the fused kernel that took its place (which writes [B, H, L, D] contiguous, as the math form does).
 _ATTENTION_CALLS = frozenset({"aten.scaled_dot_product_attention.default", "cuda_runner.decode_attention.default"})
 _SDPA_PARAMETERS = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale", "enable_gqa")
@@ -103,7 +105,7 @@ def pin_sdpa_layout(graph_module: Any) -> int:
     for node in list(graph.nodes):
         if node.op != "call_function" or str(node.target) not in _ATTENTION_CALLS:
             continue
-        order = _memory_order(_value(node))
+        order = _memory_order(recorded_value(node))
         if order is None:
             continue
         users = list(node.users)
@@ -148,8 +150,8 @@ def _site(node: Any) -> AttentionSite | None:
     if arguments is None or arguments["dropout_p"] != 0 or arguments["is_causal"]:
         return None
     query, key, value, mask = (arguments[name] for name in ("query", "key", "value", "attn_mask"))
-    shapes = [shape for shape in map(_static_shape, (query, key, value)) if shape is not None and len(shape) == 4]
-    if len(shapes) != 3 or not _one_dtype(query, key, value):
+    shapes = [shape for shape in map(static_shape, (query, key, value)) if shape is not None and len(shape) == 4]
+    if len(shapes) != 3 or not one_floating_dtype(query, key, value):
         return None
     (batch, heads, rows, head_dim), (key_batch, kv_heads, length, key_dim), value_shape = shapes
     if rows > MAX_QUERY_ROWS or key_batch != batch or key_dim != head_dim or value_shape[:3] != (batch, kv_heads, length):
@@ -190,27 +192,11 @@ def _sdpa_arguments(node: Any) -> dict[str, Any] | None:
     return arguments if set(arguments) <= set(_SDPA_PARAMETERS) else None
 
 
-def _value(node: Any) -> Any:
-    return getattr(node, "meta", {}).get("val")
-
-
-def _static_shape(node: Any) -> tuple[int, ...] | None:
-    shape = getattr(_value(node), "shape", None)
-    if shape is None or not all(isinstance(size, int) for size in shape):
-        return None
-    return tuple(shape)
-
-
-def _one_dtype(*nodes: Any) -> bool:
-    dtypes = {str(getattr(_value(node), "dtype", None)) for node in nodes}
-    return len(dtypes) == 1 and dtypes <= _DTYPES
-
-
 def _broadcast_mask(mask: Any, target: tuple[int, ...]) -> bool:
     """A bool or floating mask whose static shape broadcasts to `target`."""
-    shape = _static_shape(mask)
-    dtype = str(getattr(_value(mask), "dtype", None))
-    if shape is None or len(shape) > len(target) or not (dtype == "torch.bool" or dtype in _DTYPES):
+    shape = static_shape(mask)
+    dtype = dtype_name(mask)
+    if shape is None or len(shape) > len(target) or not (dtype == "torch.bool" or dtype in FLOATING_DTYPES):
         return False
     return all(size in (1, wanted) for size, wanted in zip(reversed(shape), reversed(target), strict=False))
 
@@ -230,9 +216,9 @@ def _unrepeated(node: Any) -> tuple[Any, tuple[Any, ...], int] | None:
 def _repeat_interleaved(node: Any) -> tuple[Any, tuple[Any, ...], int] | None:
     arguments = dict(zip(("self", "repeats", "dim"), node.args, strict=False)) | dict(node.kwargs)
     source, repeats, dim = arguments.get("self"), arguments.get("repeats"), arguments.get("dim")
-    if not isinstance(repeats, int) or repeats < 1 or dim not in (1, -3) or _static_shape(source) is None:
+    if not isinstance(repeats, int) or repeats < 1 or dim not in (1, -3) or static_shape(source) is None:
         return None
-    if len(_static_shape(source) or ()) != 4:
+    if len(static_shape(source) or ()) != 4:
         return None
     return source, (node,), repeats
 
@@ -250,12 +236,12 @@ def _expanded(node: Any) -> tuple[Any, tuple[Any, ...], int] | None:
     if str(getattr(unsqueezed, "target", "")) != "aten.unsqueeze.default" or unsqueezed.args[1] not in (2, -3):
         return None
     source = unsqueezed.args[0]
-    source_shape, expanded_shape = _static_shape(source), _static_shape(expand)
+    source_shape, expanded_shape = static_shape(source), static_shape(expand)
     if source_shape is None or expanded_shape is None or len(source_shape) != 4 or len(expanded_shape) != 5:
         return None
     batch, kv_heads, length, dim = source_shape
     repeat = expanded_shape[2]
-    if expanded_shape != (batch, kv_heads, repeat, length, dim) or _static_shape(node) != (batch, kv_heads * repeat, length, dim):
+    if expanded_shape != (batch, kv_heads, repeat, length, dim) or static_shape(node) != (batch, kv_heads * repeat, length, dim):
         return None
     return source, (*chain, expand, unsqueezed), repeat
 

@@ -25,9 +25,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from .graph_values import one_floating_dtype, static_shape, strides
+
 # The compile option that asks for the rewrite in a standalone CUDA build ({"cuda_runner.matvec": True}).
 OPTION = "cuda_runner.matvec"
-_DTYPES = frozenset({"torch.float16", "torch.bfloat16", "torch.float32"})
 _TRANSPOSES = frozenset({"aten.t.default", "aten.transpose.int", "aten.permute.default"})
 
 
@@ -70,7 +71,7 @@ def use_matvec(graph_module: Any) -> int:
     for site in sites:
         with graph.inserting_before(site.node):
             bias = site.bias  # addmm's [1, N] viewed as the [N] the kernel reads
-            if bias is not None and len(_shape(bias) or ()) == 2:
+            if bias is not None and len(static_shape(bias) or ()) == 2:
                 bias = graph.call_function(aten.view.default, (bias, [-1]))
             # [..., N] from a row [..., K]: the shape of the Linear (or mm's [1, N]) it replaces.
             product = graph.call_function(operator, (site.row, site.weight, bias))
@@ -97,17 +98,17 @@ def _site(node: Any) -> ProductSite | None:
         weight, transpose = _untransposed(node.args[2])
     else:
         return None
-    if weight is None or not _one_dtype(row, weight, *([bias] if bias is not None else [])):
+    if weight is None or not one_floating_dtype(row, weight, *([bias] if bias is not None else [])):
         return None
-    row_shape, weight_shape = _shape(row), _shape(weight)
+    row_shape, weight_shape = static_shape(row), static_shape(weight)
     if row_shape is None or weight_shape is None or len(weight_shape) != 2 or not row_shape:
         return None
     rows_n, columns_k = weight_shape
     if rows_n == 0 or columns_k == 0 or row_shape[-1] != columns_k or any(size != 1 for size in row_shape[:-1]):
         return None
-    if _stride(weight)[1:] != (1,):  # each row of W contiguous
+    if strides(weight)[1:] != (1,):  # each row of W contiguous
         return None
-    if bias is not None and _shape(bias) not in ((rows_n,), (1, rows_n)):
+    if bias is not None and static_shape(bias) not in ((rows_n,), (1, rows_n)):
         return None
     return ProductSite(node, row, weight, bias, transpose)
 
@@ -118,31 +119,10 @@ def _untransposed(operand: Any) -> tuple[Any, Any]:
     if target not in _TRANSPOSES:
         return None, None
     source = operand.args[0]
-    if len(_shape(source) or ()) != 2:
+    if len(static_shape(source) or ()) != 2:
         return None, None
     if target == "aten.transpose.int" and sorted(d % 2 for d in operand.args[1:3]) != [0, 1]:
         return None, None
     if target == "aten.permute.default" and [d % 2 for d in operand.args[1]] != [1, 0]:
         return None, None
     return source, operand
-
-
-def _value(node: Any) -> Any:
-    return getattr(node, "meta", {}).get("val")
-
-
-def _shape(node: Any) -> tuple[int, ...] | None:
-    shape = getattr(_value(node), "shape", None)
-    if shape is None or not all(isinstance(size, int) for size in shape):
-        return None
-    return tuple(shape)
-
-
-def _stride(node: Any) -> tuple[Any, ...]:
-    value = _value(node)
-    return tuple(value.stride()) if hasattr(value, "stride") else ()
-
-
-def _one_dtype(*nodes: Any) -> bool:
-    dtypes = {str(getattr(_value(node), "dtype", None)) for node in nodes}
-    return len(dtypes) == 1 and dtypes <= _DTYPES

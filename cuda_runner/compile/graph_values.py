@@ -1,0 +1,38 @@
+"""What export recorded of an FX node's value (node.meta["val"]), as the
+graph rewrites of standalone CUDA builds read it: static shapes, strides and
+dtypes. Each answers None or False where the value is missing or symbolic,
+so that a rewrite leaves what it cannot know alone."""
+
+from __future__ import annotations
+
+from typing import Any
+
+# The dtypes cuda-runner's own kernels compute in (as str(torch.dtype)).
+FLOATING_DTYPES = frozenset({"torch.float16", "torch.bfloat16", "torch.float32"})
+
+
+def value(node: Any) -> Any:
+    return getattr(node, "meta", {}).get("val")
+
+
+def static_shape(node: Any) -> tuple[int, ...] | None:
+    """The node's shape where every size is a plain int, else None."""
+    shape = getattr(value(node), "shape", None)
+    if shape is None or not all(isinstance(size, int) for size in shape):
+        return None
+    return tuple(shape)
+
+
+def strides(node: Any) -> tuple[Any, ...]:
+    recorded = value(node)
+    return tuple(recorded.stride()) if hasattr(recorded, "stride") else ()
+
+
+def dtype_name(node: Any) -> str:
+    return str(getattr(value(node), "dtype", None))
+
+
+def one_floating_dtype(*nodes: Any) -> bool:
+    """Whether the nodes share one dtype, and it is one of FLOATING_DTYPES."""
+    dtypes = {dtype_name(node) for node in nodes}
+    return len(dtypes) == 1 and dtypes <= FLOATING_DTYPES
