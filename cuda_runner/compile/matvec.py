@@ -25,7 +25,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from .graph_values import one_floating_dtype, static_shape, strides
+from .graph_values import one_floating_dtype, static_shape, strides, value
 
 # The compile option that asks for the rewrite in a standalone CUDA build ({"cuda_runner.matvec": True}).
 OPTION = "cuda_runner.matvec"
@@ -55,34 +55,50 @@ def single_row_products(graph: Any) -> list[ProductSite]:
     return sites
 
 
-def use_matvec(graph_module: Any) -> int:
+def use_matvec(graph_module: Any, operator: Any = None) -> int:
     """Replace the qualifying products of `graph_module` (a copy the caller owns)
-    by the kernel; the number replaced."""
+    by the kernel (`operator`: cuda_runner::matvec, or an operator of the same
+    schema); the number replaced."""
     sites = single_row_products(graph_module.graph)
     if not sites:
         return 0
     import torch
 
-    from . import matvec_kernel  # noqa: F401  (registers the operator)
+    if operator is None:
+        from . import matvec_kernel  # noqa: F401  (registers the operator)
 
-    operator = torch.ops.cuda_runner.matvec.default
-    aten = torch.ops.aten
+        operator = torch.ops.cuda_runner.matvec.default
     graph = graph_module.graph
-    for site in sites:
+    replaced = 0
+    for found in sites:
+        # Its operands as they are now: a product earlier in the graph that fed this
+        # one (its row, weight or bias) has been replaced, and the node points at that.
+        site = _site(found.node)
+        if site is None:  # the replacement reads as the product did (its recorded value is copied): not expected
+            continue
         with graph.inserting_before(site.node):
-            bias = site.bias  # addmm's [1, N] viewed as the [N] the kernel reads
-            if bias is not None and len(static_shape(bias) or ()) == 2:
-                bias = graph.call_function(aten.view.default, (bias, [-1]))
-            # [..., N] from a row [..., K]: the shape of the Linear (or mm's [1, N]) it replaces.
-            product = graph.call_function(operator, (site.row, site.weight, bias))
+            product = graph.call_function(operator, (site.row, site.weight, _flat(graph, site.bias)))
+        # [..., N] from a row [..., K]: the shape of the Linear (or mm's [1, N]) it replaces.
         product.meta.update(site.node.meta)
         site.node.replace_all_uses_with(product)
         graph.erase_node(site.node)
         if site.transpose is not None and not site.transpose.users:
             graph.erase_node(site.transpose)
+        replaced += 1
     graph.lint()
     graph_module.recompile()
-    return len(sites)
+    return replaced
+
+
+def _flat(graph: Any, bias: Any) -> Any:
+    """addmm's bias [1, N] viewed as the [N] the kernel reads (inserted where the graph inserts now)."""
+    if bias is None or len(static_shape(bias) or ()) != 2:
+        return bias
+    import torch
+
+    flat = graph.call_function(torch.ops.aten.view.default, (bias, [-1]))
+    flat.meta["val"] = value(bias).view(-1)  # what export would have recorded, for passes after this one
+    return flat
 
 
 def _site(node: Any) -> ProductSite | None:

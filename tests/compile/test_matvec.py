@@ -81,13 +81,57 @@ def test_a_row_of_dynamic_size_is_left_alone():
     assert single_row_products(program.graph) == []
 
 
-def test_the_rewritten_graph_keeps_shapes_and_drops_the_transposes():
-    pytest.importorskip("triton", reason="Triton is not installed (CPU torch): the operator cannot be registered")
-    module = torch.nn.Sequential(torch.nn.Linear(16, 8), torch.nn.ReLU(), torch.nn.Linear(8, 4, bias=False))
-    graph_module = torch.export.export(module, (torch.randn(1, 16),)).run_decompositions().module()
-    assert matvec.use_matvec(graph_module) == 2
+@torch.library.custom_op("cuda_runner_tests::linear_row", mutates_args=())
+def _linear_row(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """cuda_runner::matvec's schema and result, computed by F.linear: the rewrite checked where Triton is not."""
+    return torch.nn.functional.linear(x, weight, bias)
+
+
+@_linear_row.register_fake
+def _(x, weight, bias):
+    return x.new_empty((*x.shape[:-1], weight.shape[0]))
+
+
+class _Chained(torch.nn.Module):
+    """Products that read products: a LoRA adapter's two Linears back to back, and one as an addmm's bias."""
+
+    def __init__(self):
+        super().__init__()
+        self.down, self.up = torch.nn.Linear(16, 4, bias=False), torch.nn.Linear(4, 8, bias=False)
+        self.base, self.mixer = torch.nn.Linear(16, 8), torch.nn.Parameter(torch.randn(8, 8))
+
+    def forward(self, x):
+        adapted = self.base(x) + self.up(self.down(x))
+        return torch.addmm(self.up(self.down(x)), adapted, self.mixer.t())
+
+
+@pytest.mark.parametrize("decomposed", [False, True], ids=["exported", "decomposed"])
+@pytest.mark.parametrize("module, inputs", [
+    (torch.nn.Sequential(torch.nn.Linear(16, 8), torch.nn.ReLU(), torch.nn.Linear(8, 4, bias=False)), (torch.randn(1, 16),)),
+    (_Chained(), (torch.randn(1, 16),)),
+], ids=["mlp", "chained"])
+def test_every_product_is_replaced_and_the_graph_computes_what_it_did(module, inputs, decomposed):
+    program = torch.export.export(module.eval(), inputs)
+    graph_module = (program.run_decompositions() if decomposed else program).module()
+    with torch.no_grad():
+        before = graph_module(*inputs)
+    expected = len(single_row_products(graph_module.graph))
+    assert matvec.use_matvec(graph_module, torch.ops.cuda_runner_tests.linear_row.default) == expected > 0
     targets = [str(node.target) for node in graph_module.graph.nodes]
-    assert targets.count("cuda_runner.matvec.default") == 2 and not any(target in ("aten.t.default", "aten.permute.default") for target in targets)
+    assert targets.count("cuda_runner_tests.linear_row.default") == expected
+    assert not any(target in ("aten.linear.default", "aten.mm.default", "aten.addmm.default", "aten.t.default") for target in targets)
+    with torch.no_grad():
+        torch.testing.assert_close(graph_module(*inputs), before)
+
+
+def test_the_decode_step_rewritten_computes_what_it_did():
+    program, config = _llama_program("decode")
+    graph_module = program.module()
+    examples = scale_models.llama_examples(config, 6)["decode"]
+    with torch.no_grad():
+        before = graph_module(*examples)
+        assert matvec.use_matvec(graph_module, torch.ops.cuda_runner_tests.linear_row.default) == 7 * config.layers + 1
+        torch.testing.assert_close(graph_module(*examples), before)
 
 
 def test_the_option_asks_for_it_and_takes_a_bool():
