@@ -17,7 +17,8 @@ A product qualifies when the kernel computes exactly it: a Linear, or a
 matrix product with a transposed weight (as a decomposed program writes a
 Linear: mm or addmm of t(W)), whose input holds one row (every dim but the
 last is 1), with static shapes, one floating dtype, and a weight whose rows
-are contiguous.
+are contiguous. `x @ W.t()` written out (matmul of a row and a transposed
+weight) is taken as well.
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ from .graph_values import one_floating_dtype, static_shape, strides, value
 
 # The compile option that asks for the rewrite in a standalone CUDA build ({"cuda_runner.matvec": True}).
 OPTION = "cuda_runner.matvec"
-_TRANSPOSES = frozenset({"aten.t.default", "aten.transpose.int", "aten.permute.default"})
+_TRANSPOSES = frozenset({"aten.t.default", "aten.transpose.int", "aten.permute.default", "aten.numpy_T.default"})
 
 
 @dataclass(frozen=True)
@@ -106,7 +107,7 @@ def _site(node: Any) -> ProductSite | None:
     if target == "aten.linear.default" and not node.kwargs:
         row, weight, bias = (*node.args, None)[:3]
         transpose = None
-    elif target == "aten.mm.default" and not node.kwargs and len(node.args) == 2:
+    elif target in ("aten.mm.default", "aten.matmul.default") and not node.kwargs and len(node.args) == 2:
         row, bias = node.args[0], None
         weight, transpose = _untransposed(node.args[1])
     elif target == "aten.addmm.default" and not node.kwargs and len(node.args) == 3:

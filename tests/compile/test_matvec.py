@@ -49,6 +49,29 @@ def test_a_prompt_of_dynamic_length_keeps_inductors_products_but_for_its_head():
     assert len(sites) == 1 and tuple(sites[0].weight.meta["val"].shape) == (config.vocab, config.dim)
 
 
+class _Written(torch.nn.Module):
+    """A Linear written out as x @ W.t() or x @ W.T."""
+
+    def __init__(self, spelling: str):
+        super().__init__()
+        self.weight, self.spelling = torch.nn.Parameter(torch.randn(8, 16)), spelling
+
+    def forward(self, x):
+        return x @ (self.weight.t() if self.spelling == "t" else self.weight.T)
+
+
+@pytest.mark.parametrize("spelling", ["t", "T"])
+@pytest.mark.parametrize("row", [(16,), (1, 16), (1, 1, 16)], ids=["vector", "row", "batch-row"])
+def test_a_linear_written_out_as_a_product_with_the_transposed_weight_is_taken(spelling, row):
+    module, x = _Written(spelling), torch.randn(row)
+    assert _products(module, x) == ["aten.matmul.default"] and _products(module, x, decomposed=True) == ["aten.mm.default"]
+    graph_module = torch.export.export(module, (x,)).module()
+    with torch.no_grad():
+        before = graph_module(x)
+        assert matvec.use_matvec(graph_module, torch.ops.cuda_runner_tests.linear_row.default) == 1
+        torch.testing.assert_close(graph_module(x), before)
+
+
 def test_a_decomposed_linear_is_taken_as_mm_or_addmm_of_the_transposed_weight():
     with_bias, without = torch.nn.Linear(16, 8), torch.nn.Linear(16, 8, bias=False)
     assert _products(with_bias, torch.randn(1, 16), decomposed=True) == ["aten.addmm.default"]
