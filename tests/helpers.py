@@ -110,3 +110,13 @@ def run_cli(*args: str, cwd: Path | None = None, env: dict | None = None, timeou
     return subprocess.run(
         [sys.executable, "-m", "cuda_runner", *args], cwd=cwd, env=environment, capture_output=True, text=True, timeout=timeout,
     )
+
+
+def compile_with_option(program: Path, bundle: Path, option: str, setting: str) -> dict:
+    """`compile PROGRAM --device cuda --quick --option OPTION=SETTING` through the console
+    script; the compile options the manifest records for its one method, "forward"."""
+    import cuda_runner
+
+    result = run_cli("compile", str(program), "-o", str(bundle), "--device", "cuda", "--quick", "--option", f"{option}={setting}")
+    assert result.returncode == 0, result.stderr
+    return dict(cuda_runner.read_manifest(bundle).methods["forward"].compile_options)

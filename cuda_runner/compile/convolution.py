@@ -14,6 +14,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from .graph_values import static_shape
+
 _CONV1D = frozenset({"aten.conv1d.default", "aten.conv1d.padding"})
 _CONV1D_PARAMETERS = ("input", "weight", "bias", "stride", "padding", "dilation", "groups")
 # aten.convolution, as a decomposed program has it: a 1-D one where its weight is 3-D.
@@ -79,8 +81,7 @@ def _plain_one_dimensional(arguments: dict[str, Any]) -> bool:
     """Whether the weight is known to be a 1-D kernel's, and a 2-D template can take
     the convolution: not dilated (the templates cannot), and not depthwise (one
     input channel a group: Inductor has a 1-D template for those)."""
-    weight = getattr(arguments["weight"], "meta", {}).get("val")
-    shape = tuple(getattr(weight, "shape", ()))
+    shape = static_shape(arguments["weight"]) or ()
     if len(shape) != 3 or _single(arguments["dilation"], 1) != 1:
         return False
     return not (arguments["groups"] > 1 and shape[1] == 1 and shape[0] == arguments["groups"])

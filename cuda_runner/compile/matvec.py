@@ -46,48 +46,39 @@ class ProductSite:
 
 def single_row_products(graph: Any) -> list[ProductSite]:
     """The products of an FX graph that the kernel computes exactly."""
-    sites = []
-    for node in graph.nodes:
-        if node.op != "call_function":
-            continue
-        site = _site(node)
-        if site is not None:
-            sites.append(site)
-    return sites
+    return [site for site in map(_site, graph.nodes) if site is not None]
 
 
 def use_matvec(graph_module: Any, operator: Any = None) -> int:
     """Replace the qualifying products of `graph_module` (a copy the caller owns)
     by the kernel (`operator`: cuda_runner::matvec, or an operator of the same
     schema); the number replaced."""
-    sites = single_row_products(graph_module.graph)
-    if not sites:
-        return 0
-    import torch
-
-    if operator is None:
-        from . import matvec_kernel  # noqa: F401  (registers the operator)
-
-        operator = torch.ops.cuda_runner.matvec.default
     graph = graph_module.graph
     replaced = 0
-    for found in sites:
-        # Its operands as they are now: a product earlier in the graph that fed this
-        # one (its row, weight or bias) has been replaced, and the node points at that.
-        site = _site(found.node)
-        if site is None:  # the replacement reads as the product did (its recorded value is copied): not expected
+    for node in list(graph.nodes):
+        # Read in graph order, as the rewrite goes: a product that fed this one
+        # (its row, weight or bias) has been replaced already, and the node points at that.
+        site = _site(node)
+        if site is None:
             continue
-        with graph.inserting_before(site.node):
+        if operator is None:
+            import torch
+
+            from . import matvec_kernel  # noqa: F401  (registers the operator)
+
+            operator = torch.ops.cuda_runner.matvec.default
+        with graph.inserting_before(node):
             product = graph.call_function(operator, (site.row, site.weight, _flat(graph, site.bias)))
         # [..., N] from a row [..., K]: the shape of the Linear (or mm's [1, N]) it replaces.
-        product.meta.update(site.node.meta)
-        site.node.replace_all_uses_with(product)
-        graph.erase_node(site.node)
+        product.meta.update(node.meta)
+        node.replace_all_uses_with(product)
+        graph.erase_node(node)
         if site.transpose is not None and not site.transpose.users:
             graph.erase_node(site.transpose)
         replaced += 1
-    graph.lint()
-    graph_module.recompile()
+    if replaced:
+        graph.lint()
+        graph_module.recompile()
     return replaced
 
 
@@ -103,6 +94,8 @@ def _flat(graph: Any, bias: Any) -> Any:
 
 
 def _site(node: Any) -> ProductSite | None:
+    if node.op != "call_function":
+        return None
     target = str(node.target)
     if target == "aten.linear.default" and not node.kwargs:
         row, weight, bias = (*node.args, None)[:3]

@@ -7,13 +7,12 @@ step; the option through the CLI, on and off."""
 from __future__ import annotations
 
 import copy
-import subprocess
-import sys
 
 import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
+from helpers import compile_with_option
 from models import compile_tiny_llama, scale_models
 
 import cuda_runner
@@ -112,11 +111,7 @@ def test_the_option_turns_it_on_and_off_through_the_cli(tmp_path):
 
     torch.export.save(torch.export.export(Decode(), scale_models.llama_examples(config, 4)["decode"]), tmp_path / "decode.pt2")
     for setting, expected in (("true", config.layers), ("false", None)):
-        bundle = tmp_path / f"{setting}.bundle"
-        result = subprocess.run([sys.executable, "-m", "cuda_runner", "compile", str(tmp_path / "decode.pt2"), "-o", str(bundle),
-                                 "--device", "cuda", "--quick", "--option", f"{OPTION}={setting}"], capture_output=True, text=True)
-        assert result.returncode == 0, result.stderr
-        options = cuda_runner.read_manifest(bundle).methods["forward"].compile_options
+        options = compile_with_option(tmp_path / "decode.pt2", tmp_path / f"{setting}.bundle", OPTION, setting)
         assert options.get("fused_decode_attention") == expected and options[OPTION] == (setting == "true")
         assert "fused_decode_attention_failed" not in options and options["standalone"] is True
 

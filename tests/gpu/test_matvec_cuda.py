@@ -6,13 +6,12 @@ which still match eager; the option through the CLI, on and off."""
 from __future__ import annotations
 
 import copy
-import subprocess
-import sys
 
 import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
+from helpers import compile_with_option, run_cli
 from models import compile_tiny_llama, scale_models
 
 import cuda_runner
@@ -90,13 +89,9 @@ def test_the_option_turns_it_on_and_off_through_the_cli(tmp_path):
         np.save(tmp_path / "want" / "output_0.npy", module(x).numpy())
     for setting, expected in (("true", 2), ("false", None)):
         bundle = tmp_path / f"{setting}.bundle"
-        result = subprocess.run([sys.executable, "-m", "cuda_runner", "compile", str(tmp_path / "mlp.pt2"), "-o", str(bundle),
-                                 "--device", "cuda", "--quick", "--option", f"{OPTION}={setting}"], capture_output=True, text=True)
-        assert result.returncode == 0, result.stderr
-        options = cuda_runner.read_manifest(bundle).methods["forward"].compile_options
+        options = compile_with_option(tmp_path / "mlp.pt2", bundle, OPTION, setting)
         assert options.get("matvec_products") == expected and options[OPTION] == (setting == "true")
         assert "matvec_failed" not in options and options["standalone"] is True
-        run = subprocess.run([sys.executable, "-m", "cuda_runner", "run", str(bundle), "--inputs", str(tmp_path / "x.npy"),
-                              "--expected", str(tmp_path / "want"), "--atol", "1e-4", "--rtol", "1e-3", "--out-dir", str(tmp_path / setting)],
-                             capture_output=True, text=True)
+        run = run_cli("run", str(bundle), "--inputs", str(tmp_path / "x.npy"), "--expected", str(tmp_path / "want"),
+                      "--atol", "1e-4", "--rtol", "1e-3", "--out-dir", str(tmp_path / setting))
         assert run.returncode == 0, run.stderr
