@@ -29,13 +29,31 @@ def _combine(chunk_digests: list[bytes]) -> str:
 
 
 def segment_digest(data: bytes | memoryview, *, workers: int | None = None) -> str:
-    """The digest string of a segment's bytes, its chunks hashed on up to `workers` threads."""
+    """The digest string of a segment's bytes, its chunks hashed on the
+    process's hashing threads, or on a pool of `workers` threads of its own."""
     chunks = _chunks(data)
-    workers = min(len(chunks), workers or os.cpu_count() or 1)
-    if workers <= 1:
+    if len(chunks) <= 1 or workers == 1:
         return _combine([xxhash.xxh3_128_digest(chunk) for chunk in chunks])
-    with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="cuda-runner-digest") as pool:
+    if workers is None:
+        return _combine(list(_hashing_pool().map(xxhash.xxh3_128_digest, chunks)))
+    with ThreadPoolExecutor(max_workers=min(len(chunks), workers), thread_name_prefix="cuda-runner-digest") as pool:
         return _combine(list(pool.map(xxhash.xxh3_128_digest, chunks)))
+
+
+_hashing: ThreadPoolExecutor | None = None
+_hashing_lock = threading.Lock()
+
+
+def _hashing_pool() -> ThreadPoolExecutor:
+    """One pool of hashing threads for the process. A load checks each of a
+    model's storages (181 for the 1B decoder) on the checking threads at once;
+    a pool of all the cores' threads made and joined for each segment was
+    thousands of thread starts competing with the load for the GIL."""
+    global _hashing
+    with _hashing_lock:
+        if _hashing is None:
+            _hashing = ThreadPoolExecutor(max_workers=min(16, os.cpu_count() or 1), thread_name_prefix="cuda-runner-digest")
+        return _hashing
 
 
 class TreeHasher:
@@ -75,3 +93,14 @@ def in_background(check: Callable[..., None], *args: Any) -> Future[None]:
         if _checks is None:
             _checks = ThreadPoolExecutor(max_workers=min(4, os.cpu_count() or 1), thread_name_prefix="cuda-runner-verify")
         return _checks.submit(check, *args)
+
+
+def _forget_pools() -> None:
+    """A forked child has none of its parent's threads (nor a lock one held): it makes pools of its own."""
+    global _hashing, _checks, _hashing_lock, _checks_lock
+    _hashing, _checks = None, None
+    _hashing_lock, _checks_lock = threading.Lock(), threading.Lock()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_forget_pools)

@@ -2,6 +2,9 @@ from __future__ import annotations
 
 import os
 import random
+import signal
+
+import pytest
 
 from forge import digest as spec_digest
 
@@ -51,6 +54,34 @@ def test_background_checks_share_a_few_threads():
     for future in futures:
         future.result()
     assert 1 <= len(checking) <= 4
+
+
+def test_segments_hashed_at_once_share_one_pool_of_hashing_threads():
+    """Many multi-chunk segments checked at once (a load's storages) start no
+    pool of their own each: the hashing threads are the process's few."""
+    import threading
+
+    from cuda_runner.format.digest import in_background
+
+    data = os.urandom(2 * DIGEST_CHUNK + 1)
+    reference = segment_digest(data, workers=1)
+    before = {thread.ident for thread in threading.enumerate()}
+    futures = [in_background(segment_digest, data) for _ in range(12)]
+    assert all(future.result() == reference for future in futures)
+    started = [thread for thread in threading.enumerate() if thread.ident not in before and thread.name.startswith("cuda-runner-digest")]
+    assert len(started) <= min(16, os.cpu_count() or 1)
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="no fork here")
+def test_a_forked_child_hashes_on_threads_of_its_own():
+    data = os.urandom(2 * DIGEST_CHUNK + 1)
+    reference = segment_digest(data)  # the parent's pool exists now
+    child = os.fork()
+    if child == 0:  # pragma: no cover (the child's exit status is the assertion)
+        signal.alarm(30)  # a child waiting on its parent's dead threads is killed, not waited for forever
+        os._exit(0 if segment_digest(data) == reference else 1)
+    _, status = os.waitpid(child, 0)
+    assert os.waitstatus_to_exitcode(status) == 0
 
 
 def test_manifest_segments_are_found_by_name():
