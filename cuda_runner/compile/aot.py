@@ -380,6 +380,7 @@ class OwnKernels:
     matvec: bool  # the matrix-vector kernel (compile/matvec.py)
     fused: int = 0  # SDPA calls the attention took
     products: int = 0  # products of one row the matvec took
+    launches: int = 0  # the kernel launches they became (several share one where it fused them)
     failures: dict[str, str] = dataclasses.field(default_factory=dict)  # "attention"/"matvec" -> why given up
 
     def record(self) -> dict[str, Any]:
@@ -390,12 +391,14 @@ class OwnKernels:
                 recorded[used] = counts[kernel]
             if kernel in self.failures:
                 recorded[failed] = self.failures[kernel]
+        if self.products:
+            recorded["matvec_launches"] = self.launches
         return recorded
 
     def apply(self, module: Any, in_use: list[str]) -> None:
         """Put the kernels in `module`'s graph, each named in `in_use` (newest last)
         before its rewrite starts: a failure from then on may be the kernel's."""
-        self.fused = self.products = 0
+        self.fused = self.products = self.launches = 0
         if self.attention:
             in_use.append("attention")
             self.fused = attention.fuse_decode_attention(module)
@@ -403,7 +406,8 @@ class OwnKernels:
                 in_use.pop()
         if self.matvec:
             in_use.append("matvec")
-            self.products = matvec.use_matvec(module)
+            used = matvec.use_matvec(module)
+            self.products, self.launches = used.products, used.launches
             if not self.products:
                 in_use.pop()
 
@@ -695,6 +699,7 @@ def gpu_unusable_after(error: BaseException) -> bool:
 def _first_line(error: BaseException) -> str:
     text = str(error).strip()
     return text.splitlines()[0] if text else "(no message)"
+
 
 
 def _sidecar_metadata(library_path: Path) -> dict[str, str]:

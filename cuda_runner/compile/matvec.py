@@ -26,6 +26,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from . import matvec_fusion
 from .graph_values import one_floating_dtype, static_shape, strides, value
 
 # The compile option that asks for the rewrite in a standalone CUDA build ({"cuda_runner.matvec": True}).
@@ -49,37 +50,71 @@ def single_row_products(graph: Any) -> list[ProductSite]:
     return [site for site in map(_site, graph.nodes) if site is not None]
 
 
-def use_matvec(graph_module: Any, operator: Any = None) -> int:
+@dataclass
+class MatvecUse:
+    """What the rewrite did: products taken, launches they became (several
+    products share one, with the norm, gate or residual around them), and how
+    many of each fusion (compile/matvec_fusion.py)."""
+
+    products: int = 0
+    launches: int = 0
+    norms: int = 0
+    gated: int = 0
+    residuals: int = 0
+
+
+def use_matvec(graph_module: Any, operator: Any = None, fused_operator: Any = None) -> MatvecUse:
     """Replace the qualifying products of `graph_module` (a copy the caller owns)
-    by the kernel (`operator`: cuda_runner::matvec, or an operator of the same
-    schema); the number replaced."""
+    by the kernel, with what surrounds them folded in where it can be
+    (`operator`, `fused_operator`: cuda_runner::matvec and ::matvec_fused, or
+    operators of the same schemas)."""
     graph = graph_module.graph
-    replaced = 0
-    for node in list(graph.nodes):
-        # Read in graph order, as the rewrite goes: a product that fed this one
-        # (its row, weight or bias) has been replaced already, and the node points at that.
-        site = _site(node)
-        if site is None:
+    order = {node: index for index, node in enumerate(graph.nodes)}
+    sites = single_row_products(graph)
+    if not sites:
+        return MatvecUse()
+    if operator is None or fused_operator is None:
+        import torch
+
+        from . import matvec_kernel  # noqa: F401  (registers the operators)
+
+        operator = operator or torch.ops.cuda_runner.matvec.default
+        fused_operator = fused_operator or torch.ops.cuda_runner.matvec_fused.default
+    units = matvec_fusion.plan_units([site for site in sites if site.bias is None], order)
+    launches: list[tuple[int, Any]] = [(order[site.node], site) for site in sites if site.bias is not None]
+    launches += [(min(order[node] for node in unit.replaced), unit) for unit in units]
+    replacements: dict[Any, Any] = {}
+    used = MatvecUse(products=len(sites), launches=len(launches))
+    # In graph order: a launch reading another's result (a product of a product) comes after it.
+    for _, launch in sorted(launches, key=lambda pair: pair[0]):
+        if isinstance(launch, ProductSite):
+            _replace_plain(graph, launch, operator, replacements)
             continue
-        if operator is None:
-            import torch
+        matvec_fusion.emit(graph, launch, fused_operator, replacements, order)
+        used.norms += launch.norm is not None
+        used.gated += launch.gate is not None
+        used.residuals += launch.residual is not None
+    matvec_fusion.remove_unread(graph, {node for unit in units if unit.norm is not None for node in unit.norm.nodes}, order)
+    graph.lint()
+    graph_module.recompile()
+    return used
 
-            from . import matvec_kernel  # noqa: F401  (registers the operator)
 
-            operator = torch.ops.cuda_runner.matvec.default
-        with graph.inserting_before(node):
-            product = graph.call_function(operator, (site.row, site.weight, _flat(graph, site.bias)))
-        # [..., N] from a row [..., K]: the shape of the Linear (or mm's [1, N]) it replaces.
-        product.meta.update(node.meta)
-        node.replace_all_uses_with(product)
-        graph.erase_node(node)
-        if site.transpose is not None and not site.transpose.users:
-            graph.erase_node(site.transpose)
-        replaced += 1
-    if replaced:
-        graph.lint()
-        graph_module.recompile()
-    return replaced
+def _replace_plain(graph: Any, site: ProductSite, operator: Any, replacements: dict[Any, Any]) -> None:
+    """One product with a bias on the plain kernel (it reads the operands as they are now)."""
+    def now(node: Any) -> Any:
+        return replacements.get(node, node)
+
+    node = site.node
+    with graph.inserting_before(node):
+        product = graph.call_function(operator, (now(site.row), now(site.weight), _flat(graph, now(site.bias))))
+    # [..., N] from a row [..., K]: the shape of the Linear (or mm's [1, N]) it replaces.
+    product.meta.update(node.meta)
+    node.replace_all_uses_with(product)
+    replacements[node] = product
+    graph.erase_node(node)
+    if site.transpose is not None and not site.transpose.users:
+        graph.erase_node(site.transpose)
 
 
 def _flat(graph: Any, bias: Any) -> Any:

@@ -9,9 +9,16 @@ multiplies by the same stretch of x, keeps a tile of fp32 partial sums in
 registers and reduces it once at the end; the weights are marked to be
 evicted first, since nothing reads them again in the step.
 
+The fused form (cuda_runner::matvec_fused) also computes what surrounds a
+decoder's products, so that they cost no kernel of their own: the RMS norm
+of the row before them, the SiLU-gated product of two weights after them
+(SwiGLU), a residual added to the result, and up to three products of the
+same row (q, k and v) in one launch. compile/matvec_fusion.py says which
+graphs get it.
+
 Importing this module needs Triton (a CUDA build of torch has it); it
-registers the operator cuda_runner::matvec, which Inductor compiles into the
-library like its own kernels (torch.library.triton_op).
+registers both operators, which Inductor compiles into the library like its
+own kernels (torch.library.triton_op).
 """
 
 from __future__ import annotations
@@ -22,6 +29,7 @@ import triton.language as tl
 from torch.library import triton_op, wrap_triton
 
 OPERATOR = "cuda_runner::matvec"
+FUSED_OPERATOR = "cuda_runner::matvec_fused"
 
 # Elements of W one program holds per step (rows x columns): 32 fp32 partial sums a thread of 4 warps.
 # Measured on the H200, each product from a CUDA graph as in a decode step (scripts/bench_gemv.py --graph).
@@ -60,13 +68,14 @@ def _matvec_kernel(
     tl.store(out + rows, result.to(out.dtype.element_ty), mask=row_inside)
 
 
-def plan(rows_n: int, columns_k: int) -> tuple[int, int, int]:
+def plan(rows_n: int, columns_k: int, weights_per_program: int = 1) -> tuple[int, int, int]:
     """How a product is shared out: (rows of W per program, columns per step, warps).
     Wide steps along the rows (contiguous in memory), and as many rows per
-    program as keep at least _TARGET_PROGRAMS programs."""
+    program as keep at least _TARGET_PROGRAMS programs; a program reading
+    rows of two weights at once (the gated form) takes half as many of each."""
     block_k = min(1024, triton.next_power_of_2(max(1, columns_k)))
     block_n = 1
-    while block_n * 2 * block_k <= _TILE_ELEMENTS and rows_n // (block_n * 2) >= _TARGET_PROGRAMS:
+    while block_n * 2 * block_k * weights_per_program <= _TILE_ELEMENTS and rows_n // (block_n * 2) >= _TARGET_PROGRAMS:
         block_n *= 2
     return block_n, block_k, 4
 
@@ -89,3 +98,153 @@ def matvec(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> 
         HAS_BIAS=bias is not None, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=warps,
     )
     return out
+
+
+@triton.jit
+def _rms_scale(x, COLUMNS_K: tl.constexpr, EPS: tl.constexpr, BLOCK_K: tl.constexpr):
+    """1 / sqrt(mean(x^2) + eps) of the row, in fp32 as an RMS norm computes it."""
+    squares = tl.zeros([BLOCK_K], dtype=tl.float32)
+    for start in range(0, COLUMNS_K, BLOCK_K):
+        columns = start + tl.arange(0, BLOCK_K)
+        values = tl.load(x + columns, mask=columns < COLUMNS_K, other=0.0).to(tl.float32)
+        squares += values * values
+    return tl.math.rsqrt(tl.sum(squares, axis=0) / COLUMNS_K + EPS)
+
+
+@triton.jit
+def _vector_part(x, norm_weight, scale, columns, COLUMNS_K: tl.constexpr, NORM: tl.constexpr, MASKED: tl.constexpr):
+    """A stretch of the row the products read, normed where asked, in fp32. The norm
+    rounds where the graph it replaces rounds: (x * scale) to x's dtype, then times
+    the norm's weight, to x's dtype again."""
+    if MASKED:  # noqa: SIM108  (Triton: branches on a constexpr, not an expression)
+        values = tl.load(x + columns, mask=columns < COLUMNS_K, other=0.0)
+    else:
+        values = tl.load(x + columns)
+    if NORM:
+        if MASKED:  # noqa: SIM108
+            gain = tl.load(norm_weight + columns, mask=columns < COLUMNS_K, other=0.0)
+        else:
+            gain = tl.load(norm_weight + columns)
+        normed = (values.to(tl.float32) * scale).to(values.dtype)
+        values = (normed.to(tl.float32) * gain.to(tl.float32)).to(values.dtype)
+    return values.to(tl.float32)
+
+
+# Rows are computed in the kernel body and passed down, never returned by a
+# helper: Inductor finds which tensors a kernel writes by tracing each store's
+# address back through the TTIR, and an address built from a helper's result
+# counts every argument of that helper as written (the weights and the row
+# then became outputs of the library).
+@triton.jit
+def _row_products(
+    x, norm_weight, scale, weight, rows, ROWS_N: tl.constexpr, COLUMNS_K: tl.constexpr, ROW_STRIDE: tl.constexpr,
+    NORM: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+):
+    """The row times the weight's `rows` (BLOCK_N of them): their fp32 sums."""
+    row_base = weight + rows[:, None] * ROW_STRIDE
+    partial = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
+    for start in range(0, COLUMNS_K, BLOCK_K):
+        columns = start + tl.arange(0, BLOCK_K)
+        if ROWS_N % BLOCK_N == 0 and COLUMNS_K % BLOCK_K == 0:
+            tile = tl.load(row_base + columns[None, :], eviction_policy="evict_first")
+            vector = _vector_part(x, norm_weight, scale, columns, COLUMNS_K, NORM, False)
+        else:
+            inside = (rows < ROWS_N)[:, None] & (columns[None, :] < COLUMNS_K)
+            tile = tl.load(row_base + columns[None, :], mask=inside, other=0.0, eviction_policy="evict_first")
+            vector = _vector_part(x, norm_weight, scale, columns, COLUMNS_K, NORM, True)
+        partial += tile.to(tl.float32) * vector[None, :]
+    return tl.sum(partial, axis=1)
+
+
+@triton.jit
+def _store_rows(out, rows, sums, residual, ROWS_N: tl.constexpr, RESIDUAL: tl.constexpr):
+    """The products rounded to the output's dtype, plus the residual (rounded again) where asked."""
+    result = sums.to(out.dtype.element_ty)
+    inside = rows < ROWS_N
+    if RESIDUAL:
+        added = tl.load(residual + rows, mask=inside, other=0.0)
+        result = (result.to(tl.float32) + added.to(tl.float32)).to(out.dtype.element_ty)
+    tl.store(out + rows, result, mask=inside)
+
+
+@triton.jit
+def _matvec_fused_kernel(
+    x, norm_weight, residual, weight0, weight1, weight2, out0, out1, out2,
+    COLUMNS_K: tl.constexpr, ROWS0: tl.constexpr, ROWS1: tl.constexpr, ROWS2: tl.constexpr,
+    STRIDE0: tl.constexpr, STRIDE1: tl.constexpr, STRIDE2: tl.constexpr, WEIGHTS: tl.constexpr, GATED: tl.constexpr,
+    NORM: tl.constexpr, EPS: tl.constexpr, RESIDUAL: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+):
+    program = tl.program_id(0).to(tl.int64)  # 64-bit: a vocabulary head passes 2**31 elements
+    if NORM:  # noqa: SIM108  (Triton: branches on a constexpr, not an expression)
+        scale = _rms_scale(x, COLUMNS_K, EPS, BLOCK_K)
+    else:
+        scale = 1.0
+    if GATED:  # silu(row @ W0^T) * (row @ W1^T), rounding as the graph does after each step
+        rows = program * BLOCK_N + tl.arange(0, BLOCK_N)
+        gate = _row_products(x, norm_weight, scale, weight0, rows, ROWS0, COLUMNS_K, STRIDE0, NORM, BLOCK_N, BLOCK_K)
+        up = _row_products(x, norm_weight, scale, weight1, rows, ROWS0, COLUMNS_K, STRIDE1, NORM, BLOCK_N, BLOCK_K)
+        dtype = out0.dtype.element_ty
+        gate = gate.to(dtype).to(tl.float32)
+        activated = (gate / (1.0 + tl.exp(-gate))).to(dtype).to(tl.float32)
+        _store_rows(out0, rows, activated * up.to(dtype).to(tl.float32), residual, ROWS0, False)
+    elif WEIGHTS == 1:
+        rows = program * BLOCK_N + tl.arange(0, BLOCK_N)
+        sums = _row_products(x, norm_weight, scale, weight0, rows, ROWS0, COLUMNS_K, STRIDE0, NORM, BLOCK_N, BLOCK_K)
+        _store_rows(out0, rows, sums, residual, ROWS0, RESIDUAL)
+    else:  # two or three weights, one after another along the programs (the unused are compiled out)
+        first: tl.constexpr = (ROWS0 + BLOCK_N - 1) // BLOCK_N
+        second: tl.constexpr = (ROWS1 + BLOCK_N - 1) // BLOCK_N
+        if program < first:
+            rows = program * BLOCK_N + tl.arange(0, BLOCK_N)
+            sums = _row_products(x, norm_weight, scale, weight0, rows, ROWS0, COLUMNS_K, STRIDE0, NORM, BLOCK_N, BLOCK_K)
+            _store_rows(out0, rows, sums, residual, ROWS0, False)
+        elif WEIGHTS == 2:  # noqa: SIM114  (a constexpr test, apart from the run-time one below)
+            rows = (program - first) * BLOCK_N + tl.arange(0, BLOCK_N)
+            sums = _row_products(x, norm_weight, scale, weight1, rows, ROWS1, COLUMNS_K, STRIDE1, NORM, BLOCK_N, BLOCK_K)
+            _store_rows(out1, rows, sums, residual, ROWS1, False)
+        elif program < first + second:
+            rows = (program - first) * BLOCK_N + tl.arange(0, BLOCK_N)
+            sums = _row_products(x, norm_weight, scale, weight1, rows, ROWS1, COLUMNS_K, STRIDE1, NORM, BLOCK_N, BLOCK_K)
+            _store_rows(out1, rows, sums, residual, ROWS1, False)
+        else:
+            rows = (program - first - second) * BLOCK_N + tl.arange(0, BLOCK_N)
+            sums = _row_products(x, norm_weight, scale, weight2, rows, ROWS2, COLUMNS_K, STRIDE2, NORM, BLOCK_N, BLOCK_K)
+            _store_rows(out2, rows, sums, residual, ROWS2, False)
+
+
+@triton_op(FUSED_OPERATOR, mutates_args=())
+def matvec_fused(
+    x: torch.Tensor, weights: list[torch.Tensor], norm_weight: torch.Tensor | None, norm_eps: float,
+    residual: torch.Tensor | None, gated: bool,
+) -> list[torch.Tensor]:
+    """Products of one row x [..., K] (every leading dim 1) with 1-3 weights [N_i, K]
+    in one launch: one output [..., N_i] each, of x's dtype.
+
+    norm_weight [K]: the row is RMS-normed first, (x * rsqrt(mean(x^2) + norm_eps))
+    times norm_weight. gated (two weights of one N): one output, silu(x @ W0^T) *
+    (x @ W1^T). residual [..., N] (one weight, not gated): added to the output.
+    matvec_fusion.reference computes the same in plain torch."""
+    count = len(weights)
+    if not 1 <= count <= 3 or (gated and count != 2) or (residual is not None and (count != 1 or gated)):
+        raise ValueError(f"matvec_fused takes 1-3 weights, two when gated, one with a residual; got {count} (gated={gated})")
+    columns_k = x.shape[-1]
+    vector = x if x.stride(-1) == 1 else x.contiguous()
+    matrices = [weight if weight.stride(1) == 1 else weight.contiguous() for weight in weights]
+    gain = None if norm_weight is None else norm_weight.contiguous()
+    added = None if residual is None else residual.contiguous()
+    leading = tuple(x.shape[:-1])
+    outputs = [torch.empty((*leading, matrix.shape[0]), dtype=x.dtype, device=x.device) for matrix in matrices[:1 if gated else count]]
+    rows = [matrix.shape[0] for matrix in matrices] + [0] * (3 - count)
+    block_n, block_k, warps = plan(rows[0] if gated else sum(rows), columns_k, 2 if gated else 1)
+    programs = triton.cdiv(rows[0], block_n) if gated else sum(triton.cdiv(n, block_n) for n in rows[:count])
+    # Stand-ins for absent weights and outputs: the kernel is compiled without
+    # reading or writing them, and x (an input) is never taken for an output.
+    padded = matrices + [matrices[0]] * (3 - count)
+    targets = outputs + [vector] * (3 - len(outputs))
+    wrap_triton(_matvec_fused_kernel)[(programs,)](
+        vector, gain if gain is not None else vector, added if added is not None else vector, *padded, *targets,
+        COLUMNS_K=columns_k, ROWS0=rows[0], ROWS1=rows[1], ROWS2=rows[2],
+        STRIDE0=padded[0].stride(0), STRIDE1=padded[1].stride(0), STRIDE2=padded[2].stride(0), WEIGHTS=count, GATED=gated,
+        NORM=gain is not None, EPS=float(norm_eps), RESIDUAL=added is not None, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=warps,
+    )
+    return outputs

@@ -17,7 +17,7 @@ import pytest
 import torch
 from models import MethodOf, scale_models
 
-from cuda_runner.compile import aot, attention, matvec
+from cuda_runner.compile import aot, attention, matvec, matvec_fusion
 from cuda_runner.compile.aot import check_options
 from cuda_runner.compile.matvec import OPTION, single_row_products
 from cuda_runner.errors import CompileError, InputError
@@ -68,7 +68,7 @@ def test_a_linear_written_out_as_a_product_with_the_transposed_weight_is_taken(s
     graph_module = torch.export.export(module, (x,)).module()
     with torch.no_grad():
         before = graph_module(x)
-        assert matvec.use_matvec(graph_module, torch.ops.cuda_runner_tests.linear_row.default) == 1
+        assert _rewrite(graph_module).products == 1
         torch.testing.assert_close(graph_module(x), before)
 
 
@@ -115,6 +115,23 @@ def _(x, weight, bias):
     return x.new_empty((*x.shape[:-1], weight.shape[0]))
 
 
+@torch.library.custom_op("cuda_runner_tests::matvec_fused_row", mutates_args=())
+def _fused_row(x: torch.Tensor, weights: list[torch.Tensor], norm_weight: torch.Tensor | None, norm_eps: float,
+               residual: torch.Tensor | None, gated: bool) -> list[torch.Tensor]:
+    """cuda_runner::matvec_fused's schema and result, computed by matvec_fusion.reference."""
+    return [out.clone() for out in matvec_fusion.reference(x, weights, norm_weight, norm_eps, residual, gated)]
+
+
+@_fused_row.register_fake
+def _(x, weights, norm_weight, norm_eps, residual, gated):
+    return [x.new_empty((*x.shape[:-1], weight.shape[0])) for weight in weights[:1 if gated else len(weights)]]
+
+
+def _rewrite(graph_module: torch.fx.GraphModule) -> matvec.MatvecUse:
+    """use_matvec with stand-ins of both kernels."""
+    return matvec.use_matvec(graph_module, torch.ops.cuda_runner_tests.linear_row.default, torch.ops.cuda_runner_tests.matvec_fused_row.default)
+
+
 class _Chained(torch.nn.Module):
     """Products that read products: a LoRA adapter's two Linears back to back, and one as an addmm's bias."""
 
@@ -139,9 +156,10 @@ def test_every_product_is_replaced_and_the_graph_computes_what_it_did(module, in
     with torch.no_grad():
         before = graph_module(*inputs)
     expected = len(single_row_products(graph_module.graph))
-    assert matvec.use_matvec(graph_module, torch.ops.cuda_runner_tests.linear_row.default) == expected > 0
+    used = _rewrite(graph_module)
+    assert used.products == expected > 0
     targets = [str(node.target) for node in graph_module.graph.nodes]
-    assert targets.count("cuda_runner_tests.linear_row.default") == expected
+    assert targets.count("cuda_runner_tests.linear_row.default") + targets.count("cuda_runner_tests.matvec_fused_row.default") == used.launches
     assert not any(target in ("aten.linear.default", "aten.mm.default", "aten.addmm.default", "aten.t.default") for target in targets)
     with torch.no_grad():
         torch.testing.assert_close(graph_module(*inputs), before)
@@ -153,7 +171,7 @@ def test_the_decode_step_rewritten_computes_what_it_did():
     examples = scale_models.llama_examples(config, 6)["decode"]
     with torch.no_grad():
         before = graph_module(*examples)
-        assert matvec.use_matvec(graph_module, torch.ops.cuda_runner_tests.linear_row.default) == 7 * config.layers + 1
+        assert _rewrite(graph_module).products == 7 * config.layers + 1
         torch.testing.assert_close(graph_module(*examples), before)
 
 
@@ -179,7 +197,7 @@ def _failing_compile(fails_while: set[str], compiled: list[tuple[int, int]]):
 ])
 def test_a_build_that_fails_with_its_own_kernels_is_compiled_again_without_them(monkeypatch, fails_while, tries, given_up):
     monkeypatch.setattr(attention, "fuse_decode_attention", lambda module: setattr(module, "fused", 2) or 2)
-    monkeypatch.setattr(matvec, "use_matvec", lambda module: setattr(module, "products", 5) or 5)
+    monkeypatch.setattr(matvec, "use_matvec", lambda module: setattr(module, "products", 5) or matvec.MatvecUse(products=5, launches=3))
     compiled: list[tuple[int, int]] = []
     heard: list[str] = []
     kernels = aot.OwnKernels(attention=True, matvec=True)
@@ -205,9 +223,11 @@ def test_the_rewritten_decoder_computes_what_it_did_under_tritons_interpreter():
     CPU interpreter), exported and decomposed; and shapes no tile divides, with a bias."""
     script = textwrap.dedent("""
         import copy, torch
+        torch.manual_seed(0)
         from models import MethodOf, scale_models
         from cuda_runner.compile.matvec import use_matvec
-        from cuda_runner.compile.matvec_kernel import matvec
+        from cuda_runner.compile.matvec_fusion import reference
+        from cuda_runner.compile.matvec_kernel import matvec, matvec_fused
         config = scale_models.LLAMA_TINY
         model = scale_models.LlamaDecoder(config, torch.float32).eval()
         examples = scale_models.llama_examples(config, 6)
@@ -219,12 +239,18 @@ def test_the_rewritten_decoder_computes_what_it_did_under_tritons_interpreter():
             program = torch.export.export(Decode(copy.deepcopy(model)), examples["decode"])
             rewritten = (program.run_decompositions() if decomposed else program).module()
             plain = torch.export.export(Decode(copy.deepcopy(model)), examples["decode"]).module()
-            assert use_matvec(rewritten) == 7 * config.layers + 1
+            used = use_matvec(rewritten)
+            assert used.products == 7 * config.layers + 1 and used.launches == (7 if decomposed else 4) * config.layers + 1
             with torch.no_grad():
                 worst = max(worst, (rewritten(*examples["decode"]) - plain(*examples["decode"])).abs().max().item())
         for n, k in ((7, 5), (300, 1000), (3, 4097)):
             x, w, b = torch.randn(1, k), torch.randn(n, k), torch.randn(n)
             worst = max(worst, (matvec(x, w, b) - torch.nn.functional.linear(x, w, b)).abs().max().item() / k ** 0.5)
+            g, r = torch.rand(k) + 0.5, torch.randn(1, n)
+            for weights, residual, gated in (([w, w.flip(0), w[:2]], None, False), ([w, w.flip(0)], None, True), ([w], r, False)):
+                got = matvec_fused(x, weights, g, 1e-5, residual, gated)
+                for out, want in zip(got, reference(x, weights, g, 1e-5, residual, gated)):
+                    worst = max(worst, (out - want).abs().max().item() / want.abs().max().item())
         assert worst < 1e-4, worst
         print("ok", worst)
     """)
@@ -252,3 +278,33 @@ def test_the_kernel_builds_for_sm90_with_its_shape_compiled_in(shape, bias):
     signature = {name: "constexpr" if name in constants else "*bf16" for name in parameters}
     source = ASTSource(fn=_matvec_kernel, signature=signature, constexprs={(parameters.index(name),): value for name, value in constants.items()})
     triton.compile(source, target=GPUTarget("cuda", 90, 32))
+
+
+@pytest.mark.skipif(not __import__("importlib").util.find_spec("triton"), reason="Triton is not installed (CPU torch)")
+@pytest.mark.parametrize("rows, gated, norm, residual", [
+    ((32000,), False, True, False), ((2048, 512, 512), False, True, False), ((8192, 8192), True, True, False),
+    ((2048,), False, False, True), ((7, 5), False, False, False),
+], ids=["head", "qkv", "swiglu", "residual", "pair"])
+def test_inductor_sees_the_fused_kernel_write_its_outputs_alone(monkeypatch, rows, gated, norm, residual):
+    """Inductor traces each store's address back through the TTIR to learn what a
+    user kernel writes; whatever else it finds written becomes an output of the
+    library (the 1B decoder's weights did, on the H200). Traced here for sm90."""
+    import triton
+    from torch._higher_order_ops.triton_kernel_wrap import identify_accessed_tensors
+    from triton.backends.compiler import GPUTarget
+
+    from cuda_runner.compile.matvec_kernel import _matvec_fused_kernel, plan
+
+    monkeypatch.setattr(triton.runtime.driver, "_active", SimpleNamespace(get_current_target=lambda: GPUTarget("cuda", 90, 32)))
+    k, count = 2048, len(rows)
+    padded = list(rows) + [0] * (3 - count)
+    block_n, block_k, _ = plan(padded[0] if gated else sum(padded), k, 2 if gated else 1)
+    x = torch.empty(1, 1, k, dtype=torch.bfloat16)
+    tensors = {"x": x, "norm_weight": torch.empty(k, dtype=torch.bfloat16), "residual": torch.empty(1, 1, padded[0], dtype=torch.bfloat16)}
+    tensors |= {f"weight{index}": torch.empty(max(n, 1), k, dtype=torch.bfloat16) for index, n in enumerate(padded)}
+    outputs = 1 if gated else count
+    tensors |= {f"out{index}": torch.empty(1, 1, max(padded[index], 1), dtype=torch.bfloat16) if index < outputs else x for index in range(3)}
+    constants = dict(COLUMNS_K=k, ROWS0=padded[0], ROWS1=padded[1], ROWS2=padded[2], STRIDE0=k, STRIDE1=k, STRIDE2=k, WEIGHTS=count,
+                     GATED=gated, NORM=norm, EPS=1e-5, RESIDUAL=residual, BLOCK_N=block_n, BLOCK_K=block_k)
+    accesses = identify_accessed_tensors(_matvec_fused_kernel, {**tensors, **constants}, {})
+    assert {dep.name for dep in accesses.read_writes.writes} == {f"out{index}" for index in range(outputs)}

@@ -50,6 +50,47 @@ def test_rows_and_weights_laid_out_otherwise_are_packed_first():
     torch.testing.assert_close(torch.ops.cuda_runner.matvec(x, weight, None), F.linear(x, weight), atol=1e-4, rtol=1e-4)
 
 
+# (K, the weights' N): a 1B decoder's q/k/v group, gate/up pair and head, and shapes no tile divides
+FUSED_SHAPES = [(2048, (2048, 512, 512)), (2048, (8192, 8192)), (2048, (32000,)), (8192, (2048,)), (100, (7, 5, 300)), (4097, (3, 3))]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("form", ["products", "normed", "gated", "normed-gated", "residual", "normed-residual"])
+@pytest.mark.parametrize("k, rows", FUSED_SHAPES, ids=lambda value: "x".join(map(str, value)) if isinstance(value, tuple) else str(value))
+def test_the_fused_kernel_computes_what_the_graph_it_replaces_does(k, rows, form, dtype):
+    """matvec_fused against the graph it stands for, its products computed in float64."""
+    from cuda_runner.compile import matvec_kernel  # noqa: F401
+
+    gated, residual_wanted = "gated" in form, "residual" in form
+    if gated and len(rows) < 2:
+        pytest.skip("a gated product reads two weights")
+    generator = torch.Generator("cuda").manual_seed(k + sum(rows))
+    x = torch.randn((1, 1, k), device="cuda", dtype=dtype, generator=generator)
+    weights = [torch.randn(n, k, device="cuda", dtype=dtype, generator=generator) / k ** 0.5 for n in rows]
+    weights = [weights[0], weights[0].flip(0)] if gated else weights[:1] if residual_wanted else weights
+    norm = (torch.rand(k, device="cuda", generator=generator) + 0.5).to(dtype) if "normed" in form else None
+    residual = torch.randn((1, 1, rows[0]), device="cuda", dtype=dtype, generator=generator) if residual_wanted else None
+    got = torch.ops.cuda_runner.matvec_fused(x, weights, norm, 1e-5, residual, gated)
+    want = _reference_in_double(x, weights, norm, residual, gated)
+    assert [out.shape for out in got] == [out.shape for out in want] and all(out.dtype == dtype for out in got)
+    tolerance = {torch.float32: 1e-4, torch.float16: 1e-2, torch.bfloat16: 4e-2}[dtype]
+    for out, expected in zip(got, want):
+        torch.testing.assert_close(out.double(), expected, atol=tolerance, rtol=tolerance)
+
+
+def _reference_in_double(x, weights, norm, residual, gated):
+    """The fused graph's result with the products in float64 and the graph's roundings to x's dtype kept."""
+    from cuda_runner.compile.matvec_fusion import rms_normed
+
+    row = x if norm is None else rms_normed(x, norm, 1e-5)
+    products = [F.linear(row.double(), weight.double()).to(x.dtype) for weight in weights]
+    if gated:
+        return [(F.silu(products[0]) * products[1]).double()]
+    if residual is not None:
+        return [(residual + products[0]).double()]
+    return [product.double() for product in products]
+
+
 def test_the_standalone_decoder_takes_its_products_over_and_matches_eager(tmp_path):
     config = scale_models.LLAMA_TINY
     path = tmp_path / "llama.bundle"
@@ -58,6 +99,9 @@ def test_the_standalone_decoder_takes_its_products_over_and_matches_eager(tmp_pa
     # Seven projections a layer and the vocabulary head; a prompt of dynamic length keeps Inductor's GEMMs but for
     # its head, which reads the last position alone.
     assert methods["decode"].compile_options["matvec_products"] == 7 * config.layers + 1
+    # A launch a layer for q/k/v with their norm, o with its residual, gate/up with their norm and SiLU, and
+    # down with its residual; one for the head with the final norm.
+    assert methods["decode"].compile_options["matvec_launches"] == 4 * config.layers + 1
     assert methods["prefill"].compile_options["matvec_products"] == 1
     assert "matvec_failed" not in methods["decode"].compile_options
     prompt = np.random.default_rng(3).integers(0, config.vocab, (1, 6), dtype=np.int64)
