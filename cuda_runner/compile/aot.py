@@ -434,11 +434,11 @@ def _aot_compile(
                 convolution.as_two_dimensional(module)
             progress("compiling with AOTInductor (this takes tens of seconds)")
             with _math_attention(torch) if standalone else contextlib.nullcontext(), torch_talking_to_itself():
-                return Path(torch._inductor.aot_compile(module, example_args, dict(example_kwargs), options=dict(options)))
+                return Path(torch._inductor.aot_compile(module, example_args, dict(example_kwargs), options=_with_kernel_options(options, in_use)))
         except Exception as error:  # inductor raises many types; report one line
             if not in_use or gpu_unusable_after(error):
-                raise CompileError(f"AOTInductor compile failed: {type(error).__name__}: {_first_line(error)}") from error
-            failure = f"{type(error).__name__}: {_first_line(error)}"
+                raise CompileError(f"AOTInductor compile failed: {type(error).__name__}: {compile_failure(error)}") from error
+            failure = f"{type(error).__name__}: {compile_failure(error)}"
             kernels.give_up(in_use[-1], failure)
             progress(f"{OWN_KERNEL_NAMES[in_use[-1]]} did not compile ({failure}); compiling without it")
 
@@ -700,6 +700,38 @@ def _first_line(error: BaseException) -> str:
     text = str(error).strip()
     return text.splitlines()[0] if text else "(no message)"
 
+
+# What a compiler or linker says first about why it failed, in the log Inductor puts in its error.
+_CAUSE = re.compile(r"error[:\s]|multiple definition|undefined reference|undefined symbol", re.IGNORECASE)
+
+
+def compile_failure(error: BaseException) -> str:
+    """The error's first line and, where that only says a C++ compile failed,
+    the first line of the compiler's output that says why (a duplicate symbol,
+    an undefined reference): what a note of one line can carry."""
+    first = _first_line(error)
+    if "compile error" not in first.lower():
+        return first
+    for line in str(error).strip().splitlines()[1:]:
+        if _CAUSE.search(line):
+            return f"{first}: {line.strip()[:300]}"
+    return first
+
+
+def _with_kernel_options(options: Mapping[str, Any], in_use: Sequence[str]) -> dict[str, Any]:
+    """The compile's options, with what cuda-runner's kernels in the graph need.
+    The matrix-vector kernel is one Triton function called with many sets of
+    compile-time constants. Inductor names each set apart but, unless told to
+    make the names unique, compiles every one under the function's own name,
+    so two of its names can share one binary file in Triton's cache, and
+    AOTInductor embeds binaries by file and name. The 16-layer decoder's decode
+    method failed to build with the fused kernel on the H200 (a C++ compile
+    error, its cause not recorded), where one and two layers of the same width
+    built; unique names give every set a file of its own. That this was the
+    cause is not yet seen on the GPU."""
+    if "matvec" in in_use:
+        return {**options, "triton.unique_user_kernel_names": True}
+    return dict(options)
 
 
 def _sidecar_metadata(library_path: Path) -> dict[str, str]:

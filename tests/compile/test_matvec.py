@@ -209,6 +209,26 @@ def test_a_build_that_fails_with_its_own_kernels_is_compiled_again_without_them(
     assert sum("did not compile" in line for line in heard) == len(given_up)
 
 
+def test_a_build_with_the_matrix_vector_kernel_names_each_of_its_compiled_forms_apart(monkeypatch):
+    monkeypatch.setattr(attention, "fuse_decode_attention", lambda module: 2)
+    monkeypatch.setattr(matvec, "use_matvec", lambda module: matvec.MatvecUse(products=5, launches=3))
+    seen: list[dict] = []
+    fake = SimpleNamespace(_inductor=SimpleNamespace(aot_compile=lambda module, args, kwargs, options: seen.append(options) or "/x/m.so"))
+    program = SimpleNamespace(module=lambda: SimpleNamespace())
+    for matvec_on in (True, False):
+        aot._aot_compile(fake, program, (), {}, {"max_autotune": True}, False, "cuda", aot.OwnKernels(attention=True, matvec=matvec_on), print)
+    assert [options.get("triton.unique_user_kernel_names") for options in seen] == [True, None]
+    assert all(options["max_autotune"] for options in seen)
+
+
+def test_a_failed_cpp_build_is_told_by_the_compilers_first_error():
+    linker = "/usr/bin/ld: b.o: multiple definition of `__k_1_start'; a.o: first defined here"
+    log = f"C++ compile error\n\nCommand:\ng++ a.o b.o -o m.so\n\nOutput:\n{linker}\ncollect2: error: ld returned 1"
+    assert aot.compile_failure(RuntimeError(log)) == f"C++ compile error: {linker}"
+    assert aot.compile_failure(RuntimeError("out of memory\nerror: more")) == "out of memory"
+    assert aot.compile_failure(RuntimeError("C++ compile error\nno detail")) == "C++ compile error"
+
+
 def test_a_build_that_fails_without_its_own_kernels_fails():
     compiled: list[tuple[int, int]] = []
     program = SimpleNamespace(module=lambda: SimpleNamespace(fused=0, products=1))
