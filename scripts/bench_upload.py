@@ -18,7 +18,9 @@ beside the link's own ceiling: the same bytes from one pinned allocation
 (cudaHostAlloc) in 64 MB copies. The file is in the page cache (bench_scale.py's load stage measures a load
 from the disk: posix_fadvise cannot drop the pages of a file this process has
 mapped). Every result is read back and compared once. Also the device allocations of
-the same storages: one cudaMalloc each against one for all.
+the same storages: one cudaMalloc each against one for all; and, on one
+thread, how the registered upload's time splits between registering, copying
+and unregistering (blocks as loads cut them, and the whole file as one block).
 
     python3 scripts/bench_upload.py --output upload.json
 """
@@ -64,6 +66,31 @@ def per_storage(runtime, uploads, register: bool) -> None:
         finally:
             if register:
                 runtime.hostUnregister(address)
+
+
+def registration_parts(runtime, uploads, block_bytes: int) -> dict[str, float]:
+    """One thread, blocks of `block_bytes`: seconds spent registering, copying
+    (queued and waited for) and unregistering, each summed over the blocks,
+    to tell which part of the registered upload the time goes to."""
+    stream = runtime.streamCreateWithFlags(1)
+    parts = {"register_s": 0.0, "copy_s": 0.0, "unregister_s": 0.0}
+    clock = time.perf_counter
+    try:
+        for block in upload.blocks_of(uploads, block_bytes):
+            started = clock()
+            runtime.hostRegister(block.start, block.end - block.start, HOST_REGISTER_READ_ONLY)
+            registered = clock()
+            for source, destination, nbytes in block.copies:
+                runtime.memcpyAsync(destination, source, nbytes, HOST_TO_DEVICE, stream)
+            runtime.streamSynchronize(stream)
+            copied = clock()
+            runtime.hostUnregister(block.start)
+            parts["register_s"] += registered - started
+            parts["copy_s"] += copied - registered
+            parts["unregister_s"] += clock() - copied
+    finally:
+        runtime.streamDestroy(stream)
+    return {key: round(value, 4) for key, value in parts.items()}
 
 
 def allocations(runtime, sizes: list[int], rounds: int) -> dict[str, float]:
@@ -164,6 +191,14 @@ def main() -> int:
         median = statistics.median(seconds)
         results[label] = {"warm_s": [round(value, 4) for value in seconds], "warm_gb_per_s": round(total / median / 1e9, 2)}
         print(f"{label:<36} warm {total / median / 1e9:6.2f} GB/s  ({', '.join(f'{value:.3f}' for value in seconds)} s)", flush=True)
+    for label, block_bytes in (("64 MiB blocks", upload.BLOCK_BYTES), ("one block", total * 2)):
+        mapping, uploads = mapped()
+        parts = registration_parts(runtime, uploads, block_bytes)
+        results[f"registered upload's parts, 1 thread, {label}"] = parts
+        print(f"registered upload's parts, 1 thread, {label}: " + ", ".join(f"{key} {value:.3f}" for key, value in parts.items()), flush=True)
+        for item in uploads:
+            item.source.release()
+        mapping.close()
     results["device allocations"] = allocations(runtime, sizes, options.rounds)
     handle.close()
     path.unlink()
