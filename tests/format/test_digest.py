@@ -5,7 +5,6 @@ import random
 import signal
 
 import pytest
-
 from forge import digest as spec_digest
 
 from cuda_runner.format.digest import DIGEST_CHUNK, TreeHasher, segment_digest
