@@ -84,9 +84,13 @@ def reference(x: Any, weights: list[Any], norm_weight: Any, norm_eps: float, res
 
 def plan_units(sites: list[Any], order: dict[Any, int]) -> list[Unit]:
     """The launches for bias-free product sites (graph order): SwiGLU pairs and
-    residuals first, then the rest grouped by the row they read."""
+    residuals first, then the rest grouped by the row they read. A launch
+    reads all its operands at one place in the graph, where the graph read
+    them at several: one whose span holds an op that writes in place (a cache's
+    index_copy_, an add_) is taken apart into a launch per product, each reading
+    its operands where its product did."""
     units: list[Unit] = []
-    taken: set[Any] = set()
+    taken: set[Any] = set()  # products and the adds that residual launches took
     norms = {id(site): rms_norm_of(site.row) for site in sites}
 
     def key(site: Any) -> tuple[Any, ...]:
@@ -103,9 +107,9 @@ def plan_units(sites: list[Any], order: dict[Any, int]) -> list[Unit]:
         if site.node in taken:
             continue
         residual = _residual_of(site)
-        if residual is not None:
+        if residual is not None and residual[0] not in taken:  # p1(x) + p2(x): one of them takes the add
             units.append(Unit([site], norms[id(site)], residual=residual))
-            taken.add(site.node)
+            taken.update((site.node, residual[0]))
     groups: dict[tuple[Any, ...], list[Any]] = {}
     for site in sites:
         if site.node not in taken:
@@ -115,7 +119,29 @@ def plan_units(sites: list[Any], order: dict[Any, int]) -> list[Unit]:
             batch = _groupable(members, order)
             units.append(Unit(batch, norms[id(batch[0])]))
             members = [site for site in members if site not in batch]
+    writes = sorted(order[node] for node in order if _writes_in_place(node))
+    units = [piece for unit in units for piece in ([unit] if not _written_within(unit, order, writes) else _apart(unit))]
     return sorted(units, key=lambda unit: min(order[node] for node in unit.replaced))
+
+
+def _writes_in_place(node: Any) -> bool:
+    schema = getattr(getattr(node, "target", None), "_schema", None)
+    return node.op == "call_function" and bool(getattr(schema, "is_mutable", False))
+
+
+def _written_within(unit: Unit, order: dict[Any, int], writes: list[int]) -> bool:
+    """Whether an op that writes in place lies between the first and the last
+    node of the graph the launch stands for (where the graph read its operands)."""
+    nodes = [*unit.replaced, *(site.node for site in unit.products)]
+    nodes += list(unit.norm.nodes) if unit.norm is not None else []
+    nodes += [unit.gate[0]] if unit.gate is not None else []
+    first, last = min(order[node] for node in nodes), max(order[node] for node in nodes)
+    return any(first < position < last for position in writes)
+
+
+def _apart(unit: Unit) -> list[Unit]:
+    """A launch per product, each reading the row its product read."""
+    return [Unit([site]) for site in unit.products]
 
 
 def _groupable(members: list[Any], order: dict[Any, int]) -> list[Any]:
@@ -175,10 +201,12 @@ def remove_unread(graph: Any, nodes: set[Any], order: dict[Any, int]) -> None:
     """Erase those of `nodes` (the norms' computations) that nothing reads any
     more, last first; export's checks of a removed value's dtype go with it."""
     for node in sorted(nodes, key=order.__getitem__, reverse=True):
-        for check in [user for user in node.users if _target(user) == "aten._assert_tensor_metadata.default"]:
+        checks = [user for user in node.users if _target(user) == "aten._assert_tensor_metadata.default"]
+        if len(checks) < len(node.users):
+            continue  # still read: it stays, and so do its checks
+        for check in checks:
             graph.erase_node(check)
-        if not node.users:
-            graph.erase_node(node)
+        graph.erase_node(node)
 
 
 def rms_norm_of(row: Any) -> Norm | None:
@@ -221,10 +249,12 @@ def _rsqrt_of_mean_square(node: Any) -> tuple[float, Any, tuple[Any, ...]] | Non
     mean, eps = added.args
     if not isinstance(eps, float) or _target(mean) != "aten.mean.dim" or dtype_name(mean) != "torch.float32":
         return None
-    squared, dims = mean.args[0], mean.args[1]
+    squared, dims = mean.args[0], mean.args[1] if len(mean.args) > 1 else None
     rank = len(static_shape(squared) or ())
     keepdim = mean.args[2] if len(mean.args) > 2 else mean.kwargs.get("keepdim", False)
-    if not rank or list(dims) not in ([-1], [rank - 1]) or keepdim is not True or set(mean.kwargs) - {"keepdim"}:
+    if not rank or not isinstance(dims, (list, tuple)) or list(dims) not in ([-1], [rank - 1]):
+        return None  # a mean over all dims (None) or another one is not a norm of the row
+    if keepdim is not True or set(mean.kwargs) - {"keepdim"}:
         return None
     is_square = (_target(squared) == "aten.pow.Tensor_Scalar" and squared.args[1] == 2) or (
         _target(squared) == "aten.mul.Tensor" and squared.args[0] is squared.args[1])

@@ -7,6 +7,8 @@ matvec_fusion.reference in torch."""
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -22,7 +24,7 @@ def _rewritten(module: torch.nn.Module, *inputs: torch.Tensor):
     """(what the rewrite did, the rewritten graph module), after checking it computes what the module did."""
     graph_module = torch.export.export(module.eval(), inputs).module()
     with torch.no_grad():
-        before = graph_module(*inputs)
+        before = copy.deepcopy(graph_module)(*inputs)  # a copy: a module that writes its buffers starts the same both times
         used = _rewrite(graph_module)
         torch.testing.assert_close(graph_module(*inputs), before, atol=0, rtol=0)
     return used, graph_module
@@ -111,3 +113,63 @@ def test_a_decomposed_graph_keeps_the_plain_kernel_per_product():
         used = _rewrite(graph_module)
         torch.testing.assert_close(graph_module(*examples), before)
     assert used.products == used.launches == 7 * config.layers + 1
+
+
+class _WrittenBetween(torch.nn.Module):
+    """A cache written in place (as a decoder writes its KV cache) between what a launch would read."""
+
+    def __init__(self, case: str, dim: int = 32):
+        super().__init__()
+        self.case = case
+        self.norm = torch.nn.Parameter(torch.rand(dim) + 0.5)
+        self.q, self.k = torch.nn.Linear(dim, dim, bias=False), torch.nn.Linear(dim, dim, bias=False)
+        self.register_buffer("cache", torch.randn(1, 4, dim))
+
+    def forward(self, x):
+        if self.case == "norm of the cache, then the cache written":
+            row = self.cache[:, :1]
+            as_float = row.float()
+            normed = (as_float * torch.rsqrt(as_float.pow(2).mean(-1, keepdim=True) + 1e-6)).to(row.dtype) * self.norm
+            self.cache.index_copy_(1, torch.tensor([0]), x)
+            return self.q(normed) + 0, self.k(normed)
+        hidden = self.cache[:, :1] * 1
+        product = self.q(hidden)
+        hidden.add_(1.0)  # the row the residual reads, changed after the product read it
+        return hidden + product
+
+
+@pytest.mark.parametrize("case", ["norm of the cache, then the cache written", "the residual's row written after the product"])
+def test_a_launch_is_taken_apart_where_the_graph_writes_in_place_within_it(case):
+    used, _ = _rewritten(_WrittenBetween(case), torch.randn(1, 1, 32))
+    assert (used.norms, used.residuals) == (0, 0) and used.launches == used.products, case
+
+
+class _TwoProductsAdded(torch.nn.Module):
+    """p1(x) + p2(x): both products read by one add (a LoRA adapter beside a bias-free base)."""
+
+    def __init__(self):
+        super().__init__()
+        self.base, self.other = torch.nn.Linear(16, 8, bias=False), torch.nn.Linear(16, 8, bias=False)
+
+    def forward(self, x):
+        return self.base(x) + self.other(x)
+
+
+def test_two_products_added_give_the_add_to_one_launch():
+    used, graph_module = _rewritten(_TwoProductsAdded(), torch.randn(1, 16))
+    assert (used.products, used.launches, used.residuals) == (2, 2, 1)
+    graph_module.graph.lint()
+
+
+class _MeanOfAll(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.projection = torch.nn.Linear(16, 8, bias=False)
+
+    def forward(self, x):
+        return self.projection(x * torch.rsqrt(x.pow(2).mean(dim=None, keepdim=True) + 1e-6))
+
+
+def test_a_mean_over_every_dim_is_not_a_norm_of_the_row():
+    used, _ = _rewritten(_MeanOfAll(), torch.randn(1, 16))
+    assert (used.products, used.norms) == (1, 0)
