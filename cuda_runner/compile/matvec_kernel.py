@@ -49,20 +49,8 @@ def _matvec_kernel(
 ):
     rows = tl.program_id(0).to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)  # 64-bit: a vocabulary head passes 2**31 elements
     row_inside = rows < ROWS_N
-    row_base = weight + rows[:, None] * ROW_STRIDE
-    partial = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
-    for start in range(0, COLUMNS_K, BLOCK_K):
-        columns = start + tl.arange(0, BLOCK_K)
-        # Masks only where the shape needs them: an unmasked tile loads as wide vectors.
-        if ROWS_N % BLOCK_N == 0 and COLUMNS_K % BLOCK_K == 0:
-            tile = tl.load(row_base + columns[None, :], eviction_policy="evict_first")
-            vector = tl.load(x + columns)
-        else:
-            inside = row_inside[:, None] & (columns[None, :] < COLUMNS_K)
-            tile = tl.load(row_base + columns[None, :], mask=inside, other=0.0, eviction_policy="evict_first")
-            vector = tl.load(x + columns, mask=columns < COLUMNS_K, other=0.0)
-        partial += tile.to(tl.float32) * vector.to(tl.float32)[None, :]
-    result = tl.sum(partial, axis=1)
+    # No norm: x stands in for the norm's weight, which is not read.
+    result = _row_products(x, x, 1.0, weight, rows, ROWS_N, COLUMNS_K, ROW_STRIDE, False, BLOCK_N, BLOCK_K)
     if HAS_BIAS:
         result += tl.load(bias + rows, mask=row_inside, other=0.0).to(tl.float32)
     tl.store(out + rows, result.to(out.dtype.element_ty), mask=row_inside)
@@ -145,6 +133,7 @@ def _row_products(
     partial = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
     for start in range(0, COLUMNS_K, BLOCK_K):
         columns = start + tl.arange(0, BLOCK_K)
+        # Masks only where the shape needs them: an unmasked tile loads as wide vectors.
         if ROWS_N % BLOCK_N == 0 and COLUMNS_K % BLOCK_K == 0:
             tile = tl.load(row_base + columns[None, :], eviction_policy="evict_first")
             vector = _vector_part(x, norm_weight, scale, columns, COLUMNS_K, NORM, False)
