@@ -236,6 +236,81 @@ def measure_step_mix() -> dict:
     return row
 
 
+# The launches of a step built with the fused kernel (compile/matvec_fusion.py):
+# rows of each weight, columns, the RMS norm before, a residual after, gated.
+FUSED_CASES = {
+    "q/k/v + norm": ((2048, 512, 512), 2048, True, False, False),
+    "o + residual": ((2048,), 2048, False, True, False),
+    "gate/up + norm, gated": ((8192, 8192), 2048, True, False, True),
+    "down + residual": ((2048,), 8192, False, True, False),
+    "head + norm": ((32000,), 2048, True, False, False),
+}
+
+
+def fused_operands(case: tuple, layers: int) -> list:
+    """`layers` sets of operands for one fused launch: (x, weights, norm weight, residual, outputs, gated)."""
+    import torch
+
+    rows, k, norm, residual, gated = case
+    def bf16(*shape: int, uniform: bool = False) -> torch.Tensor:
+        return (torch.rand if uniform else torch.randn)(*shape, device="cuda", dtype=torch.bfloat16)
+
+    x = bf16(1, k)
+    sets = []
+    for _ in range(layers):
+        weights = [bf16(n, k) / 32 for n in rows]
+        outputs = [torch.empty(1, n, device="cuda", dtype=torch.bfloat16) for n in rows[:1 if gated else len(rows)]]
+        sets.append((x, weights, bf16(k, uniform=True) if norm else None, bf16(1, rows[0]) if residual else None, outputs, gated))
+    return sets
+
+
+def measure_fused_in_graph(case: tuple) -> dict:
+    """One fused launch, GRAPH_LAYERS of them on weights of their own, from one graph:
+    as planned and over a sweep of plans."""
+    from cuda_runner.compile.matvec_kernel import fused_plan, launch_fused
+
+    rows, k, _, _, gated = case
+    sets = fused_operands(case, GRAPH_LAYERS)
+    nbytes = sum(rows) * k * 2
+
+    def per_launch_us(chosen: tuple, replays: int) -> float:
+        launches = [lambda s=s: launch_fused(s[0], s[1], s[2], 1e-5, s[3], s[5], s[4], chosen) for s in sets]
+        return statistics.median(graph_time_us(launches, replays=replays)) / GRAPH_LAYERS
+
+    planned = fused_plan(list(rows), k, gated)
+    row: dict = {"bytes_per_launch": nbytes, "plan": planned}
+    us = per_launch_us(planned, 30)
+    row["cuda-runner"] = {"us": round(us, 2), "tb_per_s": round(nbytes / us / 1e6, 2)}
+    tried = []
+    per_program = 2 if gated else 1
+    for chosen in itertools.product((1, 2, 4, 8, 16), (256, 512, 1024, 2048), (2, 4, 8)):
+        block_n, block_k, _ = chosen
+        if block_n * block_k * per_program > 16384 or block_k > max(256, k):
+            continue
+        tried.append((per_launch_us(chosen, 10), chosen))
+    tried.sort()
+    row["sweep"] = {"us": round(tried[0][0], 2), "tb_per_s": round(nbytes / tried[0][0] / 1e6, 2), "plan": tried[0][1],
+                    "next best": [{"us": round(us_, 2), "plan": plan_} for us_, plan_ in tried[1:6]]}
+    return row
+
+
+def measure_fused_step(best_plans: dict[str, tuple]) -> dict:
+    """A step's fused launches (4 a layer x GRAPH_LAYERS and the head) from one
+    graph, as planned and with each case's best plan from the sweep."""
+    from cuda_runner.compile.matvec_kernel import fused_plan, launch_fused
+
+    labels = [label for _ in range(GRAPH_LAYERS) for label in list(FUSED_CASES)[:4]] + ["head + norm"]
+    operands = [(label, fused_operands(FUSED_CASES[label], 1)[0]) for label in labels]
+    nbytes = sum(sum(FUSED_CASES[label][0]) * FUSED_CASES[label][1] * 2 for label in labels)
+    row: dict = {"launches": len(labels), "bytes": nbytes, "floor_us": round(nbytes / 4.8e6, 1)}
+    planned = {label: fused_plan(list(case[0]), case[1], case[4]) for label, case in FUSED_CASES.items()}
+    for name, plans in (("as planned", planned), ("best plans", best_plans)):
+        launches = [lambda s=s, chosen=plans[label]: launch_fused(s[0], s[1], s[2], 1e-5, s[3], s[5], s[4], chosen) for label, s in operands]
+        times = graph_time_us(launches)
+        row[name] = {**summary_us(times), "tb_per_s": round(nbytes / statistics.median(times) / 1e6, 2)}
+    return row
+
+
 def summary_us(times: list[float]) -> dict:
     ordered = sorted(times)
     return {"median_us": round(statistics.median(ordered), 1), "p10_us": round(ordered[len(ordered) // 10], 1),
@@ -246,6 +321,7 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--output", type=Path, default=None)
     parser.add_argument("--graph", action="store_true", help="time the products from CUDA graphs, as a decode step runs them")
+    parser.add_argument("--fused", action="store_true", help="time the fused kernel's launches of a step from CUDA graphs, over a sweep of plans")
     options = parser.parse_args()
     import torch
     import triton
@@ -254,6 +330,19 @@ def main() -> int:
     torch.manual_seed(0)
     results: dict[str, object] = {"gpu": torch.cuda.get_device_name(0), "torch": torch.__version__, "triton": triton.__version__,
                                   "date": time.strftime("%Y-%m-%d"), "mode": "graph" if options.graph else "one call"}
+    if options.fused:
+        results["mode"] = "fused, graph"
+        best = {}
+        for label, case in FUSED_CASES.items():
+            measured = measure_fused_in_graph(case)
+            best[label] = tuple(measured["sweep"]["plan"])
+            results[label] = measured
+            print(label, json.dumps(measured), flush=True)
+        results["fused step"] = measure_fused_step(best)
+        print("fused step", json.dumps(results["fused step"]), flush=True)
+        if options.output is not None:
+            options.output.write_text(json.dumps(results, indent=1))
+        return 0
     compiled_kernels = None if options.graph else kernels()
     for label, shape in SHAPES.items():
         results[label] = measure_in_graph(shape) if options.graph else measure(shape, compiled_kernels)

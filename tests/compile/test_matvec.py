@@ -271,6 +271,12 @@ def test_the_rewritten_decoder_computes_what_it_did_under_tritons_interpreter():
                 got = matvec_fused(x, weights, g, 1e-5, residual, gated)
                 for out, want in zip(got, reference(x, weights, g, 1e-5, residual, gated)):
                     worst = max(worst, (out - want).abs().max().item() / want.abs().max().item())
+        # Shapes with a plan of their own (matvec_kernel._SWEPT_PLANS): q/k/v with the norm, o with the residual.
+        x, g = torch.randn(1, 2048), torch.rand(2048) + 0.5
+        for weights, norm, residual in (([torch.randn(n, 2048) for n in (2048, 512, 512)], g, None),
+                                        ([torch.randn(2048, 2048)], None, torch.randn(1, 2048))):
+            for out, want in zip(matvec_fused(x, weights, norm, 1e-5, residual, False), reference(x, weights, norm, 1e-5, residual, False)):
+                worst = max(worst, (out - want).abs().max().item() / want.abs().max().item())
         assert worst < 1e-4, worst
         print("ok", worst)
     """)
@@ -313,12 +319,12 @@ def test_inductor_sees_the_fused_kernel_write_its_outputs_alone(monkeypatch, row
     from torch._higher_order_ops.triton_kernel_wrap import identify_accessed_tensors
     from triton.backends.compiler import GPUTarget
 
-    from cuda_runner.compile.matvec_kernel import _matvec_fused_kernel, plan
+    from cuda_runner.compile.matvec_kernel import _matvec_fused_kernel, fused_plan
 
     monkeypatch.setattr(triton.runtime.driver, "_active", SimpleNamespace(get_current_target=lambda: GPUTarget("cuda", 90, 32)))
     k, count = 2048, len(rows)
     padded = list(rows) + [0] * (3 - count)
-    block_n, block_k, _ = plan(padded[0] if gated else sum(padded), k, 2 if gated else 1)
+    block_n, block_k, _ = fused_plan(list(rows), k, gated)
     x = torch.empty(1, 1, k, dtype=torch.bfloat16)
     tensors = {"x": x, "norm_weight": torch.empty(k, dtype=torch.bfloat16), "residual": torch.empty(1, 1, padded[0], dtype=torch.bfloat16)}
     tensors |= {f"weight{index}": torch.empty(max(n, 1), k, dtype=torch.bfloat16) for index, n in enumerate(padded)}
