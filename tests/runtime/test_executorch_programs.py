@@ -6,6 +6,7 @@ converted, and compared with the bundle the library came from."""
 from __future__ import annotations
 
 import dataclasses
+import threading
 from pathlib import Path
 
 import numpy as np
@@ -152,6 +153,8 @@ def test_weights_that_do_not_match_the_library_are_refused(compiled, tmp_path):
         (folder / "aoti_cuda_blob.ptd").write_bytes(ptd)
         with pytest.raises(BundleError, match=message):
             cuda_runner.load(folder / "model.pte")
+        # The names are matched on a thread of their own beside the copies: it has ended with the load.
+        assert not [thread for thread in threading.enumerate() if thread.name.startswith("cuda-runner-names")]
         assert cli("run", str(folder / "model.pte"), "--random-inputs").returncode == 3
 
 
