@@ -112,11 +112,13 @@ def run_cli(*args: str, cwd: Path | None = None, env: dict | None = None, timeou
     )
 
 
-def compile_with_option(program: Path, bundle: Path, option: str, setting: str) -> dict:
-    """`compile PROGRAM --device cuda --quick --option OPTION=SETTING` through the console
-    script; the compile options the manifest records for its one method, "forward"."""
+def compile_with_option(program: Path, bundle: Path, option: str, setting: str | None) -> dict:
+    """`compile PROGRAM --device cuda --quick --option OPTION=SETTING` (no --option
+    where SETTING is None) through the console script; the compile options the
+    manifest records for its one method, "forward"."""
     import cuda_runner
 
-    result = run_cli("compile", str(program), "-o", str(bundle), "--device", "cuda", "--quick", "--option", f"{option}={setting}")
+    chosen = [] if setting is None else ["--option", f"{option}={setting}"]
+    result = run_cli("compile", str(program), "-o", str(bundle), "--device", "cuda", "--quick", *chosen)
     assert result.returncode == 0, result.stderr
     return dict(cuda_runner.read_manifest(bundle).methods["forward"].compile_options)

@@ -131,11 +131,11 @@ def test_the_option_turns_it_on_and_off_through_the_cli(tmp_path):
     (tmp_path / "want").mkdir()
     with torch.no_grad():
         np.save(tmp_path / "want" / "output_0.npy", module(x).numpy())
-    for setting, expected in (("true", 2), ("false", None)):
+    for setting, expected in (("true", 2), ("false", None), (None, 2)):  # None: the default, on
         bundle = tmp_path / f"{setting}.bundle"
         options = compile_with_option(tmp_path / "mlp.pt2", bundle, OPTION, setting)
-        assert options.get("matvec_products") == expected and options[OPTION] == (setting == "true")
+        assert options.get("matvec_products") == expected and options.get(OPTION, True) == (setting != "false")
         assert "matvec_failed" not in options and options["standalone"] is True
         run = run_cli("run", str(bundle), "--inputs", str(tmp_path / "x.npy"), "--expected", str(tmp_path / "want"),
-                      "--atol", "1e-4", "--rtol", "1e-3", "--out-dir", str(tmp_path / setting))
+                      "--atol", "1e-4", "--rtol", "1e-3", "--out-dir", str(tmp_path / str(setting)))
         assert run.returncode == 0, run.stderr
