@@ -528,16 +528,12 @@ def load_results(path: Path, rounds: int) -> dict[str, Any]:
 
 # What the warm load of the weights does with one thing changed
 # (runtime/upload.py): the digest check that runs beside the upload left out,
-# more upload threads, threads staging blocks beside the registering ones.
+# more upload threads.
 LOAD_VARIANTS: dict[str, dict[str, Any]] = {
     "as shipped": {},
     "no digest check beside it": {"load": {"verify_weights": False}},
     "8 upload threads": {"upload": {"MAX_THREADS": 8}},
     "16 upload threads": {"upload": {"MAX_THREADS": 16}},
-    "4 registering + 2 staging threads": {"upload": {"STAGING_THREADS": 2}},
-    "4 registering + 4 staging threads": {"upload": {"STAGING_THREADS": 4}},
-    "4 registering + 8 staging threads": {"upload": {"STAGING_THREADS": 8}},
-    "2 registering + 4 staging threads": {"upload": {"MAX_THREADS": 2, "STAGING_THREADS": 4}},
 }
 
 

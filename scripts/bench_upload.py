@@ -10,8 +10,6 @@ memory by:
                    registered and copied by several threads (1, 2, 4, 8, 16)
   upload_all, staged   the same threads, each block copied from the mapping
                    through pinned slots (the path where registration is refused)
-  upload_all, 4 threads + N staging   4 threads registering beside N that
-                   copy blocks through pinned slots of their own (STAGING_THREADS)
   per storage, registered   the previous loader: register each storage,
                    copy it, let it go, one after another
   per storage, pageable     cudaMemcpy from the mapping as it is
@@ -165,9 +163,6 @@ def main() -> int:
 
     strategies = {f"upload_all, {n} threads": (lambda uploads, n=n: upload.upload_all(runtime, 0, uploads, threads=n)) for n in (1, 2, 4, 8, 16)}
     strategies["upload_all, 4 threads, staged"] = lambda uploads: upload.upload_all(runtime, 0, uploads, threads=4, register=False)
-    for stagers in (2, 4, 8):
-        strategies[f"upload_all, 4 threads + {stagers} staging"] = (
-            lambda uploads, stagers=stagers: upload.upload_all(runtime, 0, uploads, threads=4, staging_threads=stagers))
     strategies["per storage, registered (before)"] = lambda uploads: per_storage(runtime, uploads, register=True)
     strategies["per storage, pageable"] = lambda uploads: per_storage(runtime, uploads, register=False)
     results: dict[str, object] = {"bytes": total, "storages": len(sizes), "gpu": cupy.cuda.runtime.getDeviceProperties(0)["name"].decode(),

@@ -48,10 +48,6 @@ PIPELINE_MIN_BYTES = 64 << 20
 BLOCK_BYTES = 64 << 20  # one registration
 CHUNK_BYTES = 8 << 20  # one staging slot, where a block cannot be registered
 MAX_THREADS = 4
-# Threads that copy blocks through pinned slots of their own beside the
-# registering ones, where the machine has the cores: registration is
-# serialized in the driver, and the CPU's copy out of the page cache is not.
-STAGING_THREADS = 0
 
 Progress = Callable[[int, int], None]
 
@@ -78,11 +74,9 @@ class _Block:
 
 
 def upload_all(runtime: Any, device_index: int, uploads: Sequence[Upload], progress: Progress | None = None,
-               threads: int | None = None, register: bool = True, staging_threads: int | None = None) -> None:
+               threads: int | None = None, register: bool = True) -> None:
     """Copy every upload's bytes to its destination; returns once all are on the device.
-    `register=False` stages every block, as where registration is refused (for measuring);
-    `staging_threads` (default STAGING_THREADS, fewer where cores are short) stage
-    blocks beside the `threads` that register them."""
+    `register=False` stages every block, as where registration is refused (for measuring)."""
     total = sum(upload.source.nbytes for upload in uploads)
     report = progress or (lambda done, total: None)
     report(0, total)
@@ -101,9 +95,7 @@ def upload_all(runtime: Any, device_index: int, uploads: Sequence[Upload], progr
     for upload in uploads:
         advise_will_need(upload.source)
     blocks = blocks_of(uploads)
-    stagers = STAGING_THREADS if staging_threads is None else staging_threads
-    stagers = min(stagers, max(0, _usable_cpus() - count), max(0, len(blocks) - count)) if register else 0
-    _run_workers(runtime, device_index, blocks, min(count, len(blocks)), report, total, register, stagers)
+    _run_workers(runtime, device_index, blocks, min(count, len(blocks)), report, total, register)
 
 
 def _usable_cpus() -> int:
@@ -167,12 +159,10 @@ class _Queue:
         self._stopped = False
         self._lock = threading.Lock()
 
-    def take(self, finished: int, leave: int = 0) -> _Block | None:
-        """The next block, or None once none is left, or no more than `leave`
-        (left to the faster workers: a slow one's last block would be the tail)."""
+    def take(self, finished: int) -> _Block | None:
         with self._lock:
             self._done += finished
-            if self._stopped or self._next >= len(self._blocks) - leave:
+            if self._stopped or self._next == len(self._blocks):
                 return None
             block = self._blocks[self._next]
             self._next += 1
@@ -187,13 +177,10 @@ class _Queue:
             self._stopped = True
 
 
-def _run_workers(runtime: Any, device_index: int, blocks: list[_Block], count: int, report: Progress, total: int, register: bool,
-                 stagers: int = 0) -> None:
+def _run_workers(runtime: Any, device_index: int, blocks: list[_Block], count: int, report: Progress, total: int, register: bool) -> None:
     queue = _Queue(blocks)
-    # A staging thread copies a block in several times a registering one's time: it leaves the last blocks to them.
-    roles = [(register, 0)] * count + [(False, 2 * count)] * stagers
-    with ThreadPoolExecutor(max_workers=len(roles), thread_name_prefix="cuda-runner-upload") as pool:
-        futures: list[Future[None]] = [pool.submit(_worker, runtime, device_index, queue, registers, leave) for registers, leave in roles]
+    with ThreadPoolExecutor(max_workers=count, thread_name_prefix="cuda-runner-upload") as pool:
+        futures: list[Future[None]] = [pool.submit(_worker, runtime, device_index, queue, register) for _ in range(count)]
         try:
             while True:
                 finished, _ = wait(futures, timeout=0.1, return_when=FIRST_EXCEPTION)
@@ -209,14 +196,14 @@ def _run_workers(runtime: Any, device_index: int, blocks: list[_Block], count: i
     report(total, total)
 
 
-def _worker(runtime: Any, device_index: int, queue: _Queue, register: bool, leave: int = 0) -> None:
+def _worker(runtime: Any, device_index: int, queue: _Queue, register: bool) -> None:
     runtime.setDevice(device_index)
     stream = runtime.streamCreateWithFlags(_STREAM_NON_BLOCKING)
     staging: _Staging | None = None
     failed = True
     try:
         finished = 0
-        while (block := queue.take(finished, leave)) is not None:
+        while (block := queue.take(finished)) is not None:
             if not (register and _copy_registered(runtime, stream, block)):
                 staging = staging or _Staging.allocate(runtime)
                 if staging is not None:

@@ -13,7 +13,6 @@ from __future__ import annotations
 import ctypes
 import mmap
 import threading
-import time
 
 import numpy as np
 import pytest
@@ -269,46 +268,3 @@ def test_a_block_size_off_the_page_size_is_rounded_to_whole_pages(tmp_path):
     assert sum(block.nbytes for block in blocks) == 10 * PAGE + 7
     mapped.close()
 
-
-class SlowRegistrations(LazyRuntime):
-    """Registration takes a while, as the driver's does: staging threads get blocks too."""
-
-    def __init__(self):
-        super().__init__()
-        self.slots = 0
-
-    def hostRegister(self, start, size, flags):
-        time.sleep(0.005)
-        super().hostRegister(start, size, flags)
-
-    def hostAlloc(self, size, flags):
-        self.slots += 1
-        return super().hostAlloc(size, flags)
-
-
-def test_staging_threads_copy_blocks_beside_the_registering_ones(tmp_path, small_blocks, monkeypatch):
-    monkeypatch.setattr(upload, "_usable_cpus", lambda: 8)
-    mapped = Mapped(tmp_path, [400_000])
-    runtime = SlowRegistrations()
-    upload_all(runtime, 0, mapped.uploads, threads=2, staging_threads=2)
-    assert mapped.arrived() and runtime.clean()
-    assert runtime.registrations > 0 and runtime.slots == 4  # two slots for each staging thread
-    assert runtime.registrations < len(blocks_of(mapped.uploads))  # the stagers copied some blocks
-    mapped.close()
-
-
-def test_no_staging_thread_where_the_cores_are_taken(tmp_path, small_blocks, monkeypatch):
-    monkeypatch.setattr(upload, "_usable_cpus", lambda: 2)
-    mapped = Mapped(tmp_path, [400_000])
-    runtime = SlowRegistrations()
-    upload_all(runtime, 0, mapped.uploads, threads=2, staging_threads=4)
-    assert mapped.arrived() and runtime.slots == 0 and runtime.registrations == len(blocks_of(mapped.uploads))
-    mapped.close()
-
-
-def test_a_staging_thread_leaves_the_last_blocks_to_the_registering_ones():
-    blocks = [upload._Block(index * PAGE, (index + 1) * PAGE) for index in range(5)]
-    queue = upload._Queue(blocks)
-    assert queue.take(0, leave=3) is blocks[0] and queue.take(0, leave=3) is blocks[1]
-    assert queue.take(0, leave=3) is None  # three left: not for this worker
-    assert [queue.take(0), queue.take(0), queue.take(0), queue.take(0)] == [*blocks[2:], None]
