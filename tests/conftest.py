@@ -63,6 +63,11 @@ def pytest_collection_modifyitems(config, items):
     # on every worker, as xdist requires).
     items.sort(key=lambda item: item.get_closest_marker("heavy") is None)
     if HAS_GPU:
+        if int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1")) > 1:
+            alone = pytest.mark.skip(reason="measures the whole GPU: run with no other test process on it (scripts/gpu-test.sh does)")
+            for item in items:
+                if "whole_device" in item.keywords:
+                    item.add_marker(alone)
         return
     skip = pytest.mark.skip(reason="no CUDA device: GPU tests run on a GPU machine (scripts/gpu-test.sh)")
     for item in items:
