@@ -80,12 +80,12 @@ BUILDS: dict[str, dict[str, Any]] = {
     "libtorch": {"runtime": "libtorch", "options": "None"},
     "quick": {"runtime": "auto", "options": "aot.QUICK_OPTIONS"},
     "unfused": {"runtime": "auto", "options": "{'cuda_runner.fuse_decode_attention': False}"},
-    "matvec": {"runtime": "auto", "options": "{'cuda_runner.matvec': True}"},
+    "no-matvec": {"runtime": "auto", "options": "{'cuda_runner.matvec': False}"},
     "combo": {"runtime": "auto", "options": "{'combo_kernels': True}"},
 }
 LABELS = {"default": "default bundle", "libtorch": "--libtorch bundle", "quick": "--quick bundle", "executorch": "ExecuTorch 1.5 program",
           "unfused": "default bundle without the fused decode attention (cuda_runner.fuse_decode_attention=false)",
-          "matvec": "default bundle + the matrix-vector kernel (cuda_runner.matvec=true)",
+          "no-matvec": "default bundle without the matrix-vector kernel (cuda_runner.matvec=false)",
           "combo": "default bundle + Inductor's combo kernels (combo_kernels=true)"}
 COMPILE_TIMEOUT_S = float(os.environ.get("BENCH_SCALE_COMPILE_TIMEOUT", "480"))  # each side-by-side batch of compiles
 

@@ -296,7 +296,7 @@ def compile_command(
     option: Annotated[list[str], typer.Option("--option", metavar="KEY=VALUE", help=(
         "An Inductor option, e.g. max_autotune=true, or cuda_runner.fuse_decode_attention=false "
         "(a standalone CUDA build's decode-step attention as SDPA's math form, not cuda-runner's fused kernel), "
-        "or cuda_runner.matvec=true (its products of one row on cuda-runner's matrix-vector kernel); "
+        "or cuda_runner.matvec=false (its products of one row as Inductor lowers them, not on cuda-runner's matrix-vector kernel); "
         "repeatable; recorded in the manifest."))] = [],  # noqa: B006
     autotune: Annotated[bool, typer.Option("--autotune", help=(
         "Let Inductor benchmark its kernel choices on this machine (max_autotune, coordinate_descent_tuning); compiles take longer."))] = False,
