@@ -125,8 +125,18 @@ def plan_units(sites: list[Any], order: dict[Any, int]) -> list[Unit]:
 
 
 def _writes_in_place(node: Any) -> bool:
-    schema = getattr(getattr(node, "target", None), "_schema", None)
-    return node.op == "call_function" and bool(getattr(schema, "is_mutable", False))
+    """Whether the node may write a tensor in place: an op whose schema says it
+    mutates, or a call whose body no schema describes: a higher-order op (export
+    puts a `with torch.no_grad():` block's ops in one) or a submodule."""
+    if node.op == "call_module":
+        return True
+    if node.op != "call_function":
+        return False
+    from torch._ops import HigherOrderOperator
+
+    if isinstance(node.target, HigherOrderOperator):
+        return True
+    return bool(getattr(getattr(node.target, "_schema", None), "is_mutable", False))
 
 
 def _written_within(unit: Unit, order: dict[Any, int], writes: list[int]) -> bool:

@@ -144,6 +144,34 @@ def test_a_launch_is_taken_apart_where_the_graph_writes_in_place_within_it(case)
     assert (used.norms, used.residuals) == (0, 0) and used.launches == used.products, case
 
 
+class _WrittenWithoutGrad(torch.nn.Module):
+    """A weight written under `torch.no_grad()` between two products of one row:
+    export puts the write inside a higher-order op, whose schema does not say it writes."""
+
+    def __init__(self):
+        super().__init__()
+        self.first = torch.nn.Parameter(torch.randn(8, 16))
+        self.register_buffer("second", torch.randn(8, 16))
+
+    def forward(self, x):
+        before = torch.nn.functional.linear(x, self.first)
+        with torch.no_grad():
+            self.second[0].fill_(3.0)
+        return before, torch.nn.functional.linear(x, self.second)
+
+
+def test_a_launch_is_taken_apart_where_a_higher_order_op_may_write_within_it():
+    program = torch.export.export(_WrittenWithoutGrad().eval(), (torch.randn(1, 16),), strict=False)
+    graph_module = program.module()
+    assert any(isinstance(node.target, torch._ops.HigherOrderOperator) for node in graph_module.graph.nodes)
+    x = torch.randn(1, 16)
+    with torch.no_grad():
+        before = copy.deepcopy(graph_module)(x)
+        used = _rewrite(graph_module)
+        torch.testing.assert_close(graph_module(x), before, atol=0, rtol=0)
+    assert (used.products, used.launches) == (2, 2)
+
+
 class _TwoProductsAdded(torch.nn.Module):
     """p1(x) + p2(x): both products read by one add (a LoRA adapter beside a bias-free base)."""
 
