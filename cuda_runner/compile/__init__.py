@@ -39,6 +39,7 @@ from .aot import (
     torch_talking_to_itself,
 )
 from .check import NotChecked, disagreement
+from .graph_values import may_write
 from .signature import dim_names_from_dynamic_shapes, program_signature
 
 __all__ = ["MethodSource", "check_programs", "compile_methods", "compile_module", "compile_programs", "export_method", "export_module"]
@@ -387,16 +388,10 @@ def _may_write(program: Any) -> bool:
     """Whether any op of the program (its subgraphs included) may write to a
     tensor: an ATen op whose schema says so, or anything this cannot tell
     (a higher-order op, a Python callable)."""
-    import torch
-
     for module in program.graph_module.modules():
         graph = getattr(module, "graph", None)
-        for node in graph.nodes if graph is not None else ():
-            # operator.getitem and the like (module _operator) pick values; they write nothing.
-            if node.op != "call_function" or getattr(node.target, "__module__", None) in ("_operator", "operator"):
-                continue
-            if not isinstance(node.target, torch._ops.OpOverload) or node.target._schema.is_mutable:
-                return True
+        if any(may_write(node) for node in (graph.nodes if graph is not None else ())):
+            return True
     return False
 
 

@@ -1,7 +1,8 @@
 """What export recorded of an FX node's value (node.meta["val"]), as the
 graph rewrites of standalone CUDA builds read it: static shapes, strides and
-dtypes. Each answers None or False where the value is missing or symbolic,
-so that a rewrite leaves what it cannot know alone."""
+dtypes; and whether a node may write a tensor. Each answers None or False
+where the value is missing or symbolic (True where a write cannot be ruled
+out), so that a rewrite leaves what it cannot know alone."""
 
 from __future__ import annotations
 
@@ -36,3 +37,15 @@ def one_floating_dtype(*nodes: Any) -> bool:
     """Whether the nodes share one dtype, and it is one of FLOATING_DTYPES."""
     dtypes = {dtype_name(node) for node in nodes}
     return len(dtypes) == 1 and dtypes <= FLOATING_DTYPES
+
+
+def may_write(node: Any) -> bool:
+    """Whether an FX node may write to a tensor: an ATen op whose schema says so,
+    or a call whose writes no schema tells (a higher-order op, such as the one
+    export wraps a `torch.no_grad()` block in, or another Python callable)."""
+    # operator.getitem and the like (module _operator) pick values; they write nothing.
+    if node.op != "call_function" or getattr(node.target, "__module__", None) in ("_operator", "operator"):
+        return False
+    import torch
+
+    return not isinstance(node.target, torch._ops.OpOverload) or bool(node.target._schema.is_mutable)

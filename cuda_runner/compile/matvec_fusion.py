@@ -24,7 +24,7 @@ import dataclasses
 from collections.abc import Callable
 from typing import Any
 
-from .graph_values import dtype_name, static_shape, value
+from .graph_values import dtype_name, may_write, static_shape, value
 
 _MAX_GROUP = 3  # weights one launch reads (the kernel's pointers)
 _CASTS = frozenset({"aten.to.dtype", "aten._to_copy.default", "prims.convert_element_type.default"})
@@ -119,24 +119,9 @@ def plan_units(sites: list[Any], order: dict[Any, int]) -> list[Unit]:
             batch = _groupable(members, order)
             units.append(Unit(batch, norms[id(batch[0])]))
             members = [site for site in members if site not in batch]
-    writes = sorted(order[node] for node in order if _writes_in_place(node))
+    writes = sorted(order[node] for node in order if may_write(node))
     units = [piece for unit in units for piece in ([unit] if not _written_within(unit, order, writes) else _apart(unit))]
     return sorted(units, key=lambda unit: min(order[node] for node in unit.replaced))
-
-
-def _writes_in_place(node: Any) -> bool:
-    """Whether the node may write a tensor in place: an op whose schema says it
-    mutates, or a call whose body no schema describes: a higher-order op (export
-    puts a `with torch.no_grad():` block's ops in one) or a submodule."""
-    if node.op == "call_module":
-        return True
-    if node.op != "call_function":
-        return False
-    from torch._ops import HigherOrderOperator
-
-    if isinstance(node.target, HigherOrderOperator):
-        return True
-    return bool(getattr(getattr(node.target, "_schema", None), "is_mutable", False))
 
 
 def _written_within(unit: Unit, order: dict[Any, int], writes: list[int]) -> bool:
