@@ -73,6 +73,7 @@ def matvec(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> 
     """x @ weight^T + bias for x [..., K] holding a single row (every leading dim
     1), weight [N, K], bias [N] or None: a tensor [..., N] of x's dtype."""
     rows_n, columns_k = weight.shape
+    _check_operands(OPERATOR, x, [weight], bias=bias)
     # The kernel reads x and each row of W as contiguous runs; the rewrite only
     # passes tensors laid out so, and anything else is packed first.
     vector = x if x.stride(-1) == 1 else x.contiguous()
@@ -216,6 +217,7 @@ def matvec_fused(
     count = len(weights)
     if not 1 <= count <= 3 or (gated and count != 2) or (residual is not None and (count != 1 or gated)):
         raise ValueError(f"matvec_fused takes 1-3 weights, two when gated, one with a residual; got {count} (gated={gated})")
+    _check_operands(FUSED_OPERATOR, x, weights, norm_weight, residual, gated)
     columns_k = x.shape[-1]
     vector = x if x.stride(-1) == 1 else x.contiguous()
     matrices = [weight if weight.stride(1) == 1 else weight.contiguous() for weight in weights]
@@ -239,6 +241,33 @@ _SWEPT_PLANS = {
     (2048, 8192, 1): (1, 512, 8),  # down, with the residual
     (32000, 2048, 1): (2, 1024, 4),  # the vocabulary head
 }
+
+
+def _check_operands(
+    operator: str, x: torch.Tensor, weights: list[torch.Tensor], norm_weight: torch.Tensor | None = None, residual: torch.Tensor | None = None,
+    gated: bool = False, bias: torch.Tensor | None = None,
+) -> None:
+    """Refuse operands the kernels would read past or compute only in part (the
+    rewrite passes none; the operators are public): one row of K, weights [N, K],
+    a norm weight [K], a residual or bias of N, one dtype."""
+    columns_k = x.shape[-1]
+    problems = []
+    if x.numel() != columns_k:
+        problems.append(f"x holds {x.numel() // max(1, columns_k)} rows, not one")
+    for tensor in (*weights, norm_weight, residual, bias):
+        if tensor is not None and tensor.dtype != x.dtype:
+            problems.append(f"a {tensor.dtype} operand beside x of {x.dtype}")
+    if any(weight.dim() != 2 or weight.shape[1] != columns_k for weight in weights):
+        problems.append(f"weights of shapes {[tuple(weight.shape) for weight in weights]} for a row of {columns_k}")
+    if norm_weight is not None and norm_weight.numel() != columns_k:
+        problems.append(f"a norm weight of {norm_weight.numel()} for a row of {columns_k}")
+    if gated and len({weight.shape[0] for weight in weights}) != 1:
+        problems.append("gated weights of different row counts")
+    for name, added in (("residual", residual), ("bias", bias)):
+        if added is not None and added.numel() != weights[0].shape[0]:
+            problems.append(f"a {name} of {added.numel()} for {weights[0].shape[0]} rows")
+    if problems:
+        raise ValueError(f"{operator}: {'; '.join(problems)}")
 
 
 def fused_plan(rows: list[int], columns_k: int, gated: bool) -> tuple[int, int, int]:

@@ -15,7 +15,8 @@ from __future__ import annotations
 import collections
 import contextlib
 from collections.abc import Callable, Sequence
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor, wait
+from typing import Any
 
 import numpy as np
 
@@ -96,17 +97,8 @@ def bind_constants(
     shared = memory is not None
     memory = memory if memory is not None else ConstantMemory()
     handles: list[int] = []
-    # The library's names are matched on another thread while the storages
-    # upload (8-14 ms of a 1B decoder's 0.14 s load on the H200): the upload's
-    # threads wait on the driver, not on Python.
-    matching = ThreadPoolExecutor(max_workers=1, thread_name_prefix="cuda-runner-names")
     try:
-        names = matching.submit(_internal_names, container, constants, segment)
-        try:
-            _copy_storages(memory, constants, device, segment, progress)
-        finally:
-            matching.shutdown(wait=True)  # nothing reads the library or the mapping once this returns
-        internal = names.result()  # a mismatch is raised here, after the upload, and the memory released below
+        internal = _copy_while_matching_names(memory, container, constants, device, segment, progress)
         pairs = []
         for constant in constants:
             address = memory.storages[(constant.segment, constant.device)]
@@ -129,6 +121,47 @@ def bind_constants(
         for handle in handles:  # the library made its own handles; ours go
             shim.delete_tensor_object(handle)
     return memory
+
+
+def _copy_while_matching_names(
+    memory: ConstantMemory, container: Container, constants: Sequence[ConstantSpec], device: Device,
+    segment: Callable[[str], memoryview], progress: Progress | None,
+) -> dict[str, list[str]]:
+    """Copy the storages (_copy_storages) while another thread matches the
+    library's names (_internal_names: 8-14 ms of a 1B decoder's 0.14 s load on
+    the H200, where the copying threads wait on the driver, not on Python).
+    A mismatch is raised after the copy, before what the copy met."""
+    matching = ThreadPoolExecutor(max_workers=1, thread_name_prefix="cuda-runner-names")
+    names = matching.submit(_internal_names, container, constants, segment)
+    try:
+        _copy_storages(memory, constants, device, segment, progress)
+    except Exception as copy_failure:
+        _wait_out(names)
+        mismatch = names.exception()
+        if mismatch is not None:  # weights that do not fit the library are told as that
+            raise mismatch from copy_failure
+        raise
+    finally:
+        try:
+            _wait_out(names)  # nothing reads the library or the mapping once this returns
+        finally:
+            matching.shutdown(wait=True)  # its one task done: the thread ends at once
+    return names.result()
+
+
+def _wait_out(future: Future[Any]) -> None:
+    """Wait for the names thread to end, Ctrl-C or not: it reads the library,
+    which a failed load lets go. An interrupt is raised once it has ended (it
+    takes milliseconds)."""
+    interrupted: KeyboardInterrupt | None = None
+    while True:
+        try:
+            wait([future])
+            break
+        except KeyboardInterrupt as error:
+            interrupted = error
+    if interrupted is not None:
+        raise interrupted
 
 
 def _internal_names(container: Container, constants: Sequence[ConstantSpec], segment: Callable[[str], memoryview]) -> dict[str, list[str]]:

@@ -286,6 +286,29 @@ def test_the_rewritten_decoder_computes_what_it_did_under_tritons_interpreter():
 
 
 @pytest.mark.skipif(not __import__("importlib").util.find_spec("triton"), reason="Triton is not installed (CPU torch)")
+@pytest.mark.parametrize("case, message", [
+    ("columns", "weights of shapes"), ("rows", "2 rows, not one"), ("bias", "a bias of 3"), ("dtype", "operand beside x"),
+    ("gated", "different row counts"), ("residual", "a residual of 3"), ("norm", "a norm weight of 4"),
+])
+def test_the_operators_refuse_operands_they_would_read_past(case, message):
+    """The rewrite passes none of these, but the operators are public: each is refused before any launch."""
+    from cuda_runner.compile.matvec_kernel import matvec, matvec_fused
+
+    x, weight = torch.randn(1, 16), torch.randn(8, 16)
+    calls = {
+        "columns": lambda: matvec(x, torch.randn(8, 12), None),
+        "rows": lambda: matvec(torch.randn(2, 16), weight, None),
+        "bias": lambda: matvec(x, weight, torch.randn(3)),
+        "dtype": lambda: matvec(x, weight.half(), None),
+        "gated": lambda: matvec_fused(x, [torch.randn(64, 16), torch.randn(4, 16)], None, 1e-5, None, True),
+        "residual": lambda: matvec_fused(x, [weight], None, 1e-5, torch.randn(1, 3), False),
+        "norm": lambda: matvec_fused(x, [weight], torch.randn(4), 1e-5, None, False),
+    }
+    with pytest.raises(ValueError, match=message):
+        calls[case]()
+
+
+@pytest.mark.skipif(not __import__("importlib").util.find_spec("triton"), reason="Triton is not installed (CPU torch)")
 @pytest.mark.parametrize("shape, bias", [((32000, 2048), False), ((7, 5), True)])
 def test_the_kernel_builds_for_sm90_with_its_shape_compiled_in(shape, bias):
     """Triton compiles for sm90 without a GPU: every plan the 1B decoder's shapes get, and a masked one."""

@@ -1,0 +1,112 @@
+"""bind_constants (runtime/constants.py): the library's constant names are
+matched on a thread of their own while the storages are copied. Stand-ins for
+the container and the shim, CPU storages: what is checked is the order of
+things, whatever the library."""
+
+from __future__ import annotations
+
+import contextlib
+import signal
+import threading
+import time
+
+import numpy as np
+import pytest
+
+from cuda_runner.arrays import SCALAR_TYPE_CODES
+from cuda_runner.errors import BundleError
+from cuda_runner.format.manifest import ConstantSpec
+from cuda_runner.runtime import constants
+from cuda_runner.runtime.container import ConstantInfo
+from cuda_runner.runtime.devices import Device
+
+
+class SlowContainer:
+    """A library whose constant table takes `delay` seconds to read, and says when it was read."""
+
+    def __init__(self, fqns: list[str], delay: float = 0.0):
+        self.fqns, self.delay = fqns, delay
+        self.release_after_delete: list[object] = []
+        self.read_until = 0.0
+        self.pairs: list[tuple[str, int]] = []
+
+    def constants(self) -> list[ConstantInfo]:
+        time.sleep(self.delay)
+        self.read_until = time.monotonic()
+        return [ConstantInfo(f"internal_{fqn}", fqn, SCALAR_TYPE_CODES["float32"], 16, False) for fqn in self.fqns]
+
+    def bind_constants(self, pairs: list[tuple[str, int]]) -> None:
+        self.pairs = pairs
+
+
+class Shim:
+    device_cuda, device_cpu = 1, 0
+
+    @contextlib.contextmanager
+    def capture(self, _):
+        yield
+
+    def delete_tensor_object(self, handle: int) -> None:
+        pass
+
+
+@pytest.fixture
+def bind(monkeypatch):
+    monkeypatch.setattr(constants, "wrap_memory", lambda shim, address, *rest: address)  # the shim's tensors, stood in for
+    storage = memoryview(np.arange(4, dtype=np.float32).tobytes())
+
+    def bind_constants(container: SlowContainer, fqns: list[str], memory: constants.ConstantMemory | None = None):
+        specs = [ConstantSpec(fqn, f"segment_{fqn}", "float32", "cpu", 0, (4,), (1,)) for fqn in fqns]
+        return constants.bind_constants(container, Device("cpu"), Shim(), specs, lambda name: storage, memory)
+
+    return bind_constants
+
+
+def _names_threads() -> list[str]:
+    return [thread.name for thread in threading.enumerate() if thread.name.startswith("cuda-runner-names")]
+
+
+def test_names_matched_beside_the_copies_bind_every_constant(bind):
+    container = SlowContainer(["a", "b"], delay=0.05)
+    memory = bind(container, ["a", "b"])
+    assert sorted(name for name, _ in container.pairs) == ["internal_a", "internal_b"]
+    assert len(memory.storages) == 2 and not _names_threads()
+    memory.release()
+
+
+def test_a_mismatch_is_raised_and_nothing_is_kept(bind):
+    container = SlowContainer(["a"])
+    with pytest.raises(BundleError, match="does not have"):
+        bind(container, ["a", "stray"])
+    assert not _names_threads()
+
+
+def test_a_mismatch_is_told_rather_than_what_the_copy_met(bind, monkeypatch):
+    def out_of_memory(*args):
+        raise MemoryError("cudaErrorMemoryAllocation")
+
+    monkeypatch.setattr(constants, "_copy_storages", out_of_memory)
+    with pytest.raises(BundleError, match="does not have") as raised:
+        bind(SlowContainer(["a"], delay=0.05), ["a", "stray"])
+    assert isinstance(raised.value.__cause__, MemoryError)
+    with pytest.raises(MemoryError):  # weights that fit: the copy's own error
+        bind(SlowContainer(["a"]), ["a"])
+
+
+def test_an_interrupt_waits_for_the_names_thread_before_it_is_raised(bind, monkeypatch):
+    """Ctrl-C while the names are still being matched: the library they read
+    is let go once the load fails, so the thread ends first."""
+    main = threading.get_ident()
+    container = SlowContainer(["a"], delay=0.4)
+    copy = constants._copy_storages
+
+    def copy_then_interrupt(*args):
+        copy(*args)
+        threading.Timer(0.1, lambda: signal.pthread_kill(main, signal.SIGINT)).start()  # arrives while the names are awaited
+
+    monkeypatch.setattr(constants, "_copy_storages", copy_then_interrupt)
+    with pytest.raises(KeyboardInterrupt):
+        bind(container, ["a"])
+    raised_at = time.monotonic()
+    assert container.read_until and container.read_until <= raised_at
+    assert not _names_threads()
