@@ -14,14 +14,16 @@ from __future__ import annotations
 
 import collections
 import contextlib
-from collections.abc import Callable, Sequence
+import signal
+import threading
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 from typing import Any
 
 import numpy as np
 
 from ..arrays import SCALAR_TYPE_CODES, itemsize
-from ..errors import BundleError
+from ..errors import BundleError, Interrupted
 from ..format.manifest import ConstantSpec, constant_span_bytes
 from .container import Container
 from .devices import Device
@@ -128,38 +130,60 @@ def _copy_while_matching_names(
     segment: Callable[[str], memoryview], progress: Progress | None,
 ) -> dict[str, list[str]]:
     """Copy the storages (_copy_storages) while another thread matches the
-    library's names (_internal_names: 8-14 ms of a 1B decoder's 0.14 s load on
-    the H200, where the copying threads wait on the driver, not on Python).
-    A mismatch is raised after the copy, before what the copy met."""
+    library's names (_internal_names: 16-24 ms on its thread in a 1B decoder's
+    0.13 s load on the H200, where the copying threads wait on the driver, not
+    on Python). A mismatch is raised after the copy, before what the copy met."""
     matching = ThreadPoolExecutor(max_workers=1, thread_name_prefix="cuda-runner-names")
-    names = matching.submit(_internal_names, container, constants, segment)
+    names: Future[dict[str, list[str]]] | None = None
     try:
+        with _interrupts_held():
+            names = matching.submit(_internal_names, container, constants, segment)
         _copy_storages(memory, constants, device, segment, progress)
     except Exception as copy_failure:
-        _wait_out(names)
-        mismatch = names.exception()
-        if mismatch is not None:  # weights that do not fit the library are told as that
+        _finish_through_interrupts(lambda: wait([names]) if names is not None else None)
+        mismatch = names.exception() if names is not None else None
+        if isinstance(mismatch, BundleError):  # weights that do not fit the library are told as that
             raise mismatch from copy_failure
         raise
     finally:
+        # Nothing reads the library or the mapping once this returns: a failed load lets them go.
+        # The task is waited for, not the thread: an interrupted Thread.join() takes the thread
+        # for ended while it runs (Python 3.11), and a second join then returns at once.
         try:
-            _wait_out(names)  # nothing reads the library or the mapping once this returns
+            if names is not None:
+                _finish_through_interrupts(lambda: wait([names]))  # raises the interrupt it met, once done
         finally:
             matching.shutdown(wait=True)  # its one task done: the thread ends at once
+    assert names is not None
     return names.result()
 
 
-def _wait_out(future: Future[Any]) -> None:
-    """Wait for the names thread to end, Ctrl-C or not: it reads the library,
-    which a failed load lets go. An interrupt is raised once it has ended (it
-    takes milliseconds)."""
-    interrupted: KeyboardInterrupt | None = None
+@contextlib.contextmanager
+def _interrupts_held() -> Iterator[None]:
+    """Hold interrupt signals back while a thread starts: raised inside
+    Thread.start(), one left the thread running where nothing waited for it.
+    They arrive once this ends (the new thread inherits the mask, and Python
+    handles signals on the main thread only)."""
+    if threading.current_thread() is not threading.main_thread() or not hasattr(signal, "pthread_sigmask"):
+        yield
+        return
+    previous = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT, signal.SIGTERM, signal.SIGHUP})
+    try:
+        yield
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, previous)
+
+
+def _finish_through_interrupts(step: Callable[[], Any]) -> None:
+    """Run `step` (a wait of milliseconds) to its end through any interrupt: Ctrl-C
+    (KeyboardInterrupt) or the CLI's own (errors.Interrupted); the first is raised after."""
+    interrupted: BaseException | None = None
     while True:
         try:
-            wait([future])
+            step()
             break
-        except KeyboardInterrupt as error:
-            interrupted = error
+        except (KeyboardInterrupt, Interrupted) as error:
+            interrupted = interrupted or error
     if interrupted is not None:
         raise interrupted
 

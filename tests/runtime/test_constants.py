@@ -6,7 +6,6 @@ things, whatever the library."""
 from __future__ import annotations
 
 import contextlib
-import signal
 import threading
 import time
 
@@ -14,7 +13,7 @@ import numpy as np
 import pytest
 
 from cuda_runner.arrays import SCALAR_TYPE_CODES
-from cuda_runner.errors import BundleError
+from cuda_runner.errors import BundleError, Interrupted
 from cuda_runner.format.manifest import ConstantSpec
 from cuda_runner.runtime import constants
 from cuda_runner.runtime.container import ConstantInfo
@@ -66,9 +65,12 @@ def _names_threads() -> list[str]:
     return [thread.name for thread in threading.enumerate() if thread.name.startswith("cuda-runner-names")]
 
 
-def test_names_matched_beside_the_copies_bind_every_constant(bind):
+def test_names_matched_beside_the_copies_bind_every_constant(bind, monkeypatch):
     container = SlowContainer(["a", "b"], delay=0.05)
+    copy, copy_started = constants._copy_storages, []
+    monkeypatch.setattr(constants, "_copy_storages", lambda *args: copy_started.append(time.monotonic()) or copy(*args))
     memory = bind(container, ["a", "b"])
+    assert copy_started[0] < container.read_until  # the copy did not wait for the names
     assert sorted(name for name, _ in container.pairs) == ["internal_a", "internal_b"]
     assert len(memory.storages) == 2 and not _names_threads()
     memory.release()
@@ -93,20 +95,31 @@ def test_a_mismatch_is_told_rather_than_what_the_copy_met(bind, monkeypatch):
         bind(SlowContainer(["a"]), ["a"])
 
 
-def test_an_interrupt_waits_for_the_names_thread_before_it_is_raised(bind, monkeypatch):
-    """Ctrl-C while the names are still being matched: the library they read
-    is let go once the load fails, so the thread ends first."""
-    main = threading.get_ident()
-    container = SlowContainer(["a"], delay=0.4)
-    copy = constants._copy_storages
+def test_an_interrupt_during_the_copy_waits_for_the_names_thread(bind, monkeypatch):
+    """Ctrl-C while the names are matched: the library they read is let go once
+    the load fails, so the thread ends before the interrupt goes on."""
+    def interrupted(*args):
+        raise KeyboardInterrupt
 
-    def copy_then_interrupt(*args):
-        copy(*args)
-        threading.Timer(0.1, lambda: signal.pthread_kill(main, signal.SIGINT)).start()  # arrives while the names are awaited
-
-    monkeypatch.setattr(constants, "_copy_storages", copy_then_interrupt)
+    monkeypatch.setattr(constants, "_copy_storages", interrupted)
+    container = SlowContainer(["a"], delay=0.2)
     with pytest.raises(KeyboardInterrupt):
         bind(container, ["a"])
     raised_at = time.monotonic()
     assert container.read_until and container.read_until <= raised_at
     assert not _names_threads()
+
+
+def test_a_wait_is_finished_through_interrupts_and_the_first_raised_after():
+    calls = []
+
+    def step():
+        calls.append(len(calls))
+        if len(calls) == 1:
+            raise KeyboardInterrupt("first")
+        if len(calls) == 2:
+            raise Interrupted(15)
+
+    with pytest.raises(KeyboardInterrupt, match="first"):
+        constants._finish_through_interrupts(step)
+    assert calls == [0, 1, 2]  # waited on after each, to its end
