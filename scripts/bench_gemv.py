@@ -277,10 +277,11 @@ def measure_fused_in_graph(case: tuple) -> dict:
         launches = [lambda s=s: launch_fused(s[0], s[1], s[2], 1e-5, s[3], s[5], s[4], chosen) for s in sets]
         return statistics.median(graph_time_us(launches, replays=replays)) / GRAPH_LAYERS
 
-    planned = fused_plan(list(rows), k, gated)
-    row: dict = {"bytes_per_launch": nbytes, "plan": planned}
-    us = per_launch_us(planned, 30)
-    row["cuda-runner"] = {"us": round(us, 2), "tb_per_s": round(nbytes / us / 1e6, 2)}
+    rule, shipped = _rule_plan(rows, k, gated), fused_plan(list(rows), k, gated)
+    row: dict = {"bytes_per_launch": nbytes, "plan": rule, "shipped_plan": shipped}
+    for name, chosen in (("plan()", rule), ("cuda-runner", shipped)):
+        us = per_launch_us(chosen, 30)
+        row[name] = {"us": round(us, 2), "tb_per_s": round(nbytes / us / 1e6, 2)}
     tried = []
     per_program = 2 if gated else 1
     for chosen in itertools.product((1, 2, 4, 8, 16), (256, 512, 1024, 2048), (2, 4, 8)):
@@ -294,17 +295,25 @@ def measure_fused_in_graph(case: tuple) -> dict:
     return row
 
 
+def _rule_plan(rows: tuple, k: int, gated: bool) -> tuple[int, int, int]:
+    """plan()'s choice for a fused launch, the swept table aside."""
+    from cuda_runner.compile.matvec_kernel import plan
+
+    return plan(rows[0] if gated else sum(rows), k, 2 if gated else 1)
+
+
 def measure_fused_step(best_plans: dict[str, tuple]) -> dict:
     """A step's fused launches (4 a layer x GRAPH_LAYERS and the head) from one
-    graph, as planned and with each case's best plan from the sweep."""
+    graph: with plan()'s choices, as shipped (the swept table) and with each case's best plan from this sweep."""
     from cuda_runner.compile.matvec_kernel import fused_plan, launch_fused
 
     labels = [label for _ in range(GRAPH_LAYERS) for label in list(FUSED_CASES)[:4]] + ["head + norm"]
     operands = [(label, fused_operands(FUSED_CASES[label], 1)[0]) for label in labels]
     nbytes = sum(sum(FUSED_CASES[label][0]) * FUSED_CASES[label][1] * 2 for label in labels)
     row: dict = {"launches": len(labels), "bytes": nbytes, "floor_us": round(nbytes / 4.8e6, 1)}
-    planned = {label: fused_plan(list(case[0]), case[1], case[4]) for label, case in FUSED_CASES.items()}
-    for name, plans in (("as planned", planned), ("best plans", best_plans)):
+    rules = {label: _rule_plan(case[0], case[1], case[4]) for label, case in FUSED_CASES.items()}
+    shipped = {label: fused_plan(list(case[0]), case[1], case[4]) for label, case in FUSED_CASES.items()}
+    for name, plans in (("as planned", rules), ("as shipped", shipped), ("best plans", best_plans)):
         launches = [lambda s=s, chosen=plans[label]: launch_fused(s[0], s[1], s[2], 1e-5, s[3], s[5], s[4], chosen) for label, s in operands]
         times = graph_time_us(launches)
         row[name] = {**summary_us(times), "tb_per_s": round(nbytes / statistics.median(times) / 1e6, 2)}

@@ -43,6 +43,8 @@ def may_write(node: Any) -> bool:
     """Whether an FX node may write to a tensor: an ATen op whose schema says so,
     or a call whose writes no schema tells (a higher-order op, such as the one
     export wraps a `torch.no_grad()` block in, or another Python callable)."""
+    if node.op in ("call_module", "call_method"):  # code no schema describes
+        return True
     # operator.getitem and the like (module _operator) pick values; they write nothing.
     if node.op != "call_function" or getattr(node.target, "__module__", None) in ("_operator", "operator"):
         return False

@@ -1,7 +1,7 @@
 """The matrix-vector kernel on the GPU: the kernel against F.linear over the
-shapes, dtypes and layouts it takes, and standalone CUDA builds that ask for
-it (cuda_runner.matvec=true), whose products of one row it takes over and
-which still match eager; the option through the CLI, on and off."""
+shapes, dtypes and layouts it takes, and standalone CUDA builds (where it is
+on by default), whose products of one row it takes over and which still
+match eager; the option through the CLI: on, off and left out."""
 
 from __future__ import annotations
 
