@@ -297,9 +297,9 @@ def measure_fused_in_graph(case: tuple) -> dict:
 
 def _rule_plan(rows: tuple, k: int, gated: bool) -> tuple[int, int, int]:
     """plan()'s choice for a fused launch, the swept table aside."""
-    from cuda_runner.compile.matvec_kernel import plan
+    from cuda_runner.compile.matvec_kernel import fused_plan_key, plan
 
-    return plan(rows[0] if gated else sum(rows), k, 2 if gated else 1)
+    return plan(*fused_plan_key(list(rows), k, gated))
 
 
 def measure_fused_step(best_plans: dict[str, tuple]) -> dict:

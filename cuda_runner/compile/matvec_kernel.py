@@ -273,10 +273,16 @@ def _check_operands(
         raise ValueError(f"{operator}: {'; '.join(problems)}")
 
 
+def fused_plan_key(rows: list[int], columns_k: int, gated: bool) -> tuple[int, int, int]:
+    """What a fused launch's plan depends on: (rows a program's weights hold in
+    all, columns, weights a program reads); plan() takes the same arguments."""
+    return (rows[0] if gated else sum(rows), columns_k, 2 if gated else 1)
+
+
 def fused_plan(rows: list[int], columns_k: int, gated: bool) -> tuple[int, int, int]:
     """How a fused launch of weights with `rows` rows each is shared out: a swept
     plan where the shape was measured, plan()'s otherwise."""
-    key = (rows[0] if gated else sum(rows), columns_k, 2 if gated else 1)
+    key = fused_plan_key(rows, columns_k, gated)
     return _SWEPT_PLANS.get(key) or plan(*key)
 
 

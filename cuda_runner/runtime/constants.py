@@ -134,28 +134,25 @@ def _copy_while_matching_names(
     0.13 s load on the H200, where the copying threads wait on the driver, not
     on Python). A mismatch is raised after the copy, before what the copy met."""
     matching = ThreadPoolExecutor(max_workers=1, thread_name_prefix="cuda-runner-names")
-    names: Future[dict[str, list[str]]] | None = None
+    names: list[Future[dict[str, list[str]]]] = []
     try:
-        with _interrupts_held():
-            names = matching.submit(_internal_names, container, constants, segment)
-        _copy_storages(memory, constants, device, segment, progress)
+        try:
+            with _interrupts_held():
+                names.append(matching.submit(_internal_names, container, constants, segment))
+            _copy_storages(memory, constants, device, segment, progress)
+        finally:
+            # Nothing reads the library or the mapping once this returns: a failed load lets them go.
+            # The task is waited for, not the thread: an interrupted Thread.join() takes the thread
+            # for ended while it runs (Python 3.11), and a second join then returns at once.
+            _finish_through_interrupts(lambda: wait(names))  # raises the interrupt it met, once done
     except Exception as copy_failure:
-        _finish_through_interrupts(lambda: wait([names]) if names is not None else None)
-        mismatch = names.exception() if names is not None else None
+        mismatch = names[0].exception() if names else None
         if isinstance(mismatch, BundleError):  # weights that do not fit the library are told as that
             raise mismatch from copy_failure
         raise
     finally:
-        # Nothing reads the library or the mapping once this returns: a failed load lets them go.
-        # The task is waited for, not the thread: an interrupted Thread.join() takes the thread
-        # for ended while it runs (Python 3.11), and a second join then returns at once.
-        try:
-            if names is not None:
-                _finish_through_interrupts(lambda: wait([names]))  # raises the interrupt it met, once done
-        finally:
-            matching.shutdown(wait=True)  # its one task done: the thread ends at once
-    assert names is not None
-    return names.result()
+        matching.shutdown(wait=True)  # its one task done: the thread ends at once
+    return names[0].result()
 
 
 @contextlib.contextmanager
