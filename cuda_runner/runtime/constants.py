@@ -14,23 +14,21 @@ from __future__ import annotations
 
 import collections
 import contextlib
-import signal
-import threading
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor, wait
-from typing import Any
 
 import numpy as np
 
 from ..arrays import SCALAR_TYPE_CODES, itemsize
-from ..errors import BundleError, Interrupted
+from ..errors import BundleError
 from ..format.manifest import ConstantSpec, constant_span_bytes
+from . import interrupts
 from .container import Container
 from .devices import Device
 from .host import aligned_empty
 from .shim import Shim
 from .tensors import wrap_memory
-from .upload import Progress
+from .upload import Progress, wait_for_releases
 
 
 class ConstantMemory:
@@ -66,6 +64,7 @@ class ConstantMemory:
                 from .cuda import HOST_TO_DEVICE, cuda_runtime
                 from .host import buffer_address
 
+                wait_for_releases()  # no copy from the mapping while the driver lets its pages go
                 runtime = cuda_runtime()
                 runtime.setDevice(self._device_of[key])
                 runtime.deviceSynchronize()  # no run may still read or write it
@@ -76,6 +75,7 @@ class ConstantMemory:
                 kept[...] = np.frombuffer(source, dtype=np.uint8)
 
     def release(self) -> None:
+        wait_for_releases()  # the uploads' registrations of the mapping, before it may close
         if self._device:
             from .cuda import cuda_runtime
 
@@ -137,14 +137,14 @@ def _copy_while_matching_names(
     names: list[Future[dict[str, list[str]]]] = []
     try:
         try:
-            with _interrupts_held():
+            with interrupts.held_back():
                 names.append(matching.submit(_internal_names, container, constants, segment))
             _copy_storages(memory, constants, device, segment, progress)
         finally:
             # Nothing reads the library or the mapping once this returns: a failed load lets them go.
             # The task is waited for, not the thread: an interrupted Thread.join() takes the thread
             # for ended while it runs (Python 3.11), and a second join then returns at once.
-            _finish_through_interrupts(lambda: wait(names))  # raises the interrupt it met, once done
+            interrupts.finish_through(lambda: wait(names))  # raises the interrupt it met, once done
     except Exception as copy_failure:
         mismatch = names[0].exception() if names else None
         if isinstance(mismatch, BundleError):  # weights that do not fit the library are told as that
@@ -153,36 +153,6 @@ def _copy_while_matching_names(
     finally:
         matching.shutdown(wait=True)  # its one task done: the thread ends at once
     return names[0].result()
-
-
-@contextlib.contextmanager
-def _interrupts_held() -> Iterator[None]:
-    """Hold interrupt signals back while a thread starts: raised inside
-    Thread.start(), one left the thread running where nothing waited for it.
-    They arrive once this ends (the new thread inherits the mask, and Python
-    handles signals on the main thread only)."""
-    if threading.current_thread() is not threading.main_thread() or not hasattr(signal, "pthread_sigmask"):
-        yield
-        return
-    previous = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT, signal.SIGTERM, signal.SIGHUP})
-    try:
-        yield
-    finally:
-        signal.pthread_sigmask(signal.SIG_SETMASK, previous)
-
-
-def _finish_through_interrupts(step: Callable[[], Any]) -> None:
-    """Run `step` (a wait of milliseconds) to its end through any interrupt: Ctrl-C
-    (KeyboardInterrupt) or the CLI's own (errors.Interrupted); the first is raised after."""
-    interrupted: BaseException | None = None
-    while True:
-        try:
-            step()
-            break
-        except (KeyboardInterrupt, Interrupted) as error:
-            interrupted = interrupted or error
-    if interrupted is not None:
-        raise interrupted
 
 
 def _internal_names(container: Container, constants: Sequence[ConstantSpec], segment: Callable[[str], memoryview]) -> dict[str, list[str]]:
@@ -245,7 +215,9 @@ def _copy_storages(memory: ConstantMemory, constants: Sequence[ConstantSpec], de
         arena = memory.keep_device(device.index, runtime.malloc(max(1, size)))
         for key, offset in zip(on_gpu, offsets):
             memory.place_on_device(key, device.index, arena + offset)
-        upload_all(runtime, device.index, [Upload(source, arena + offset) for source, offset in zip(sources, offsets)], progress)
+        # The mapping's registrations are let go after the load, off its path; release() waits for that.
+        upload_all(runtime, device.index, [Upload(source, arena + offset) for source, offset in zip(sources, offsets)], progress,
+                   release_later=True)
     finally:
         for source in sources:  # views of the bundle mapping: none may keep it from closing
             with contextlib.suppress(BufferError):

@@ -37,6 +37,7 @@ from ..format.manifest import MethodSpec
 from .cuda import CudaExecutor
 from .executor import Executor
 from .tensors import Describer, OwnedHandles, TensorView, contiguous_strides, gather, wrap_memory
+from .upload import wait_for_releases
 
 #: Ordinary calls of a shape before it is captured (ExecuTorch's CUDA backend also runs three).
 WARMUP_CALLS = 3
@@ -98,6 +99,7 @@ class CudaGraphExecutor(Executor):
             _TorchGraph(executor.stream.ptr, executor.device_index) if executor.shim.label == "libtorch" else _DriverGraph(executor.stream.ptr))
         shim, stream = executor.shim, executor.stream
         stream.synchronize()
+        wait_for_releases()  # a load's registrations let go during a capture could end it (libtorch's captures refuse other threads' calls)
 
         def handles() -> list[int]:
             return [wrap_memory(shim, address, dtype, shape, contiguous_strides(shape), shim.device_cuda, executor.device_index)

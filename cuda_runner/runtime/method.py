@@ -24,12 +24,13 @@ import os
 import threading
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
+from concurrent import futures
 from typing import Any
 
 import numpy as np
 
 from ..arrays import dtype_name
-from ..errors import BundleError, ClosedError, InputError, ModelRuntimeError
+from ..errors import BundleError, ClosedError, InputError, Interrupted, ModelRuntimeError
 from ..format.manifest import (
     LIBRARY_CHECKS_OPTION,
     MUTATED_BUFFERS_OPTION,
@@ -42,6 +43,7 @@ from ..format.manifest import (
 from ..format.source import ModelReader
 from ..format.validation import validate_inputs
 from ..io.inputs import ResolvedInputs
+from . import interrupts
 from .constants import ConstantMemory, bind_constants
 from .container import ConstantInfo, Container
 from .devices import Device
@@ -308,10 +310,7 @@ class Method:
             if options.cuda_graph:  # captured on later calls, one graph per input shape (runtime/graphs.py)
                 executors[0] = _graph_executor(executors[0], spec)
         except BaseException:
-            for check in data_checks:
-                check.cancel()
-                with contextlib.suppress(BaseException):
-                    check.result()  # no thread may read the mapping once it closes
+            _stop_checks(data_checks)
             _close_parts(executors, container, library, constants if shared_constants is None else None, helper)
             raise
         finally:
@@ -659,6 +658,16 @@ def _native_checks(enabled: bool) -> Iterator[None]:
             del os.environ[_NATIVE_CHECKS]
         else:
             os.environ[_NATIVE_CHECKS] = previous
+
+
+def _stop_checks(checks: Sequence[futures.Future[None]]) -> None:
+    """Cancel a failed load's digest checks and wait for those already running: no
+    thread may read the mapping once it closes. The wait goes on through any
+    interrupt, which is then dropped: the load's own error is the one raised."""
+    for check in checks:
+        check.cancel()
+    with contextlib.suppress(KeyboardInterrupt, Interrupted):
+        interrupts.finish_through(lambda: futures.wait(checks))
 
 
 def _unhelped_call_path(spec: MethodSpec, wanted: bool, cuda_graph: bool) -> str | None:

@@ -14,6 +14,13 @@ Reading the blocks from the file with pread into pinned slots was slower
 mapping 16-17 and copying from the pageable mapping 7 (scripts/bench_upload.py;
 docs/benchmarks.md, "Weights at GB scale").
 
+Letting a registration go took 0.016 s of the 1B decoder's 0.1 s upload on
+one thread. With `release_later`, up to RELEASE_LATER_BYTES of registrations
+are let go by a thread of their own once every copy has arrived, off the
+load's path; `wait_for_releases()` waits for them (before a CUDA graph
+capture, before the bundle mapping closes). A failed upload lets every
+registration go before it raises.
+
 Where a block cannot be registered (a kernel or driver that refuses it), it
 is copied through two staging slots of the thread instead, and where no
 pinned memory can be had either, by plain copies. Every byte uploaded is read
@@ -25,6 +32,7 @@ progress bar.
 from __future__ import annotations
 
 import ctypes
+import functools
 import mmap
 import os
 import threading
@@ -35,6 +43,7 @@ from typing import Any
 
 import numpy as np
 
+from . import interrupts
 from .host import buffer_address
 
 HOST_TO_DEVICE = 1  # cudaMemcpyHostToDevice
@@ -48,6 +57,9 @@ PIPELINE_MIN_BYTES = 64 << 20
 BLOCK_BYTES = 64 << 20  # one registration
 CHUNK_BYTES = 8 << 20  # one staging slot, where a block cannot be registered
 MAX_THREADS = 4
+# Registrations left to a releasing thread at most (`release_later`): beyond this, pages
+# of a large model would stay pinned at once for the whole upload, so the rest go inline.
+RELEASE_LATER_BYTES = 8 << 30
 
 Progress = Callable[[int, int], None]
 
@@ -74,14 +86,16 @@ class _Block:
 
 
 def upload_all(runtime: Any, device_index: int, uploads: Sequence[Upload], progress: Progress | None = None,
-               threads: int | None = None, register: bool = True) -> None:
+               threads: int | None = None, register: bool = True, release_later: bool = False) -> Releasing | None:
     """Copy every upload's bytes to its destination; returns once all are on the device.
-    `register=False` stages every block, as where registration is refused (for measuring)."""
+    `register=False` stages every block, as where registration is refused (for measuring).
+    With `release_later`, the registrations still held are let go on a thread of their
+    own, returned (None where none is held): its wait() returns once they all are."""
     total = sum(upload.source.nbytes for upload in uploads)
     report = progress or (lambda done, total: None)
     report(0, total)
     if total == 0:
-        return
+        return None
     runtime.setDevice(device_index)
     count = threads or min(MAX_THREADS, _usable_cpus())
     if total < PIPELINE_MIN_BYTES:
@@ -91,11 +105,13 @@ def upload_all(runtime: Any, device_index: int, uploads: Sequence[Upload], progr
                 runtime.memcpy(upload.destination, buffer_address(upload.source), upload.source.nbytes, HOST_TO_DEVICE)
             done += upload.source.nbytes
             report(done, total)
-        return
+        return None
     for upload in uploads:
         advise_will_need(upload.source)
     blocks = blocks_of(uploads)
-    _run_workers(runtime, device_index, blocks, min(count, len(blocks)), report, total, register)
+    held = _Held(RELEASE_LATER_BYTES if release_later else 0)
+    _run_workers(runtime, device_index, blocks, min(count, len(blocks)), report, total, register, held)
+    return Releasing(runtime, device_index, held.starts) if held.starts else None
 
 
 def _usable_cpus() -> int:
@@ -177,26 +193,58 @@ class _Queue:
             self._stopped = True
 
 
-def _run_workers(runtime: Any, device_index: int, blocks: list[_Block], count: int, report: Progress, total: int, register: bool) -> None:
+class _Held:
+    """Registrations whose copies have all arrived, kept for a releasing thread, up to a byte budget."""
+
+    def __init__(self, budget: int):
+        self._left = budget
+        self.starts: list[int] = []
+        self._lock = threading.Lock()
+
+    def keep(self, block: _Block) -> bool:
+        """True where the block's registration is now this one's to let go."""
+        size = block.end - block.start
+        with self._lock:
+            if size > self._left:
+                return False
+            self._left -= size
+            self.starts.append(block.start)
+            return True
+
+    def let_go(self, runtime: Any) -> None:
+        """Unregister what is held now (an upload that failed: its own error is the one raised)."""
+        with self._lock:
+            starts, self.starts = self.starts, []
+        _clean_up([functools.partial(runtime.hostUnregister, start) for start in starts], quietly=True)
+
+
+def _run_workers(runtime: Any, device_index: int, blocks: list[_Block], count: int, report: Progress, total: int, register: bool,
+                 held: _Held) -> None:
     queue = _Queue(blocks)
-    with ThreadPoolExecutor(max_workers=count, thread_name_prefix="cuda-runner-upload") as pool:
-        futures: list[Future[None]] = [pool.submit(_worker, runtime, device_index, queue, register) for _ in range(count)]
-        try:
-            while True:
-                finished, _ = wait(futures, timeout=0.1, return_when=FIRST_EXCEPTION)
-                report(queue.done_bytes(), total)
-                if len(finished) == len(futures) or any(future.exception() for future in finished):
-                    break
-        finally:
-            queue.stop()  # an error (or an interrupt) here: the others take no new block
-            for future in futures:
-                future.exception()  # each waited for: no copy is in flight once this returns
-    for future in futures:
-        future.result()  # the first error, re-raised
+    failed = True
+    try:
+        with ThreadPoolExecutor(max_workers=count, thread_name_prefix="cuda-runner-upload") as pool:
+            futures: list[Future[None]] = [pool.submit(_worker, runtime, device_index, queue, register, held) for _ in range(count)]
+            try:
+                while True:
+                    finished, _ = wait(futures, timeout=0.1, return_when=FIRST_EXCEPTION)
+                    report(queue.done_bytes(), total)
+                    if len(finished) == len(futures) or any(future.exception() for future in finished):
+                        break
+            finally:
+                queue.stop()  # an error (or an interrupt) here: the others take no new block
+                for future in futures:
+                    future.exception()  # each waited for: no copy is in flight once this returns
+        for future in futures:
+            future.result()  # the first error, re-raised
+        failed = False
+    finally:
+        if failed:  # every copy has stopped (above): what is held can go before the error is raised
+            held.let_go(runtime)
     report(total, total)
 
 
-def _worker(runtime: Any, device_index: int, queue: _Queue, register: bool) -> None:
+def _worker(runtime: Any, device_index: int, queue: _Queue, register: bool, held: _Held) -> None:
     runtime.setDevice(device_index)
     stream = runtime.streamCreateWithFlags(_STREAM_NON_BLOCKING)
     staging: _Staging | None = None
@@ -204,7 +252,7 @@ def _worker(runtime: Any, device_index: int, queue: _Queue, register: bool) -> N
     try:
         finished = 0
         while (block := queue.take(finished)) is not None:
-            if not (register and _copy_registered(runtime, stream, block)):
+            if not (register and _copy_registered(runtime, stream, block, held)):
                 staging = staging or _Staging.allocate(runtime)
                 if staging is not None:
                     staging.copy(stream, block)
@@ -219,8 +267,9 @@ def _worker(runtime: Any, device_index: int, queue: _Queue, register: bool) -> N
                    lambda: staging.free() if staging is not None else None], quietly=failed)
 
 
-def _copy_registered(runtime: Any, stream: int, block: _Block) -> bool:
-    """Register the block, DMA its copies straight from it, let it go; False where it cannot be registered."""
+def _copy_registered(runtime: Any, stream: int, block: _Block, held: _Held) -> bool:
+    """Register the block, DMA its copies straight from it, let it go (or leave it to
+    `held`, once its copies have arrived); False where it cannot be registered."""
     try:
         runtime.hostRegister(block.start, block.end - block.start, HOST_REGISTER_READ_ONLY)
     except runtime.CUDARuntimeError:
@@ -232,10 +281,59 @@ def _copy_registered(runtime: Any, stream: int, block: _Block) -> bool:
         runtime.streamSynchronize(stream)  # the DMA has read the pages before they are let go
         failed = False
     finally:
-        # After a failed copy, the ones queued before it finish before the pages are let go.
-        steps = [lambda: runtime.streamSynchronize(stream)] if failed else []
-        _clean_up([*steps, lambda: runtime.hostUnregister(block.start)], quietly=failed)
+        if failed or not held.keep(block):
+            # After a failed copy, the ones queued before it finish before the pages are let go.
+            steps = [lambda: runtime.streamSynchronize(stream)] if failed else []
+            _clean_up([*steps, lambda: runtime.hostUnregister(block.start)], quietly=failed)
     return True
+
+
+# The releasing threads not yet done (wait_for_releases).
+_PENDING: set[Releasing] = set()
+_PENDING_LOCK = threading.Lock()
+
+
+class Releasing:
+    """Registrations of a finished upload, let go by a thread of its own: the pages
+    stay pinned until it is done, and the mapping must stay open until then."""
+
+    def __init__(self, runtime: Any, device_index: int, starts: list[int]):
+        # Waited for by this event, not by join(): on Python 3.11 a join cut short by Ctrl-C
+        # takes the running thread for ended, and the next join returns at once.
+        self._done = threading.Event()
+        self._thread = threading.Thread(target=self._let_go, args=(runtime, device_index, starts), name="cuda-runner-unregister")
+        with _PENDING_LOCK:
+            _PENDING.add(self)
+        try:
+            # Not a daemon: the interpreter waits for it at exit, so the driver is never torn down under it.
+            with interrupts.held_back():
+                self._thread.start()
+        except BaseException:
+            if self._thread.ident is None:  # an interrupt already due stopped it before it ran: let go here
+                self._let_go(runtime, device_index, starts)
+            raise
+
+    def _let_go(self, runtime: Any, device_index: int, starts: list[int]) -> None:
+        try:
+            # Nothing waits for an error here: a registration that will not go leaves pages pinned, no more.
+            steps = [functools.partial(runtime.setDevice, device_index), *(functools.partial(runtime.hostUnregister, start) for start in starts)]
+            _clean_up(steps, quietly=True)
+        finally:
+            with _PENDING_LOCK:
+                _PENDING.discard(self)
+            self._done.set()
+
+    def wait(self) -> None:
+        interrupts.finish_through(self._done.wait)
+
+
+def wait_for_releases() -> None:
+    """Return once every upload's registrations are let go: before anything the driver
+    must not see them change under (a CUDA graph capture), or the mapping they are in closes."""
+    with _PENDING_LOCK:
+        pending = list(_PENDING)
+    for releasing in pending:
+        releasing.wait()
 
 
 def _clean_up(steps: Sequence[Callable[[], Any]], quietly: bool) -> None:

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 from cuda_runner.arrays import SCALAR_TYPE_CODES
-from cuda_runner.errors import BundleError, Interrupted
+from cuda_runner.errors import BundleError
 from cuda_runner.format.manifest import ConstantSpec
 from cuda_runner.runtime import constants
 from cuda_runner.runtime.container import ConstantInfo
@@ -110,16 +110,3 @@ def test_an_interrupt_during_the_copy_waits_for_the_names_thread(bind, monkeypat
     assert not _names_threads()
 
 
-def test_a_wait_is_finished_through_interrupts_and_the_first_raised_after():
-    calls = []
-
-    def step():
-        calls.append(len(calls))
-        if len(calls) == 1:
-            raise KeyboardInterrupt("first")
-        if len(calls) == 2:
-            raise Interrupted(15)
-
-    with pytest.raises(KeyboardInterrupt, match="first"):
-        constants._finish_through_interrupts(step)
-    assert calls == [0, 1, 2]  # waited on after each, to its end

@@ -268,3 +268,91 @@ def test_a_block_size_off_the_page_size_is_rounded_to_whole_pages(tmp_path):
     assert sum(block.nbytes for block in blocks) == 10 * PAGE + 7
     mapped.close()
 
+
+
+class HeldRuntime(LazyRuntime):
+    """Lets registrations go only once `go` is set: what upload_all returned before that was not waiting for them."""
+
+    def __init__(self):
+        super().__init__()
+        self.go = threading.Event()
+        self.unregistered_on: set[str] = set()
+
+    def hostUnregister(self, start):
+        if threading.current_thread().name == "cuda-runner-unregister":
+            assert self.go.wait(10)
+        self.unregistered_on.add(threading.current_thread().name.split("_")[0])
+        super().hostUnregister(start)
+
+
+def test_release_later_lets_the_registrations_go_after_the_upload_returns(tmp_path, small_blocks):
+    mapped = Mapped(tmp_path, [200_000])
+    runtime = HeldRuntime()
+    releasing = upload_all(runtime, 0, mapped.uploads, threads=2, release_later=True)
+    assert releasing is not None and mapped.arrived()  # every byte is up while the registrations are still held
+    assert runtime.registered and runtime.registrations > 1
+    runtime.go.set()
+    releasing.wait()
+    assert runtime.clean() and runtime.unregistered_on == {"cuda-runner-unregister"}
+    assert not upload._PENDING
+    mapped.close()
+
+
+def test_wait_for_releases_waits_for_every_upload(tmp_path, small_blocks):
+    (tmp_path / "a").mkdir()
+    (tmp_path / "b").mkdir()
+    first, second = Mapped(tmp_path / "a", [50_000]), Mapped(tmp_path / "b", [60_000])
+    runtime = HeldRuntime()
+    upload_all(runtime, 0, first.uploads, threads=2, release_later=True)
+    upload_all(runtime, 0, second.uploads, threads=2, release_later=True)
+    waiter = threading.Thread(target=upload.wait_for_releases)
+    waiter.start()
+    waiter.join(0.2)
+    assert waiter.is_alive()  # still held
+    runtime.go.set()
+    waiter.join(10)
+    assert not waiter.is_alive() and runtime.clean()
+    first.close()
+    second.close()
+
+
+def test_release_later_holds_no_more_than_its_budget_past_the_upload(tmp_path, small_blocks, monkeypatch):
+    monkeypatch.setattr(upload, "RELEASE_LATER_BYTES", 8 * PAGE)  # two blocks of four pages
+    mapped = Mapped(tmp_path, [200_000])
+    runtime = HeldRuntime()
+    releasing = upload_all(runtime, 0, mapped.uploads, threads=2, release_later=True)
+    assert mapped.arrived() and sum(end - start for start, end in runtime.registered.items()) == 8 * PAGE
+    runtime.go.set()
+    releasing.wait()
+    assert runtime.clean() and len(runtime.unregistered_on) == 2  # the rest went inline, on the upload's threads
+    mapped.close()
+
+
+def test_a_failed_upload_holds_no_registration_when_it_raises(tmp_path, small_blocks):
+    mapped = Mapped(tmp_path, [200_000])
+    runtime = LazyRuntime(fail_after=7)
+    with pytest.raises(DriverError, match="IllegalAddress"):
+        upload_all(runtime, 0, mapped.uploads, threads=3, release_later=True)
+    assert runtime.clean() and not upload._PENDING
+    mapped.close()
+
+
+def test_a_wait_for_the_release_goes_on_through_an_interrupt(tmp_path, small_blocks, monkeypatch):
+    mapped = Mapped(tmp_path, [200_000])
+    runtime = HeldRuntime()
+    releasing = upload_all(runtime, 0, mapped.uploads, threads=2, release_later=True)
+    real_wait = releasing._done.wait
+    calls = []
+
+    def interrupted_once(timeout=None):
+        calls.append(timeout)
+        if len(calls) == 1:
+            runtime.go.set()
+            raise KeyboardInterrupt
+        return real_wait(timeout)
+
+    monkeypatch.setattr(releasing._done, "wait", interrupted_once)
+    with pytest.raises(KeyboardInterrupt):
+        releasing.wait()
+    assert len(calls) == 2 and runtime.clean()  # waited on to the end, then the interrupt raised
+    mapped.close()
