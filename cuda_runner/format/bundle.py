@@ -31,7 +31,7 @@ import xxhash
 
 from ..errors import BundleError, InputError, WriteError, os_error
 from ..files import open_regular, write_file
-from .digest import DIGEST_ALGORITHM, TreeHasher, in_background, segment_digest
+from .digest import DIGEST_ALGORITHM, OneCheckEach, TreeHasher, segment_digest
 from .manifest import MAX_SEGMENTS, Manifest, SegmentEntry, manifest_from_json
 from .signing import SignatureMismatch, SignedFile, TrustedKey, read_signature, signature_path
 
@@ -225,6 +225,7 @@ class BundleReader:
         self._file: BinaryIO | None = None
         self._map: mmap.mmap | None = None
         self._verified: set[str] = set()
+        self._checks = OneCheckEach()
         self.signature: SignedFile | None = None
         try:
             self._open()
@@ -321,7 +322,7 @@ class BundleReader:
         """Check a segment's digest on other threads while the caller goes on
         (the weights are checked while they are being loaded); the future
         raises BundleError on a mismatch."""
-        return in_background(self._check_digest, self._entry(name), self.segment(name, verify=False))
+        return self._checks.start(name, self._check_digest, self._entry(name), self.segment(name, verify=False))
 
     def _check_digest(self, entry: SegmentEntry, data: bytes | memoryview) -> None:
         if self.signature is not None and self._map is not None:
@@ -371,6 +372,7 @@ class BundleReader:
         results = {}
         for entry in self.manifest.segments:
             self._verified.discard(entry.name)
+            self._checks.forget(entry.name)
             try:
                 self.segment(entry.name, verify=True)
                 results[entry.name] = True

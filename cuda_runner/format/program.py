@@ -33,7 +33,7 @@ from typing import Any, BinaryIO
 from ..errors import BundleError, IncompatibleBundleError, InputError
 from ..files import open_regular
 from . import executorch as et
-from .digest import in_background, segment_digest
+from .digest import OneCheckEach, segment_digest
 from .elf import LibraryFacts, read_library_facts
 from .manifest import (
     CONSTANT_OUTPUTS,
@@ -104,6 +104,7 @@ class ProgramReader:
         self._weight_segments = 0
         self._decoded = 0  # payload bytes decoded, over all methods
         self._verified: set[str] = set()
+        self._checks = OneCheckEach()
         self._identity: str | None = None
         try:
             self._open(None if data is None else Path(data))
@@ -274,13 +275,14 @@ class ProgramReader:
         self._verified.add(name)
 
     def verify_in_background(self, name: str) -> Future[None]:
-        return in_background(self._check, name, self._view(name))
+        return self._checks.start(name, self._check, name, self._view(name))
 
     def verify_all(self) -> dict[str, bool]:
         """{segment: ok} for every segment whose key is a SHA-256; the others cannot be checked."""
         results = {}
         for name in (name for name, stored in self._stored.items() if stored.sha256 is not None):
             self._verified.discard(name)
+            self._checks.forget(name)
             try:
                 self.segment(name, verify=True)
                 results[name] = True

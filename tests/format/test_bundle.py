@@ -329,3 +329,32 @@ def test_a_write_that_fails_midway_keeps_the_old_bundle_and_leaves_no_temp(tmp_p
         write_bundle(target, manifest, {"m_so": b"new library" * 1000, "m_w": unreadable})
     assert target.read_bytes() == previous
     assert sorted(os.listdir(tmp_path)) == ["out.bundle", "weights"]
+
+
+# --------------------------------------------------------------------------
+# Background checks: one per segment, shared by the methods that load it
+
+
+def test_a_segment_checked_in_the_background_is_hashed_once_for_every_method(tmp_path, monkeypatch):
+    from cuda_runner.format import bundle
+
+    hashed = []
+    real_digest = bundle.segment_digest
+    monkeypatch.setattr(bundle, "segment_digest", lambda data: hashed.append(len(data)) or real_digest(data))
+    with _open(tmp_path, forge({"methods": {"m": method()}})) as reader:
+        first = reader.verify_in_background("m_w")
+        assert reader.verify_in_background("m_w") is first  # a second method waits on the same check
+        first.result()
+        assert reader.verify_in_background("m_w") is first and hashed == [100]
+        assert reader.verify_all() == {"m_so": True, "m_w": True}  # a re-check asked for hashes again
+        reader.verify_in_background("m_w").result()
+        assert hashed.count(100) == 3
+
+
+def test_a_damaged_segment_fails_every_methods_background_check(tmp_path):
+    data = bytearray(forge({"methods": {"m": method()}}))
+    data[data.rindex(b"W" * 100)] ^= 1
+    with _open(tmp_path, bytes(data)) as reader:
+        for _ in range(2):
+            with pytest.raises(BundleError, match="'m_w' is damaged"):
+                reader.verify_in_background("m_w").result()

@@ -89,3 +89,29 @@ def test_manifest_segments_are_found_by_name():
     entries = tuple(SegmentEntry(f"s{index}", index * 64, 64, "xxh3-128-tree16m:" + "0" * 32) for index in range(70000))
     manifest = Manifest(methods={}, segments=entries)
     assert manifest.segment("s69999") is entries[-1] and manifest.segment("missing") is None
+
+
+def test_one_check_each_runs_a_segments_check_once_and_again_after_a_cancel_or_forget(monkeypatch):
+    from concurrent.futures import Future
+
+    from cuda_runner.format import digest
+
+    started: list[Future[None]] = []
+
+    def pending(check, *args):
+        future: Future[None] = Future()
+        started.append(future)
+        return future
+
+    monkeypatch.setattr(digest, "in_background", pending)
+    checks = digest.OneCheckEach()
+    first = checks.start("w", lambda: None)
+    assert checks.start("w", lambda: None) is first and len(started) == 1  # under way: the same check
+    assert checks.start("other", lambda: None) is not first
+    first.set_exception(ValueError("damaged"))
+    assert checks.start("w", lambda: None) is first  # failed: fails alike for the next method
+    checks.forget("w")
+    second = checks.start("w", lambda: None)
+    assert second is not first
+    assert second.cancel()  # a failed load stopped it before it ran
+    assert checks.start("w", lambda: None) not in (first, second) and len(started) == 4

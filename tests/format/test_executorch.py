@@ -352,3 +352,13 @@ def test_inputs_given_to_the_delegate_out_of_order_are_wired_by_value(tmp_path):
     with ProgramReader(tmp_path / "model.pte") as reader:
         wiring = reader.manifest.methods["forward"].wiring
     assert wiring is not None and wiring.library_inputs == (1, 0)
+
+
+def test_a_programs_segment_is_checked_in_the_background_once_for_every_method():
+    with ProgramReader(REAL["G2"] / "model.pte") as reader:
+        first = reader.verify_in_background("forward_weights_blob")
+        assert reader.verify_in_background("forward_weights_blob") is first
+        first.result()
+        assert reader.verify_all()["forward_weights_blob"]
+        again = reader.verify_in_background("forward_weights_blob")  # the re-check forgot the finished one
+        assert again is not first and again.result() is None
