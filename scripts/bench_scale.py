@@ -1,8 +1,9 @@
 #!/usr/bin/env python3
 """Models at the sizes users ship, on one GPU (docs/benchmarks.md, "NVIDIA H200").
 
-Stages (each writes OUT/scale-<stage>.json as soon as it ends and prints it;
-later stages use what earlier ones left in WORK):
+Stages (each writes OUT/scale-<stage>.json as soon as it ends and prints it,
+and what it has so far to OUT/scale-<stage>.partial.json after each compile
+and big model; later stages use what earlier ones left in WORK):
 
   compile  the 1B Llama-shaped decoder of scripts/scale_models.py (bf16,
            random weights made on the GPU from a fixed seed, never carried),
@@ -92,6 +93,17 @@ COMPILE_TIMEOUT_S = float(os.environ.get("BENCH_SCALE_COMPILE_TIMEOUT", "480")) 
 
 def log(message: str) -> None:
     print(f"[bench-scale {time.strftime('%H:%M:%S')}] {message}", file=sys.stderr, flush=True)
+
+
+# Where the running stage's results so far go (not in SETTINGS: the compile jobs get SETTINGS as Python source).
+PARTIAL: list[Path | None] = [None]
+
+
+def save_partial(results: dict[str, Any]) -> None:
+    """What the running stage has so far, in OUT/scale-<stage>.partial.json: a call cut
+    short by its time limit (a GPU machine's) still brings back the compiles and models done."""
+    if PARTIAL[0] is not None:
+        PARTIAL[0].write_text(json.dumps(results, indent=1, default=str))
 
 
 def summary(samples: list[float]) -> dict[str, float]:
@@ -281,6 +293,7 @@ def run_side_by_side(work: Path, jobs: dict[str, str], timeout: float) -> dict[s
             tail = Path(log_file.name).read_text().strip().splitlines()[-4:]
             results[name] = {"error": " | ".join(tail)[-800:], "wall_s": wall}
         log(f"{name}: {json.dumps(results[name])[:400]}")
+        save_partial({"side by side so far": results})
     return results
 
 
@@ -777,6 +790,7 @@ def stage_big(work: Path, count: int, measure: bool = True) -> dict[str, Any]:
         module, methods = big_model(name.split()[0])
         results[name] = measure_big(work, name.replace(" --", "-"), path, module.cuda(), methods, count)
         log(f"{name}: {json.dumps(results[name])[:600]}")
+        save_partial(results)
         del module
         torch.cuda.empty_cache()
     return results
@@ -935,6 +949,7 @@ def main() -> int:
     for stage in options.stages.split(","):
         log(f"stage {stage}")
         started = time.perf_counter()
+        PARTIAL[0] = out / f"scale-{stage}.partial.json"
         if stage == "compile":
             result = stage_compile(options.work)
         elif stage == "check":
@@ -956,6 +971,7 @@ def main() -> int:
         result = {"machine": machine, "stage_s": round(time.perf_counter() - started, 1), **result}
         text = json.dumps(result, indent=1, default=str)
         (out / f"scale-{stage}.json").write_text(text)
+        PARTIAL[0].unlink(missing_ok=True)
         print(text, flush=True)
     return 0
 
