@@ -20,8 +20,13 @@ RELEASE_LATER_BYTES of registrations are let go by a thread of their own once
 every copy has arrived, off the load's path; `wait_for_releases()` waits for
 them (before a CUDA graph capture, before the bundle mapping closes). The
 same 2.2 GB then went at 28.8 GB/s on 4 threads, against 17.8 letting each go
-inline: the threads' copies overlap each other's registrations. A failed
-upload lets every registration go before it raises.
+inline: the threads' copies overlap each other's registrations. A failed or
+interrupted upload lets every registration go before it raises; an upload
+is listed from before its first registration, and a waiter lets go itself
+of what no releasing thread has taken. Known limits: a capture waits for the
+uploads begun before it, not for a load another thread starts during it; and
+where two methods' storages share a page, the second's block may be refused
+while the first's registration of that page is still held, and is staged.
 
 Where a block cannot be registered (a kernel or driver that refuses it), it
 is copied through two staging slots of the thread instead, and where no
@@ -33,6 +38,7 @@ progress bar.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import functools
 import mmap
@@ -45,6 +51,7 @@ from typing import Any
 
 import numpy as np
 
+from ..errors import Interrupted
 from . import interrupts
 from .host import buffer_address
 
@@ -88,7 +95,7 @@ class _Block:
 
 
 def upload_all(runtime: Any, device_index: int, uploads: Sequence[Upload], progress: Progress | None = None,
-               threads: int | None = None, register: bool = True, release_later: bool = False) -> Releasing | None:
+               threads: int | None = None, register: bool = True, release_later: bool = False) -> HeldRegistrations | None:
     """Copy every upload's bytes to its destination; returns once all are on the device.
     `register=False` stages every block, as where registration is refused (for measuring).
     With `release_later`, the registrations still held are let go on a thread of their
@@ -111,9 +118,16 @@ def upload_all(runtime: Any, device_index: int, uploads: Sequence[Upload], progr
     for upload in uploads:
         advise_will_need(upload.source)
     blocks = blocks_of(uploads)
-    held = _Held(RELEASE_LATER_BYTES if release_later else 0)
-    _run_workers(runtime, device_index, blocks, min(count, len(blocks)), report, total, register, held)
-    return Releasing(runtime, device_index, held.starts) if held.starts else None
+    # Listed for wait_for_releases before the first registration, whatever ends the upload.
+    held = HeldRegistrations(runtime, device_index, RELEASE_LATER_BYTES if release_later else 0)
+    copied = False
+    try:
+        _run_workers(runtime, device_index, blocks, min(count, len(blocks)), report, total, register, held)
+        copied = True
+    finally:
+        held.end(later=copied)  # a failed or interrupted upload lets go of everything here, before it raises
+    report(total, total)
+    return held if held.holding() else None
 
 
 def _usable_cpus() -> int:
@@ -195,58 +209,109 @@ class _Queue:
             self._stopped = True
 
 
-class _Held:
-    """Registrations whose copies have all arrived, kept for a releasing thread, up to a byte budget."""
+class HeldRegistrations:
+    """One upload's registrations whose copies have all arrived, up to a byte
+    budget, let go once it ends: on a thread of its own (`end(later=True)`), or
+    where it ends. It is listed in _PENDING from before the first registration
+    until all it held is let go, so wait_for_releases sees it whatever
+    interrupts the upload; a waiter lets go itself of what no thread has taken."""
 
-    def __init__(self, budget: int):
+    def __init__(self, runtime: Any, device_index: int, budget: int):
+        self._runtime, self._device_index = runtime, device_index
         self._left = budget
-        self.starts: list[int] = []
-        self._lock = threading.Lock()
+        self._starts: list[int] = []
+        self._ended = False  # the upload is over: nothing more is kept
+        self._busy = 0  # registrations being let go right now, by a thread or a waiter
+        self._changed = threading.Condition(threading.Lock())
+        with _PENDING_LOCK:
+            _PENDING.add(self)
 
     def keep(self, block: _Block) -> bool:
         """True where the block's registration is now this one's to let go."""
         size = block.end - block.start
-        with self._lock:
-            if size > self._left:
+        with self._changed:
+            if self._ended or size > self._left:
                 return False
             self._left -= size
-            self.starts.append(block.start)
+            self._starts.append(block.start)
             return True
 
-    def let_go(self, runtime: Any) -> None:
-        """Unregister what is held now (an upload that failed: its own error is the one raised)."""
-        with self._lock:
-            starts, self.starts = self.starts, []
-        _clean_up([functools.partial(runtime.hostUnregister, start) for start in starts], quietly=True)
+    def holding(self) -> bool:
+        with self._changed:
+            return bool(self._starts) or self._busy > 0
+
+    def let_go(self) -> None:
+        """Unregister what is held now. Errors are dropped: at worst pages stay pinned."""
+        starts: list[int] = []
+        counted = False
+        try:
+            with self._changed:
+                starts, self._starts = self._starts, []
+                self._busy += 1
+                counted = True
+            steps = [functools.partial(self._runtime.setDevice, self._device_index)] if starts else []
+            _clean_up([*steps, *(functools.partial(self._runtime.hostUnregister, start) for start in starts)], quietly=True)
+            starts = []
+        finally:
+            with self._changed:
+                self._starts += starts  # taken, but an interrupt came before they went: the next waiter's
+                self._busy -= counted
+                self._changed.notify_all()
+        self._forget_when_done()
+
+    def end(self, later: bool) -> None:
+        """The upload is over: what is held is let go on a thread of its own (`later`), or here."""
+        with self._changed:
+            self._ended = True
+            holding = bool(self._starts)
+        if later and holding:
+            # Not a daemon: the interpreter waits for it at exit, so the driver is never torn down under it.
+            # Were it never to start (an interrupt inside start()), the next wait lets go instead.
+            with interrupts.held_back():
+                threading.Thread(target=self.let_go, name="cuda-runner-unregister").start()
+            return
+        self.let_go()
+
+    def wait(self) -> None:
+        """Return once nothing it held is registered: what no thread has taken goes here, and
+        a thread letting go of the rest is waited for, through any interrupt."""
+        self.let_go()
+        interrupts.finish_through(self._idle)
+
+    def _idle(self) -> None:
+        with self._changed:
+            self._changed.wait_for(lambda: self._busy == 0)
+
+    def _forget_when_done(self) -> None:
+        with self._changed:
+            done = self._ended and not self._starts and self._busy == 0
+        if done:
+            with _PENDING_LOCK:
+                _PENDING.discard(self)
 
 
 def _run_workers(runtime: Any, device_index: int, blocks: list[_Block], count: int, report: Progress, total: int, register: bool,
-                 held: _Held) -> None:
+                 held: HeldRegistrations) -> None:
     queue = _Queue(blocks)
-    failed = True
-    try:
-        with ThreadPoolExecutor(max_workers=count, thread_name_prefix="cuda-runner-upload") as pool:
-            futures: list[Future[None]] = [pool.submit(_worker, runtime, device_index, queue, register, held) for _ in range(count)]
-            try:
-                while True:
-                    finished, _ = wait(futures, timeout=0.1, return_when=FIRST_EXCEPTION)
-                    report(queue.done_bytes(), total)
-                    if len(finished) == len(futures) or any(future.exception() for future in finished):
-                        break
-            finally:
-                queue.stop()  # an error (or an interrupt) here: the others take no new block
-                for future in futures:
-                    future.exception()  # each waited for: no copy is in flight once this returns
-        for future in futures:
-            future.result()  # the first error, re-raised
-        failed = False
-    finally:
-        if failed:  # every copy has stopped (above): what is held can go before the error is raised
-            held.let_go(runtime)
-    report(total, total)
+    with ThreadPoolExecutor(max_workers=count, thread_name_prefix="cuda-runner-upload") as pool:
+        futures: list[Future[None]] = [pool.submit(_worker, runtime, device_index, queue, register, held) for _ in range(count)]
+        try:
+            while True:
+                finished, _ = wait(futures, timeout=0.1, return_when=FIRST_EXCEPTION)
+                report(queue.done_bytes(), total)
+                if len(finished) == len(futures) or any(future.exception() for future in finished):
+                    break
+        finally:
+            queue.stop()  # an error (or an interrupt) here: the others take no new block
+            # Each waited for, through any further interrupt (what is already on its way is
+            # raised): no copy is in flight, and no block is kept, once this returns.
+            with contextlib.suppress(KeyboardInterrupt, Interrupted):
+                interrupts.finish_through(lambda: wait(futures))
+    for future in futures:
+        future.result()  # the first error, re-raised
 
 
-def _worker(runtime: Any, device_index: int, queue: _Queue, register: bool, held: _Held) -> None:
+def _worker(runtime: Any, device_index: int, queue: _Queue, register: bool, held: HeldRegistrations) -> None:
     runtime.setDevice(device_index)
     stream = runtime.streamCreateWithFlags(_STREAM_NON_BLOCKING)
     staging: _Staging | None = None
@@ -269,7 +334,7 @@ def _worker(runtime: Any, device_index: int, queue: _Queue, register: bool, held
                    lambda: staging.free() if staging is not None else None], quietly=failed)
 
 
-def _copy_registered(runtime: Any, stream: int, block: _Block, held: _Held) -> bool:
+def _copy_registered(runtime: Any, stream: int, block: _Block, held: HeldRegistrations) -> bool:
     """Register the block, DMA its copies straight from it, let it go (or leave it to
     `held`, once its copies have arrived); False where it cannot be registered."""
     try:
@@ -290,52 +355,29 @@ def _copy_registered(runtime: Any, stream: int, block: _Block, held: _Held) -> b
     return True
 
 
-# The releasing threads not yet done (wait_for_releases).
-_PENDING: set[Releasing] = set()
+# The uploads whose registrations are not all let go yet (wait_for_releases).
+_PENDING: set[HeldRegistrations] = set()
 _PENDING_LOCK = threading.Lock()
 
 
-class Releasing:
-    """Registrations of a finished upload, let go by a thread of its own: the pages
-    stay pinned until it is done, and the mapping must stay open until then."""
-
-    def __init__(self, runtime: Any, device_index: int, starts: list[int]):
-        # Waited for by this event, not by join(): on Python 3.11 a join cut short by Ctrl-C
-        # takes the running thread for ended, and the next join returns at once.
-        self._done = threading.Event()
-        self._thread = threading.Thread(target=self._let_go, args=(runtime, device_index, starts), name="cuda-runner-unregister")
-        with _PENDING_LOCK:
-            _PENDING.add(self)
-        try:
-            # Not a daemon: the interpreter waits for it at exit, so the driver is never torn down under it.
-            with interrupts.held_back():
-                self._thread.start()
-        except BaseException:
-            if self._thread.ident is None:  # an interrupt already due stopped it before it ran: let go here
-                self._let_go(runtime, device_index, starts)
-            raise
-
-    def _let_go(self, runtime: Any, device_index: int, starts: list[int]) -> None:
-        try:
-            # Nothing waits for an error here: a registration that will not go leaves pages pinned, no more.
-            steps = [functools.partial(runtime.setDevice, device_index), *(functools.partial(runtime.hostUnregister, start) for start in starts)]
-            _clean_up(steps, quietly=True)
-        finally:
-            with _PENDING_LOCK:
-                _PENDING.discard(self)
-            self._done.set()
-
-    def wait(self) -> None:
-        interrupts.finish_through(self._done.wait)
-
-
 def wait_for_releases() -> None:
-    """Return once every upload's registrations are let go: before anything the driver
-    must not see them change under (a CUDA graph capture), or the mapping they are in closes."""
+    """Return once no upload that has ended holds a registration: before anything the
+    driver must not see them change under (a CUDA graph capture), or the mapping they
+    are in closes. An upload still running lets go of what it holds so far."""
     with _PENDING_LOCK:
         pending = list(_PENDING)
-    for releasing in pending:
-        releasing.wait()
+    for held in pending:
+        held.wait()
+
+
+def _forget_pending() -> None:
+    """A forked child has none of its parent's threads or registrations (nor a lock one held)."""
+    global _PENDING, _PENDING_LOCK
+    _PENDING, _PENDING_LOCK = set(), threading.Lock()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_forget_pending)
 
 
 def _clean_up(steps: Sequence[Callable[[], Any]], quietly: bool) -> None:

@@ -110,3 +110,38 @@ def test_an_interrupt_during_the_copy_waits_for_the_names_thread(bind, monkeypat
     assert not _names_threads()
 
 
+
+
+def test_gpu_storages_leave_their_registrations_for_later_and_nothing_outlives_them(monkeypatch):
+    """The upload lets the mapping's registrations go after it (release_later); a reload of
+    the state and the release of the memory (before the mapping may close) wait for that."""
+    from cuda_runner.runtime import cuda, upload
+
+    events: list[object] = []
+
+    class Runtime:
+        def setDevice(self, index):
+            pass
+
+        def malloc(self, size):
+            return 1 << 20
+
+        def free(self, pointer):
+            events.append("free")
+
+        def deviceSynchronize(self):
+            pass
+
+        def memcpy(self, destination, source, size, kind):
+            events.append("copy")
+
+    monkeypatch.setattr(cuda, "cuda_runtime", lambda: Runtime())
+    monkeypatch.setattr(upload, "upload_all", lambda runtime, index, uploads, progress, **options: events.append(options))
+    monkeypatch.setattr(constants, "wait_for_releases", lambda: events.append("wait"))
+    stored = np.arange(4, dtype=np.float32).tobytes()
+    specs = [ConstantSpec("w", "segment_w", "float32", "cuda", 0, (4,), (1,))]
+    memory = constants.ConstantMemory()
+    constants._copy_storages(memory, specs, Device("cuda"), lambda name: memoryview(stored), None)
+    memory.reload(specs, lambda name: memoryview(stored))
+    memory.release()
+    assert events == [{"release_later": True}, "wait", "copy", "wait", "free"]

@@ -12,7 +12,10 @@ from __future__ import annotations
 
 import ctypes
 import mmap
+import os
+import signal
 import threading
+import time
 
 import numpy as np
 import pytest
@@ -341,18 +344,143 @@ def test_a_wait_for_the_release_goes_on_through_an_interrupt(tmp_path, small_blo
     mapped = Mapped(tmp_path, [200_000])
     runtime = HeldRuntime()
     releasing = upload_all(runtime, 0, mapped.uploads, threads=2, release_later=True)
-    real_wait = releasing._done.wait
+    real_idle = releasing._idle
     calls = []
 
-    def interrupted_once(timeout=None):
-        calls.append(timeout)
+    def interrupted_once():
+        calls.append(len(calls))
         if len(calls) == 1:
             runtime.go.set()
             raise KeyboardInterrupt
-        return real_wait(timeout)
+        real_idle()
 
-    monkeypatch.setattr(releasing._done, "wait", interrupted_once)
+    monkeypatch.setattr(releasing, "_idle", interrupted_once)
     with pytest.raises(KeyboardInterrupt):
         releasing.wait()
-    assert len(calls) == 2 and runtime.clean()  # waited on to the end, then the interrupt raised
+    assert calls == [0, 1] and runtime.clean()  # waited on to the end, then the interrupt raised
+    mapped.close()
+
+
+def test_an_interrupt_before_the_releasing_thread_starts_leaves_the_registrations_to_the_next_wait(tmp_path, small_blocks, monkeypatch):
+    mapped = Mapped(tmp_path, [200_000])
+    runtime = LazyRuntime()
+
+    real_start = threading.Thread.start
+
+    def interrupted_start(self):
+        if self.name == "cuda-runner-unregister":
+            raise KeyboardInterrupt  # due before the thread ran: it never does
+        real_start(self)
+
+    monkeypatch.setattr(upload.threading.Thread, "start", interrupted_start)
+    with pytest.raises(KeyboardInterrupt):
+        upload_all(runtime, 0, mapped.uploads, threads=1, release_later=True)
+    assert mapped.arrived() and runtime.registered  # held, and owned by nothing running
+    monkeypatch.undo()
+    upload.wait_for_releases()  # returns: the waiter lets them go itself
+    assert runtime.clean() and not upload._PENDING
+    mapped.close()
+
+
+def test_a_progress_callback_raising_at_the_end_leaves_nothing_held_past_the_next_wait(tmp_path, small_blocks):
+    mapped = Mapped(tmp_path, [200_000])
+    runtime = LazyRuntime()
+
+    ends = []
+
+    def progress(done, total):
+        if done == total:
+            ends.append(done)
+            if len(ends) == 2:  # the loop's last report, then upload_all's own at its end
+                raise KeyboardInterrupt  # Ctrl-C in the progress bar's last update
+
+    with pytest.raises(KeyboardInterrupt):
+        upload_all(runtime, 0, mapped.uploads, progress, threads=2, release_later=True)
+    assert len(ends) == 2
+    upload.wait_for_releases()
+    assert runtime.clean() and not upload._PENDING
+    mapped.close()
+
+
+def test_interrupts_while_the_workers_stop_are_waited_through(tmp_path, small_blocks, monkeypatch):
+    mapped = Mapped(tmp_path, [200_000])
+
+    class SlowRuntime(HeldRuntime):
+        def streamSynchronize(self, stream):
+            time.sleep(0.15)  # blocks still in flight when the progress loop first reports
+            super().streamSynchronize(stream)
+
+    runtime = SlowRuntime()
+    real_wait = upload.wait
+    interrupts_left = [3]
+
+    def wait(futures, timeout=None, return_when=None):
+        if timeout is None and interrupts_left[0]:  # the wait for the workers to stop, cut short again and again
+            interrupts_left[0] -= 1
+            raise KeyboardInterrupt
+        return real_wait(futures, timeout=timeout) if return_when is None else real_wait(futures, timeout=timeout, return_when=return_when)
+
+    def progress(done, total):
+        if done < total and progress.calls:
+            raise KeyboardInterrupt  # Ctrl-C while blocks are in flight
+        progress.calls += 1
+
+    progress.calls = 0
+
+    monkeypatch.setattr(upload, "wait", wait)
+    with pytest.raises(KeyboardInterrupt):
+        upload_all(runtime, 0, mapped.uploads, progress, threads=3, release_later=True)
+    assert not interrupts_left[0]
+    assert not [thread for thread in threading.enumerate() if thread.name.startswith("cuda-runner-upload")]  # none still copying
+    runtime.go.set()
+    upload.wait_for_releases()
+    assert runtime.clean() and not upload._PENDING
+    mapped.close()
+
+
+def test_a_forked_child_does_not_wait_for_its_parents_releases(tmp_path, small_blocks):
+    mapped = Mapped(tmp_path, [200_000])
+    runtime = HeldRuntime()
+    releasing = upload_all(runtime, 0, mapped.uploads, threads=2, release_later=True)
+    assert releasing is not None and upload._PENDING
+    child = os.fork()
+    if child == 0:  # the child: the parent's releasing thread is not here
+        try:
+            upload.wait_for_releases()
+        finally:
+            os._exit(0)
+    deadline = time.monotonic() + 10
+    while (finished := os.waitpid(child, os.WNOHANG))[0] == 0 and time.monotonic() < deadline:
+        time.sleep(0.02)
+    if finished[0] == 0:
+        os.kill(child, signal.SIGKILL)
+        os.waitpid(child, 0)
+    runtime.go.set()
+    releasing.wait()
+    assert finished[0] == child and os.waitstatus_to_exitcode(finished[1]) == 0
+    assert runtime.clean()
+    mapped.close()
+
+
+def test_an_interrupt_as_registrations_are_taken_leaves_them_to_the_next_wait(tmp_path, small_blocks, monkeypatch):
+    mapped = Mapped(tmp_path, [200_000])
+    runtime = LazyRuntime()
+    held = upload.HeldRegistrations(runtime, 0, budget=1 << 30)
+    for block in blocks_of(mapped.uploads):
+        runtime.hostRegister(block.start, block.end - block.start, upload.HOST_REGISTER_READ_ONLY)
+        assert held.keep(block)
+    real_clean_up, calls = upload._clean_up, []
+
+    def interrupted_first(steps, quietly):
+        calls.append(len(steps))
+        if len(calls) == 1:
+            raise KeyboardInterrupt  # after they were taken, before any went
+        real_clean_up(steps, quietly)
+
+    monkeypatch.setattr(upload, "_clean_up", interrupted_first)
+    with pytest.raises(KeyboardInterrupt):
+        held.end(later=False)
+    assert runtime.registered and held in upload._PENDING
+    upload.wait_for_releases()  # neither lost nor waited on forever
+    assert runtime.clean() and held not in upload._PENDING and len(calls) == 2
     mapped.close()
