@@ -40,10 +40,10 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
-import functools
 import mmap
 import os
 import threading
+import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import FIRST_EXCEPTION, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
@@ -221,15 +221,18 @@ class HeldRegistrations:
         self._left = budget
         self._starts: list[int] = []
         self._ended = False  # the upload is over: nothing more is kept
-        self._busy = 0  # registrations being let go right now, by a thread or a waiter
-        self._changed = threading.Condition(threading.Lock())
+        # One token per let_go under way, by a thread or a waiter. A plain lock and
+        # idempotent steps: an interrupt between any two of them loses nothing and
+        # leaves no count behind (a Condition's own Python code was such a gap).
+        self._letting_go: set[object] = set()
+        self._lock = threading.Lock()
         with _PENDING_LOCK:
             _PENDING.add(self)
 
     def keep(self, block: _Block) -> bool:
         """True where the block's registration is now this one's to let go."""
         size = block.end - block.start
-        with self._changed:
+        with self._lock:
             if self._ended or size > self._left:
                 return False
             self._left -= size
@@ -237,31 +240,47 @@ class HeldRegistrations:
             return True
 
     def holding(self) -> bool:
-        with self._changed:
-            return bool(self._starts) or self._busy > 0
+        with self._lock:
+            return bool(self._starts or self._letting_go)
 
     def let_go(self) -> None:
         """Unregister what is held now. Errors are dropped: at worst pages stay pinned."""
+        token = object()
         starts: list[int] = []
-        counted = False
+        tried = 0
+        interrupted: BaseException | None = None
         try:
-            with self._changed:
+            with self._lock:
                 starts, self._starts = self._starts, []
-                self._busy += 1
-                counted = True
-            steps = [functools.partial(self._runtime.setDevice, self._device_index)] if starts else []
-            _clean_up([*steps, *(functools.partial(self._runtime.hostUnregister, start) for start in starts)], quietly=True)
-            starts = []
+                self._letting_go.add(token)
+            for index, start in enumerate(starts):
+                # Counted before the call: one an interrupt cuts in around is never let go
+                # twice (the same pages may be registered again by a later upload by then).
+                tried = index + 1
+                try:
+                    if index == 0:
+                        self._runtime.setDevice(self._device_index)
+                    self._runtime.hostUnregister(start)
+                except (KeyboardInterrupt, Interrupted) as error:
+                    interrupted = interrupted or error  # raised once all are let go
+                except BaseException:
+                    pass
         finally:
-            with self._changed:
-                self._starts += starts  # taken, but an interrupt came before they went: the next waiter's
-                self._busy -= counted
-                self._changed.notify_all()
+            # Taken, but an interrupt came before they were tried: they are the next waiter's.
+            interrupts.finish_through(lambda: self._settle(token, starts[tried:]))
         self._forget_when_done()
+        if interrupted is not None:
+            raise interrupted
+
+    def _settle(self, token: object, unreleased: list[int]) -> None:
+        with self._lock:
+            if token in self._letting_go:
+                self._starts += unreleased
+                self._letting_go.discard(token)
 
     def end(self, later: bool) -> None:
         """The upload is over: what is held is let go on a thread of its own (`later`), or here."""
-        with self._changed:
+        with self._lock:
             self._ended = True
             holding = bool(self._starts)
         if later and holding:
@@ -279,12 +298,16 @@ class HeldRegistrations:
         interrupts.finish_through(self._idle)
 
     def _idle(self) -> None:
-        with self._changed:
-            self._changed.wait_for(lambda: self._busy == 0)
+        # Polled: it is a wait of milliseconds at most, and a plain lock has no wait to be cut short inside.
+        while True:
+            with self._lock:
+                if not self._letting_go:
+                    return
+            time.sleep(0.001)
 
     def _forget_when_done(self) -> None:
-        with self._changed:
-            done = self._ended and not self._starts and self._busy == 0
+        with self._lock:
+            done = self._ended and not self._starts and not self._letting_go
         if done:
             with _PENDING_LOCK:
                 _PENDING.discard(self)
@@ -293,20 +316,24 @@ class HeldRegistrations:
 def _run_workers(runtime: Any, device_index: int, blocks: list[_Block], count: int, report: Progress, total: int, register: bool,
                  held: HeldRegistrations) -> None:
     queue = _Queue(blocks)
+    futures: list[Future[None]] = []
     with ThreadPoolExecutor(max_workers=count, thread_name_prefix="cuda-runner-upload") as pool:
-        futures: list[Future[None]] = [pool.submit(_worker, runtime, device_index, queue, register, held) for _ in range(count)]
         try:
+            for _ in range(count):  # inside the try: an interrupt between two submits still stops the first
+                futures.append(pool.submit(_worker, runtime, device_index, queue, register, held))
             while True:
                 finished, _ = wait(futures, timeout=0.1, return_when=FIRST_EXCEPTION)
                 report(queue.done_bytes(), total)
                 if len(finished) == len(futures) or any(future.exception() for future in finished):
                     break
-        finally:
+        except BaseException:
             queue.stop()  # an error (or an interrupt) here: the others take no new block
             # Each waited for, through any further interrupt (what is already on its way is
             # raised): no copy is in flight, and no block is kept, once this returns.
             with contextlib.suppress(KeyboardInterrupt, Interrupted):
                 interrupts.finish_through(lambda: wait(futures))
+            raise
+        interrupts.finish_through(lambda: wait(futures))  # an interrupt met in the wait is raised after it
     for future in futures:
         future.result()  # the first error, re-raised
 

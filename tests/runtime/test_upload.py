@@ -11,9 +11,11 @@ copy ran would upload the wrong bytes here."""
 from __future__ import annotations
 
 import ctypes
+import linecache
 import mmap
 import os
 import signal
+import sys
 import threading
 import time
 
@@ -462,25 +464,66 @@ def test_a_forked_child_does_not_wait_for_its_parents_releases(tmp_path, small_b
     mapped.close()
 
 
-def test_an_interrupt_as_registrations_are_taken_leaves_them_to_the_next_wait(tmp_path, small_blocks, monkeypatch):
+@pytest.mark.parametrize("interrupted_at", [1, 2])
+def test_an_interrupt_while_registrations_are_let_go_loses_none_and_lets_none_go_twice(tmp_path, small_blocks, interrupted_at):
+    """A Ctrl-C between two unregistrations: those not yet tried are the next waiter's, and the one
+    just let go is not let go again (by then a later upload may have registered its pages anew)."""
     mapped = Mapped(tmp_path, [200_000])
-    runtime = LazyRuntime()
+
+    class Counting(LazyRuntime):
+        def __init__(self):
+            super().__init__()
+            self.unregistered: list[int] = []
+
+        def hostUnregister(self, start):
+            self.unregistered.append(start)
+            super().hostUnregister(start)
+
+    runtime = Counting()
     held = upload.HeldRegistrations(runtime, 0, budget=1 << 30)
     for block in blocks_of(mapped.uploads):
         runtime.hostRegister(block.start, block.end - block.start, upload.HOST_REGISTER_READ_ONLY)
         assert held.keep(block)
-    real_clean_up, calls = upload._clean_up, []
+    loop_lines = []
 
-    def interrupted_first(steps, quietly):
-        calls.append(len(steps))
-        if len(calls) == 1:
-            raise KeyboardInterrupt  # after they were taken, before any went
-        real_clean_up(steps, quietly)
+    def interrupt_in_the_loop(frame, event, arg):
+        if frame.f_code.co_name != "let_go":
+            return None
+        if event == "line" and "tried = index + 1" in linecache.getline(frame.f_code.co_filename, frame.f_lineno):
+            loop_lines.append(frame.f_lineno)
+            if len(loop_lines) == interrupted_at:
+                sys.settrace(None)
+                raise KeyboardInterrupt
+        return interrupt_in_the_loop
 
-    monkeypatch.setattr(upload, "_clean_up", interrupted_first)
-    with pytest.raises(KeyboardInterrupt):
-        held.end(later=False)
-    assert runtime.registered and held in upload._PENDING
+    sys.settrace(interrupt_in_the_loop)
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            held.end(later=False)
+    finally:
+        sys.settrace(None)
+    assert len(runtime.unregistered) == interrupted_at - 1 and runtime.registered and held in upload._PENDING
     upload.wait_for_releases()  # neither lost nor waited on forever
-    assert runtime.clean() and held not in upload._PENDING and len(calls) == 2
+    assert runtime.clean() and held not in upload._PENDING
+    assert sorted(runtime.unregistered) == sorted(set(runtime.unregistered))  # none twice
+    mapped.close()
+
+
+def test_a_ctrl_c_in_the_wait_for_the_workers_is_raised_once_they_are_done(tmp_path, small_blocks, monkeypatch):
+    mapped = Mapped(tmp_path, [200_000])
+    runtime = LazyRuntime()
+    real_wait, cut = upload.wait, []
+
+    def wait(futures, timeout=None, return_when=None):
+        if timeout is None and not cut:
+            cut.append(True)
+            raise KeyboardInterrupt  # the upload itself went well
+        return real_wait(futures, timeout=timeout) if return_when is None else real_wait(futures, timeout=timeout, return_when=return_when)
+
+    monkeypatch.setattr(upload, "wait", wait)
+    with pytest.raises(KeyboardInterrupt):  # not lost
+        upload_all(runtime, 0, mapped.uploads, threads=2, release_later=True)
+    assert mapped.arrived()
+    upload.wait_for_releases()
+    assert runtime.clean() and not upload._PENDING
     mapped.close()
