@@ -244,7 +244,8 @@ class HeldRegistrations:
             return bool(self._starts or self._letting_go)
 
     def let_go(self) -> None:
-        """Unregister what is held now. Errors are dropped: at worst pages stay pinned."""
+        """Unregister what is held now. Driver errors are dropped (at worst pages stay
+        pinned); an interrupt met is raised once every one has been tried."""
         token = object()
         starts: list[int] = []
         tried = 0
