@@ -51,8 +51,16 @@ AUTOTUNE_OPTIONS: dict[str, Any] = {"max_autotune": True, "coordinate_descent_tu
 # SDPA's math backend while compiling, for the same reason; a decode step's
 # attention can take a fused kernel of our own instead: compile/attention.py). CPU libraries
 # need nothing extra: the shim has GEMMs on a BLAS, convolution and vector math.
+#
+# Epilogue fusions are not benchmarked (Inductor's benchmark_epilogue_fusion):
+# that builds and times each template choice fused with its epilogue again
+# for every GEMM and convolution node, not once per shape as the templates
+# themselves are, so its cost grows with a network's depth (ViT-B/16's 12
+# alike layers, ResNet-50's 53 convolutions). The epilogue is then fused into
+# the fastest template, or left a kernel of its own where it cannot be.
 STANDALONE_CUDA_OPTIONS: dict[str, Any] = {
     "max_autotune": True, "max_autotune_gemm_backends": "TRITON", "max_autotune_conv_backends": "TRITON",
+    "benchmark_epilogue_fusion": False,
 }
 
 # A CUDA method whose weights mostly go to products of a single row (a decode
@@ -356,6 +364,22 @@ def _compile_once(
         shutil.rmtree(work_dir, ignore_errors=True)
 
 
+def _one_ptxas_for_autotuning() -> None:
+    """Name torch's own ptxas for Triton in this process, as Inductor's compile
+    workers do. Autotuning has the workers build each choice, then loads and
+    times it here; but this process names that ptxas only when it first builds
+    a kernel of the finished graph, after autotuning. Triton keys its cache by
+    the ptxas version, so until then every choice missed the workers' build
+    and was built again, one at a time, on this thread: timing the 20 choices
+    of one of ViT-B/16's GEMMs took 22-37 s on the H200 (torch 2.11), and 0.4-0.8 s
+    once the ptxas was named first."""
+    try:
+        from torch._inductor.runtime.compile_tasks import _set_triton_ptxas_path
+    except ImportError:  # another torch layout: nothing to align
+        return
+    _set_triton_ptxas_path()
+
+
 def triton_ops_available() -> bool:
     """Whether this torch can compile cuda-runner's own kernels: Triton and torch.library.triton_op."""
     try:
@@ -425,6 +449,8 @@ def _aot_compile(
     kernels where they apply (`kernels` says which were used). A compile that
     fails with one of them in the graph is done again without it, the newest
     first: a kernel is an optimisation, never a reason to lose the build."""
+    if device != "cpu":
+        _one_ptxas_for_autotuning()
     while True:
         in_use: list[str] = []
         try:

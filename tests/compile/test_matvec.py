@@ -209,6 +209,20 @@ def test_a_build_that_fails_with_its_own_kernels_is_compiled_again_without_them(
     assert sum("did not compile" in line for line in heard) == len(given_up)
 
 
+@pytest.mark.parametrize("device, named", [("cuda", True), ("cpu", False)])
+def test_a_cuda_build_names_torchs_ptxas_before_autotuning(monkeypatch, device, named):
+    """Inductor's compile workers build the autotuning choices with torch's ptxas; the
+    process that times them must name the same one, or it builds each again."""
+    import torch._inductor.runtime.compile_tasks as compile_tasks
+
+    order: list[str] = []
+    monkeypatch.setattr(compile_tasks, "_set_triton_ptxas_path", lambda: order.append("ptxas"))
+    fake = SimpleNamespace(_inductor=SimpleNamespace(aot_compile=lambda module, args, kwargs, options: order.append("compile") or "/x/m.so"))
+    program = SimpleNamespace(module=lambda: SimpleNamespace())
+    aot._aot_compile(fake, program, (), {}, {}, False, device, aot.OwnKernels(attention=False, matvec=False), print)
+    assert order == (["ptxas", "compile"] if named else ["compile"])
+
+
 def test_a_build_with_the_matrix_vector_kernel_names_each_of_its_compiled_forms_apart(monkeypatch):
     monkeypatch.setattr(attention, "fuse_decode_attention", lambda module: 2)
     monkeypatch.setattr(matvec, "use_matvec", lambda module: matvec.MatvecUse(products=5, launches=3))
