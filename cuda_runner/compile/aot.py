@@ -312,7 +312,8 @@ def _compile_once(
     torch = import_torch()
     work_dir = Path(tempfile.mkdtemp(prefix="cuda-runner-compile-"))
     profile = dict(STANDALONE_CUDA_OPTIONS) if standalone and device != "cpu" else {}
-    if device != "cpu" and single_row_share(program) >= SINGLE_ROW_SHARE:
+    one_row_method = device != "cpu" and single_row_share(program) >= SINGLE_ROW_SHARE
+    if one_row_method:
         profile.update(SINGLE_ROW_OPTIONS)
     own = {key: value for key, value in (user_options or {}).items() if key in _OWN_OPTIONS}
     inductor_options = {key: value for key, value in (user_options or {}).items() if key not in _OWN_OPTIONS}
@@ -333,13 +334,7 @@ def _compile_once(
             # sizes 0 and 1 of every dynamic dim, which export assumes >= 2 but
             # the generated code handles; the manifest's bounds are checked anyway.
             options["aot_inductor.check_lowerbound"] = False
-        # Standalone CUDA builds only: a decode step's attention in one kernel
-        # (compile/attention.py) and its products of one row, with the norms, gates
-        # and residuals around them, in another (compile/matvec.py: the 1B decoder's
-        # step 0.85 ms with a CUDA graph against 1.15-1.5 with Inductor's reductions). Both on by
-        # default; =false turns either off.
-        own_kernels = standalone and device != "cpu" and triton_ops_available()
-        kernels = OwnKernels(attention=own_kernels and own.get(attention.OPTION, True), matvec=own_kernels and own.get(matvec.OPTION, True))
+        kernels = own_kernels_for(own, standalone and device != "cpu" and triton_ops_available(), one_row_method)
         library_path = _aot_compile(torch, program, example_args, example_kwargs, options, standalone, device, kernels, progress)
         weights_path = library_path.with_name(library_path.name[: -len(".so")] + "_weights.blob")
         metadata = _sidecar_metadata(library_path)
@@ -380,6 +375,22 @@ def _one_ptxas_for_autotuning() -> None:
     _set_triton_ptxas_path()
 
 
+def own_kernels_for(own: Mapping[str, Any], possible: bool, one_row_method: bool) -> OwnKernels:
+    """cuda-runner's own kernels for a standalone CUDA build (`possible`): a decode
+    step's attention in one kernel (compile/attention.py) wherever the graph has
+    one, and products of one row, with the norms, gates and residuals around
+    them, in another (compile/matvec.py: the 1B decoder's step 0.85 ms with a
+    CUDA graph against 1.15-1.5 with Inductor's reductions) in a method that
+    passes the single-row rule (SINGLE_ROW_SHARE), as a decode step does.
+    Elsewhere a product of one row is a network's batch-1 head (ViT-B/16's
+    classifier), a small share of its weights: the kernel would gain little
+    there, and ViT-B/16's compile with it in the graph faulted the GPU (a
+    misaligned address while AOTInductor ran the library's kernels at compile
+    time, on the H200). =true asks for either anyway, =false turns it off."""
+    return OwnKernels(attention=possible and bool(own.get(attention.OPTION, True)),
+                      matvec=possible and bool(own.get(matvec.OPTION, one_row_method)))
+
+
 def triton_ops_available() -> bool:
     """Whether this torch can compile cuda-runner's own kernels: Triton and torch.library.triton_op."""
     try:
@@ -392,8 +403,9 @@ def triton_ops_available() -> bool:
 
 # How the manifest's compile options name what happened to each own kernel: (calls it took, why it was given up).
 OWN_KERNEL_RECORDS = {"attention": ("fused_decode_attention", "fused_decode_attention_failed"), "matvec": ("matvec_products", "matvec_failed")}
-# How a user hears of each.
+# How a user hears of each, and the option that leaves it out.
 OWN_KERNEL_NAMES = {"attention": "the fused decode attention", "matvec": "the matrix-vector kernel"}
+OWN_KERNEL_OPTIONS = {"attention": attention.OPTION, "matvec": matvec.OPTION}
 
 
 @dataclass
@@ -463,8 +475,13 @@ def _aot_compile(
             with _math_attention(torch) if standalone else contextlib.nullcontext(), torch_talking_to_itself():
                 return Path(torch._inductor.aot_compile(module, example_args, dict(example_kwargs), options=_with_kernel_options(options, in_use)))
         except Exception as error:  # inductor raises many types; report one line
-            if not in_use or gpu_unusable_after(error):
+            if not in_use:
                 raise CompileError(f"AOTInductor compile failed: {type(error).__name__}: {compile_failure(error)}") from error
+            if gpu_unusable_after(error):  # no second compile can run in this process
+                leave_out = ", ".join(f"--option {OWN_KERNEL_OPTIONS[kernel]}=false" for kernel in in_use)
+                raise CompileError(f"AOTInductor compile failed: {type(error).__name__}: {compile_failure(error)} "
+                                   f"(with {' and '.join(OWN_KERNEL_NAMES[kernel] for kernel in in_use)} in the graph: {leave_out} "
+                                   f"{'leaves it' if len(in_use) == 1 else 'leave them'} out)") from error
             failure = f"{type(error).__name__}: {compile_failure(error)}"
             kernels.give_up(in_use[-1], failure)
             progress(f"{OWN_KERNEL_NAMES[in_use[-1]]} did not compile ({failure}); compiling without it")
@@ -717,7 +734,9 @@ def gpu_unusable_after(error: BaseException) -> bool:
     for _ in range(16):  # a cause chain is short; never loop on a cyclic one
         if seen is None:
             return False
-        if type(seen).__name__ == "AcceleratorError" or str(seen).lstrip().startswith("CUDA error:"):
+        text = str(seen).lstrip()
+        # InductorError carries the fault as text only ("AcceleratorError: CUDA error: misaligned address").
+        if type(seen).__name__ == "AcceleratorError" or text.startswith(("CUDA error:", "AcceleratorError: CUDA error:")):
             return True
         seen = seen.__cause__ if seen.__cause__ is not None else None if seen.__suppress_context__ else seen.__context__
     return False

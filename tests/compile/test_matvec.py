@@ -209,6 +209,24 @@ def test_a_build_that_fails_with_its_own_kernels_is_compiled_again_without_them(
     assert sum("did not compile" in line for line in heard) == len(given_up)
 
 
+def test_a_gpu_fault_with_an_own_kernel_in_the_graph_names_the_option_that_leaves_it_out(monkeypatch):
+    """ViT-B/16 on the H200: a fault while AOTInductor ran the build's kernels, with the
+    matrix-vector kernel in the graph. A second compile in the process would only fail on it."""
+    monkeypatch.setattr(matvec, "use_matvec", lambda module: setattr(module, "products", 1) or matvec.MatvecUse(products=1, launches=1))
+    compiled: list[int] = []
+
+    def faulting(module, args, kwargs, options):
+        compiled.append(module.products)
+        raise RuntimeError("AcceleratorError: CUDA error: misaligned address")  # as InductorError words it
+
+    program = SimpleNamespace(module=lambda: SimpleNamespace(fused=0, products=0))
+    kernels = aot.OwnKernels(attention=False, matvec=True)
+    with pytest.raises(CompileError, match=r"misaligned address \(with the matrix-vector kernel in the graph: "
+                                           r"--option cuda_runner\.matvec=false leaves it out\)"):
+        aot._aot_compile(SimpleNamespace(_inductor=SimpleNamespace(aot_compile=faulting)), program, (), {}, {}, False, "cuda", kernels, print)
+    assert compiled == [1] and not kernels.failures
+
+
 @pytest.mark.parametrize("device, named", [("cuda", True), ("cpu", False)])
 def test_a_cuda_build_names_torchs_ptxas_before_autotuning(monkeypatch, device, named):
     """Inductor's compile workers build the autotuning choices with torch's ptxas; the
@@ -221,6 +239,18 @@ def test_a_cuda_build_names_torchs_ptxas_before_autotuning(monkeypatch, device, 
     program = SimpleNamespace(module=lambda: SimpleNamespace())
     aot._aot_compile(fake, program, (), {}, {}, False, device, aot.OwnKernels(attention=False, matvec=False), print)
     assert order == (["ptxas", "compile"] if named else ["compile"])
+
+
+@pytest.mark.parametrize("own, one_row_method, expected", [
+    ({}, True, (True, True)),  # a decode step: both
+    ({}, False, (True, False)),  # a batch-1 head on a network (ViT-B/16, ResNet-50): no matrix-vector kernel
+    ({OPTION: True}, False, (True, True)),  # asked for: used anyway
+    ({OPTION: False, "cuda_runner.fuse_decode_attention": False}, True, (False, False)),
+])
+def test_the_matrix_vector_kernel_is_for_methods_that_pass_the_single_row_rule(own, one_row_method, expected):
+    kernels = aot.own_kernels_for(own, True, one_row_method)
+    assert (kernels.attention, kernels.matvec) == expected
+    assert aot.own_kernels_for(own, False, one_row_method) == aot.OwnKernels(attention=False, matvec=False)  # CPU, libtorch or no Triton
 
 
 def test_a_build_with_the_matrix_vector_kernel_names_each_of_its_compiled_forms_apart(monkeypatch):

@@ -83,6 +83,8 @@ def test_a_standalone_compile_that_broke_the_gpu_is_not_followed_by_one_that_wou
 def test_what_counts_as_a_cuda_fault():
     assert aot.gpu_unusable_after(RuntimeError("CUDA error: an illegal memory access was encountered"))
     assert not aot.gpu_unusable_after(RuntimeError("No valid triton configs. OutOfResources: shared memory"))
+    # InductorError's text, its cause not chained (ViT-B/16's compile on the H200).
+    assert aot.gpu_unusable_after(RuntimeError("AcceleratorError: CUDA error: misaligned address"))
     try:
         try:
             raise RuntimeError("CUDA error: misaligned address")

@@ -96,13 +96,13 @@ def test_the_standalone_decoder_takes_its_products_over_and_matches_eager(tmp_pa
     path = tmp_path / "llama.bundle"
     module = compile_tiny_llama(path, {OPTION: True})
     methods = cuda_runner.read_manifest(path).methods
-    # Seven projections a layer and the vocabulary head; a prompt of dynamic length keeps Inductor's GEMMs but for
-    # its head, which reads the last position alone.
+    # Seven projections a layer and the vocabulary head; a prompt of dynamic length keeps Inductor's GEMMs, its
+    # head too: the one product of one row there (the last position's) is a small share of the weights.
     assert methods["decode"].compile_options["matvec_products"] == 7 * config.layers + 1
     # A launch a layer for q/k/v with their norm, o with its residual, gate/up with their norm and SiLU, and
     # down with its residual; one for the head with the final norm.
     assert methods["decode"].compile_options["matvec_launches"] == 4 * config.layers + 1
-    assert methods["prefill"].compile_options["matvec_products"] == 1
+    assert "matvec_products" not in methods["prefill"].compile_options
     assert "matvec_failed" not in methods["decode"].compile_options
     prompt = np.random.default_rng(3).integers(0, config.vocab, (1, 6), dtype=np.int64)
     eager = copy.deepcopy(module).cuda()
