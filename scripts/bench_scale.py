@@ -33,7 +33,7 @@ and big model; later stages use what earlier ones left in WORK):
            encoding of the same audio: the error of every step.
   big      ViT-B/16 (224x224), ResNet-50 and a Whisper-base-shaped
            encoder-decoder (30 s of log-mel, decoder steps with its cache):
-           compiled side by side (ResNet-50 also --quick), run through the CLI
+           compiled side by side (ResNet-50 also --quick: resnet50-quick in --big), run through the CLI
            with --expected against eager, Whisper's decoder stepped against
            eager, and timed against eager and torch.compile; the CLI's copies
            and checks as a share of a call. `big-compile` only compiles
@@ -71,7 +71,7 @@ HBM_BYTES_PER_S = 4.8e12  # H200
 SIZES = {"1b": scale_models.LLAMA_1B, "tiny": scale_models.LLAMA_TINY,
          # The 1B decoder's layers at full width, 4 of them: a build compiles and is measured sooner, per layer alike.
          "1b-4layers": replace(scale_models.LLAMA_1B, layers=4)}
-BIG = ("vit_b16", "resnet50", "whisper_base")  # the big models (big_model)
+BIG = ("vit_b16", "resnet50", "resnet50-quick", "whisper_base")  # the big models (big_model; -quick: compiled with --quick)
 SETTINGS: dict[str, Any] = {"size": "1b", "device": "cuda", "prompt": 32, "steps": 128, "builds": ["default", "libtorch", "quick", "executorch"],
                             "peers": True, "big": list(BIG)}
 # The builds of the decoder: compile_methods keywords beyond the common ones.
@@ -748,7 +748,8 @@ def cli_bench(work: Path, graph: bool) -> dict[str, Any]:
 
 
 COMPILE_BIG = """
-import sys, time, json, copy
+import sys, time, json, copy, faulthandler
+faulthandler.dump_traceback_later(60, repeat=True)  # where a slow compile spends its time, in its log
 sys.path.insert(0, {scripts!r}); sys.path.insert(0, {root!r})
 import bench_scale, cuda_runner
 from cuda_runner.compile import aot
@@ -779,16 +780,15 @@ def stage_big(work: Path, count: int, measure: bool = True) -> dict[str, Any]:
     import torch
 
     common = {"scripts": str(ROOT / "scripts"), "root": str(ROOT)}
-    paths = {**{name: work / f"{name}.bundle" for name in BIG}, "resnet50 --quick": work / "resnet50-quick.bundle"}
-    paths = {name: path for name, path in paths.items() if name.split()[0] in SETTINGS["big"]}
-    jobs = {name: COMPILE_BIG.format(**common, name=name.split()[0], path=str(path), quick=name.endswith("--quick"))
+    paths = {name: work / f"{name}.bundle" for name in BIG if name in SETTINGS["big"]}
+    jobs = {name: COMPILE_BIG.format(**common, name=name.removesuffix("-quick"), path=str(path), quick=name.endswith("-quick"))
             for name, path in paths.items() if not path.exists()}
     results: dict[str, Any] = {"compile": run_side_by_side(work, jobs, COMPILE_TIMEOUT_S) if jobs else "compiled before"}
     for name, path in paths.items() if measure else ():
         if not path.exists():
             continue
-        module, methods = big_model(name.split()[0])
-        results[name] = measure_big(work, name.replace(" --", "-"), path, module.cuda(), methods, count)
+        module, methods = big_model(name.removesuffix("-quick"))
+        results[name] = measure_big(work, name, path, module.cuda(), methods, count)
         log(f"{name}: {json.dumps(results[name])[:600]}")
         save_partial(results)
         del module
