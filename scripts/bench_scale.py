@@ -935,6 +935,8 @@ def main() -> int:
     parser.add_argument("--no-peers", action="store_true", help="leave out eager, torch.compile and torch's package")
     parser.add_argument("--big", default=",".join(BIG), help="the big models the big stages compile and measure")
     options = parser.parse_args()
+    if unknown := set(options.big.split(",")) - set(BIG):
+        parser.error(f"--big: unknown model(s) {', '.join(sorted(unknown))}; the big models are {', '.join(BIG)}")
     SETTINGS.update(size=options.size, device=options.device, builds=options.builds.split(","), peers=not options.no_peers,
                     big=options.big.split(","))
     if options.size == "tiny":

@@ -219,13 +219,15 @@ def compile_program(
         refusal = standalone_refusal(compiled.library)
     except CompileError as error:
         if runtime == "standalone":
+            if gpu_unusable_after(error):
+                raise CompileError(gpu_fault_message(str(error).removeprefix("AOTInductor compile failed: "),
+                                                     getattr(error, "in_graph", ()), libtorch=False)) from error
             raise
         failure = str(error).removeprefix("AOTInductor compile failed: ")
         if gpu_unusable_after(error):
-            # A kernel fault (seen: a misaligned address while autotuning ViT-B/16) leaves this
+            # A kernel fault (seen: a misaligned address compiling ViT-B/16) leaves this
             # process's CUDA context broken: a second compile here would only fail on it.
-            raise CompileError(f"the standalone compile failed with a CUDA error that leaves this process unable to use the GPU "
-                               f"({failure}); compile again with --libtorch") from error
+            raise CompileError(gpu_fault_message(failure, getattr(error, "in_graph", ()))) from error
         refusal = f"the standalone compile failed ({failure})"
     if refusal is None:
         compiled.options["standalone"] = True
@@ -367,7 +369,9 @@ def _one_ptxas_for_autotuning() -> None:
     the ptxas version, so until then every choice missed the workers' build
     and was built again, one at a time, on this thread: timing the 20 choices
     of one of ViT-B/16's GEMMs took 22-37 s on the H200 (torch 2.11), and 0.4-0.8 s
-    once the ptxas was named first."""
+    once the ptxas was named first. It matters only where the torch wheel ships
+    a ptxas of its own (the CUDA 13 builds); a TRITON_PTXAS_PATH the user set is
+    kept. The name stays set in this process, as Inductor leaves it anyway."""
     try:
         from torch._inductor.runtime.compile_tasks import _set_triton_ptxas_path
     except ImportError:  # another torch layout: nothing to align
@@ -406,6 +410,28 @@ OWN_KERNEL_RECORDS = {"attention": ("fused_decode_attention", "fused_decode_atte
 # How a user hears of each, and the option that leaves it out.
 OWN_KERNEL_NAMES = {"attention": "the fused decode attention", "matvec": "the matrix-vector kernel"}
 OWN_KERNEL_OPTIONS = {"attention": attention.OPTION, "matvec": matvec.OPTION}
+
+
+class GpuFault(CompileError):
+    """A compile that faulted the GPU, with cuda-runner's own kernels that were in its graph."""
+
+    def __init__(self, message: str, in_graph: tuple[str, ...]) -> None:
+        super().__init__(message)
+        self.in_graph = in_graph
+
+
+def gpu_fault_message(failure: str, in_graph: Sequence[str], libtorch: bool = True) -> str:
+    """One line for a compile that faulted the GPU: the fault, and what to compile
+    again with, in a new process (this one cannot use the GPU any more)."""
+    remedies = []
+    if in_graph:
+        names = " and ".join(OWN_KERNEL_NAMES[kernel] for kernel in in_graph)
+        options = " ".join(f"--option {OWN_KERNEL_OPTIONS[kernel]}=false" for kernel in in_graph)
+        remedies.append(f"{options} ({names} {'was' if len(in_graph) == 1 else 'were'} in the graph; leaving it out may avoid the fault)")
+    if libtorch:
+        remedies.append("--libtorch")
+    advice = f"; compile again in a new process with {' or with '.join(remedies)}" if remedies else "; compile again in a new process"
+    return f"the standalone compile faulted the GPU ({failure}), and this process cannot use it again{advice}"
 
 
 @dataclass
@@ -460,7 +486,9 @@ def _aot_compile(
     """The library AOTInductor builds from the program, with cuda-runner's own
     kernels where they apply (`kernels` says which were used). A compile that
     fails with one of them in the graph is done again without it, the newest
-    first: a kernel is an optimisation, never a reason to lose the build."""
+    first: a kernel is an optimisation, never a reason to lose the build. But
+    not after a GPU fault, which no later compile in the process survives:
+    that raises GpuFault, naming the kernels that were in the graph."""
     if device != "cpu":
         _one_ptxas_for_autotuning()
     while True:
@@ -478,10 +506,7 @@ def _aot_compile(
             if not in_use:
                 raise CompileError(f"AOTInductor compile failed: {type(error).__name__}: {compile_failure(error)}") from error
             if gpu_unusable_after(error):  # no second compile can run in this process
-                leave_out = ", ".join(f"--option {OWN_KERNEL_OPTIONS[kernel]}=false" for kernel in in_use)
-                raise CompileError(f"AOTInductor compile failed: {type(error).__name__}: {compile_failure(error)} "
-                                   f"(with {' and '.join(OWN_KERNEL_NAMES[kernel] for kernel in in_use)} in the graph: {leave_out} "
-                                   f"{'leaves it' if len(in_use) == 1 else 'leave them'} out)") from error
+                raise GpuFault(f"AOTInductor compile failed: {type(error).__name__}: {compile_failure(error)}", tuple(in_use)) from error
             failure = f"{type(error).__name__}: {compile_failure(error)}"
             kernels.give_up(in_use[-1], failure)
             progress(f"{OWN_KERNEL_NAMES[in_use[-1]]} did not compile ({failure}); compiling without it")
@@ -727,6 +752,14 @@ def _private_cache_dir(digest: str) -> Path | None:
     return base
 
 
+# The CUDA errors that leave a context unusable (cudaErrorIllegalAddress, MisalignedAddress,
+# IllegalInstruction, LaunchFailure, Assert, HardwareStackError, InvalidPc, ECCUncorrectable...).
+_STICKY_FAULT = re.compile(
+    r"(CUDA error|Triton Error \[CUDA\]): (misaligned address|an illegal memory access|illegal memory access|"
+    r"an illegal instruction|illegal instruction|unspecified launch failure|device-side assert|hardware stack error|"
+    r"invalid program counter|uncorrectable ECC error|operation not supported on global/shared address space)")
+
+
 def gpu_unusable_after(error: BaseException) -> bool:
     """Whether `error`, or one it was raised from, is a CUDA fault (an illegal or misaligned
     address, say): CUDA reports those as sticky, and every later call in the process fails."""
@@ -734,9 +767,10 @@ def gpu_unusable_after(error: BaseException) -> bool:
     for _ in range(16):  # a cause chain is short; never loop on a cyclic one
         if seen is None:
             return False
-        text = str(seen).lstrip()
-        # InductorError carries the fault as text only ("AcceleratorError: CUDA error: misaligned address").
-        if type(seen).__name__ == "AcceleratorError" or text.startswith(("CUDA error:", "AcceleratorError: CUDA error:")):
+        # InductorError carries the fault as text only ("AcceleratorError: CUDA error: misaligned address"),
+        # as Triton's launcher does ("Triton Error [CUDA]: misaligned address"); an error the process
+        # recovers from (out of memory, an invalid argument) is no fault.
+        if _STICKY_FAULT.search(str(seen)):
             return True
         seen = seen.__cause__ if seen.__cause__ is not None else None if seen.__suppress_context__ else seen.__context__
     return False

@@ -209,7 +209,7 @@ def test_a_build_that_fails_with_its_own_kernels_is_compiled_again_without_them(
     assert sum("did not compile" in line for line in heard) == len(given_up)
 
 
-def test_a_gpu_fault_with_an_own_kernel_in_the_graph_names_the_option_that_leaves_it_out(monkeypatch):
+def test_a_gpu_fault_with_an_own_kernel_in_the_graph_is_not_followed_by_another_compile(monkeypatch):
     """ViT-B/16 on the H200: a fault while AOTInductor ran the build's kernels, with the
     matrix-vector kernel in the graph. A second compile in the process would only fail on it."""
     monkeypatch.setattr(matvec, "use_matvec", lambda module: setattr(module, "products", 1) or matvec.MatvecUse(products=1, launches=1))
@@ -221,10 +221,9 @@ def test_a_gpu_fault_with_an_own_kernel_in_the_graph_names_the_option_that_leave
 
     program = SimpleNamespace(module=lambda: SimpleNamespace(fused=0, products=0))
     kernels = aot.OwnKernels(attention=False, matvec=True)
-    with pytest.raises(CompileError, match=r"misaligned address \(with the matrix-vector kernel in the graph: "
-                                           r"--option cuda_runner\.matvec=false leaves it out\)"):
+    with pytest.raises(aot.GpuFault, match=r"^AOTInductor compile failed: RuntimeError: AcceleratorError: CUDA error: misaligned address$") as raised:
         aot._aot_compile(SimpleNamespace(_inductor=SimpleNamespace(aot_compile=faulting)), program, (), {}, {}, False, "cuda", kernels, print)
-    assert compiled == [1] and not kernels.failures
+    assert raised.value.in_graph == ("matvec",) and compiled == [1] and not kernels.failures
 
 
 @pytest.mark.parametrize("device, named", [("cuda", True), ("cpu", False)])
@@ -239,6 +238,36 @@ def test_a_cuda_build_names_torchs_ptxas_before_autotuning(monkeypatch, device, 
     program = SimpleNamespace(module=lambda: SimpleNamespace())
     aot._aot_compile(fake, program, (), {}, {}, False, device, aot.OwnKernels(attention=False, matvec=False), print)
     assert order == (["ptxas", "compile"] if named else ["compile"])
+
+
+@pytest.mark.parametrize("rows, one_row_method", [(False, False), (True, True)])
+def test_a_standalone_cuda_build_takes_its_options_and_kernels_by_the_single_row_rule(monkeypatch, rows, one_row_method):
+    """What _compile_once hands AOTInductor: a network whose one product of one row is its
+    head (convolutions before it) gets neither coordinate descent nor the matrix-vector
+    kernel; a stack of one-row products gets both. Epilogue fusions are never benchmarked."""
+    seen: dict = {}
+
+    class Stop(Exception):
+        pass
+
+    def capture(torch_, program, args, kwargs, options, standalone, device, kernels, progress):
+        seen.update(options=options, kernels=kernels)
+        raise Stop
+
+    monkeypatch.setattr(aot, "_aot_compile", capture)
+    monkeypatch.setattr(aot, "triton_ops_available", lambda: True)  # a CUDA torch has Triton
+    if rows:
+        network, x = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.GELU(), torch.nn.Linear(64, 8)), torch.randn(1, 32)
+    else:
+        network = torch.nn.Sequential(torch.nn.Conv2d(3, 32, 3), torch.nn.Conv2d(32, 32, 3), torch.nn.AdaptiveAvgPool2d(1),
+                                      torch.nn.Flatten(), torch.nn.Linear(32, 10))
+        x = torch.randn(1, 3, 12, 12)
+    program = torch.export.export(network.eval(), (x,))
+    with pytest.raises(Stop):
+        aot._compile_once(program, (x,), {}, "cuda", lambda _: None, None, aot.DEFAULT_CPU_TARGET, standalone=True)
+    assert seen["kernels"] == aot.OwnKernels(attention=True, matvec=one_row_method)
+    assert seen["options"]["benchmark_epilogue_fusion"] is False and seen["options"]["max_autotune"] is True
+    assert seen["options"].get("coordinate_descent_tuning", False) is one_row_method
 
 
 @pytest.mark.parametrize("own, one_row_method, expected", [

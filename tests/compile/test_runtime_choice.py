@@ -74,17 +74,41 @@ def test_a_standalone_compile_that_broke_the_gpu_is_not_followed_by_one_that_wou
     would fail too (ViT-B/16 on the H200), so the error says to compile with --libtorch."""
     made, state = compiles
     state["fails"] = "cuda fault"
-    with pytest.raises(CompileError, match=r"leaves this process unable to use the GPU \(AcceleratorError: CUDA error: misaligned "
-                                           r"address\); compile again with --libtorch"):
+    with pytest.raises(CompileError, match=r"^the standalone compile faulted the GPU \(AcceleratorError: CUDA error: misaligned "
+                                           r"address\), and this process cannot use it again; compile again in a new process with "
+                                           r"--libtorch$"):
         _compile()
     assert made == [True]
+
+
+def test_a_fault_with_an_own_kernel_in_the_graph_names_both_ways_out(compiles, monkeypatch):
+    made, _state = compiles
+
+    def faulting(*args, **kwargs):
+        made.append(True)
+        raise aot.GpuFault("AOTInductor compile failed: InductorError: AcceleratorError: CUDA error: misaligned address", ("matvec",))
+
+    monkeypatch.setattr(aot, "_compile_once", faulting)
+    expected = ("the standalone compile faulted the GPU (InductorError: AcceleratorError: CUDA error: misaligned address), and this process "
+                "cannot use it again; compile again in a new process with --option cuda_runner.matvec=false (the matrix-vector kernel was "
+                "in the graph; leaving it out may avoid the fault)")
+    with pytest.raises(CompileError) as raised:
+        _compile()
+    assert str(raised.value) == expected + " or with --libtorch" and made == [True]
+    with pytest.raises(CompileError) as raised:
+        _compile(runtime="standalone")  # --standalone: no libtorch build to offer
+    assert str(raised.value) == expected
 
 
 def test_what_counts_as_a_cuda_fault():
     assert aot.gpu_unusable_after(RuntimeError("CUDA error: an illegal memory access was encountered"))
     assert not aot.gpu_unusable_after(RuntimeError("No valid triton configs. OutOfResources: shared memory"))
-    # InductorError's text, its cause not chained (ViT-B/16's compile on the H200).
+    # InductorError's text, its cause not chained (ViT-B/16's compile on the H200), and Triton's launcher's.
     assert aot.gpu_unusable_after(RuntimeError("AcceleratorError: CUDA error: misaligned address"))
+    assert aot.gpu_unusable_after(RuntimeError("Triton Error [CUDA]: an illegal memory access was encountered"))
+    # Errors a context recovers from are no fault: the compile may go on without the kernel, or on libtorch.
+    assert not aot.gpu_unusable_after(RuntimeError("AcceleratorError: CUDA error: out of memory"))
+    assert not aot.gpu_unusable_after(RuntimeError("CUDA error: invalid argument"))
     try:
         try:
             raise RuntimeError("CUDA error: misaligned address")

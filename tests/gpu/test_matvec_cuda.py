@@ -94,7 +94,7 @@ def _reference_in_double(x, weights, norm, residual, gated):
 def test_the_standalone_decoder_takes_its_products_over_and_matches_eager(tmp_path):
     config = scale_models.LLAMA_TINY
     path = tmp_path / "llama.bundle"
-    module = compile_tiny_llama(path, {OPTION: True})
+    module = compile_tiny_llama(path, {})  # the default: on where the single-row rule holds
     methods = cuda_runner.read_manifest(path).methods
     # Seven projections a layer and the vocabulary head; a prompt of dynamic length keeps Inductor's GEMMs, its
     # head too: the one product of one row there (the last position's) is a small share of the weights.
