@@ -226,6 +226,19 @@ def test_a_gpu_fault_with_an_own_kernel_in_the_graph_is_not_followed_by_another_
     assert raised.value.in_graph == ("matvec",) and compiled == [1] and not kernels.failures
 
 
+@pytest.mark.parametrize("options, told", [
+    ({"max_autotune": True}, "compiling with AOTInductor, timing each GEMM and convolution on this GPU (minutes for a large network; "
+                             "--quick is sooner)"),
+    ({}, "compiling with AOTInductor (this takes tens of seconds)"),
+])
+def test_an_autotuned_compile_says_it_can_take_minutes(options, told):
+    heard: list[str] = []
+    fake = SimpleNamespace(_inductor=SimpleNamespace(aot_compile=lambda module, args, kwargs, options: "/x/m.so"))
+    program = SimpleNamespace(module=lambda: SimpleNamespace())
+    aot._aot_compile(fake, program, (), {}, options, False, "cpu", aot.OwnKernels(attention=False, matvec=False), heard.append)
+    assert heard == [told]
+
+
 @pytest.mark.parametrize("device, named", [("cuda", True), ("cpu", False)])
 def test_a_cuda_build_names_torchs_ptxas_before_autotuning(monkeypatch, device, named):
     """Inductor's compile workers build the autotuning choices with torch's ptxas; the
