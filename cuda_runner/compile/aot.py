@@ -427,7 +427,8 @@ def gpu_fault_message(failure: str, in_graph: Sequence[str], libtorch: bool = Tr
     if in_graph:
         names = " and ".join(OWN_KERNEL_NAMES[kernel] for kernel in in_graph)
         options = " ".join(f"--option {OWN_KERNEL_OPTIONS[kernel]}=false" for kernel in in_graph)
-        remedies.append(f"{options} ({names} {'was' if len(in_graph) == 1 else 'were'} in the graph; leaving it out may avoid the fault)")
+        one = len(in_graph) == 1
+        remedies.append(f"{options} ({names} {'was' if one else 'were'} in the graph; leaving {'it' if one else 'them'} out may avoid the fault)")
     if libtorch:
         remedies.append("--libtorch")
     advice = f"; compile again in a new process with {' or with '.join(remedies)}" if remedies else "; compile again in a new process"
@@ -480,8 +481,8 @@ class OwnKernels:
 
 
 # What a user is told as the compile starts: an autotuned one (every standalone CUDA
-# build) measures every GEMM and convolution on this GPU, which took ResNet-50 over
-# 200 s and ViT-B/16 about 90 s on the H200 (docs/standalone.md).
+# build) times every GEMM and convolution on this GPU, which took ResNet-50 over
+# 200 s on the H200 (docs/standalone.md).
 _COMPILE_NOTICE = {
     "plain": "compiling with AOTInductor (this takes tens of seconds)",
     "autotuned": "compiling with AOTInductor, timing each GEMM and convolution on this GPU (minutes for a large network; --quick is sooner)",
