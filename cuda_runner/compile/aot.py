@@ -419,6 +419,10 @@ class GpuFault(CompileError):
         super().__init__(message)
         self.in_graph = in_graph
 
+    def __reduce__(self) -> tuple[Any, tuple[str, tuple[str, ...]]]:
+        # As the isolated compile's child sends its error back: pickled, with both arguments.
+        return (type(self), (str(self), self.in_graph))
+
 
 def gpu_fault_message(failure: str, in_graph: Sequence[str], libtorch: bool = True) -> str:
     """One line for a compile that faulted the GPU: the fault, and what to compile

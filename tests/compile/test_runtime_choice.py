@@ -100,6 +100,17 @@ def test_a_fault_with_an_own_kernel_in_the_graph_names_both_ways_out(compiles, m
     assert str(raised.value) == expected
 
 
+def test_a_gpu_fault_survives_the_way_back_from_the_compile_process():
+    import pickle
+
+    fault = pickle.loads(pickle.dumps(aot.GpuFault("AOTInductor compile failed: misaligned address", ("attention", "matvec"))))
+    assert isinstance(fault, CompileError) and str(fault) == "AOTInductor compile failed: misaligned address"
+    assert fault.in_graph == ("attention", "matvec")
+    assert aot.gpu_fault_message("x", fault.in_graph, libtorch=False).endswith(
+        "--option cuda_runner.fuse_decode_attention=false --option cuda_runner.matvec=false (the fused decode attention and the "
+        "matrix-vector kernel were in the graph; leaving them out may avoid the fault)")
+
+
 def test_what_counts_as_a_cuda_fault():
     assert aot.gpu_unusable_after(RuntimeError("CUDA error: an illegal memory access was encountered"))
     assert not aot.gpu_unusable_after(RuntimeError("No valid triton configs. OutOfResources: shared memory"))
