@@ -218,16 +218,13 @@ def compile_program(
         compiled = _compile_once(program, example_args, example_kwargs, device, progress, user_options, cpu_target, standalone=True)
         refusal = standalone_refusal(compiled.library)
     except CompileError as error:
-        if runtime == "standalone":
-            if gpu_unusable_after(error):
-                raise CompileError(gpu_fault_message(str(error).removeprefix("AOTInductor compile failed: "),
-                                                     getattr(error, "in_graph", ()), libtorch=False)) from error
-            raise
         failure = str(error).removeprefix("AOTInductor compile failed: ")
         if gpu_unusable_after(error):
             # A kernel fault (seen: a misaligned address compiling ViT-B/16) leaves this
             # process's CUDA context broken: a second compile here would only fail on it.
-            raise CompileError(gpu_fault_message(failure, getattr(error, "in_graph", ()))) from error
+            raise CompileError(gpu_fault_message(failure, getattr(error, "in_graph", ()), libtorch=runtime != "standalone")) from error
+        if runtime == "standalone":
+            raise
         refusal = f"the standalone compile failed ({failure})"
     if refusal is None:
         compiled.options["standalone"] = True
