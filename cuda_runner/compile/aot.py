@@ -29,6 +29,7 @@ from ..errors import CompileError, InputError
 from ..format.manifest import DeviceSpec
 from ..runtime.devices import checked_isa_flags
 from . import attention, convolution, matvec
+from .inductor_fixes import int_arrays_declared_per_writer
 
 MIN_TORCH = (2, 10)
 
@@ -511,7 +512,8 @@ def _aot_compile(
                 attention.pin_sdpa_layout(module)
                 convolution.as_two_dimensional(module)
             progress(_COMPILE_NOTICE["autotuned" if options.get("max_autotune") else "plain"])
-            with _math_attention(torch) if standalone else contextlib.nullcontext(), torch_talking_to_itself():
+            with (_math_attention(torch) if standalone else contextlib.nullcontext(), torch_talking_to_itself(),
+                  int_arrays_declared_per_writer(torch)):
                 return Path(torch._inductor.aot_compile(module, example_args, dict(example_kwargs), options=_with_kernel_options(options, in_use)))
         except Exception as error:  # inductor raises many types; report one line
             if not in_use:
