@@ -59,9 +59,28 @@ AUTOTUNE_OPTIONS: dict[str, Any] = {"max_autotune": True, "coordinate_descent_tu
 # themselves are, so its cost grows with a network's depth (ViT-B/16's 12
 # alike layers, ResNet-50's 53 convolutions). The epilogue is then fused into
 # the fastest template, or left a kernel of its own where it cannot be.
+#
+# Nor are pointwise prologues fused into a template's loads (prologue_fusion):
+# the GEMM template hints that its row indices are contiguous from a multiple
+# of the tile, and a fused prologue that reads another tensor at a shifted
+# index inherits the hint. ViT-B/16's first qkv GEMM took its layer norm, its
+# class-token concatenation (tokens one place along) and the patch
+# convolution's bias that way, and Triton made 16-byte loads at addresses
+# 4 bytes off: "misaligned address", a fault that ends the process's CUDA
+# context (H200, torch 2.11, placed by synchronising after every launch). The
+# prologue runs as a kernel of its own instead.
+#
+# Choices whose shared memory Inductor estimates above the GPU's are dropped
+# before they are built (max_autotune_prune_choices_based_on_shared_mem): the
+# largest are the slowest to build, and some do not fit. On one of ResNet-50's
+# 3x3 convolutions (128 channels at 28x28, fp32, torch 2.11, H200) Inductor
+# built 16 choices in 19.6 s, two of them 8.7 and 19.7 s long and two needing
+# 256 and 288 KiB of the 227 KiB there; pruned, it built 12 in 7.0 s and chose
+# the same kernel. The estimate is generous, so a choice that would just fit
+# can be dropped.
 STANDALONE_CUDA_OPTIONS: dict[str, Any] = {
     "max_autotune": True, "max_autotune_gemm_backends": "TRITON", "max_autotune_conv_backends": "TRITON",
-    "benchmark_epilogue_fusion": False,
+    "benchmark_epilogue_fusion": False, "prologue_fusion": False, "max_autotune_prune_choices_based_on_shared_mem": True,
 }
 
 # A CUDA method whose weights mostly go to products of a single row (a decode

@@ -280,6 +280,7 @@ def test_a_standalone_cuda_build_takes_its_options_and_kernels_by_the_single_row
         aot._compile_once(program, (x,), {}, "cuda", lambda _: None, None, aot.DEFAULT_CPU_TARGET, standalone=True)
     assert seen["kernels"] == aot.OwnKernels(attention=True, matvec=one_row_method)
     assert seen["options"]["benchmark_epilogue_fusion"] is False and seen["options"]["max_autotune"] is True
+    assert seen["options"]["prologue_fusion"] is False and seen["options"]["max_autotune_prune_choices_based_on_shared_mem"] is True
     assert seen["options"].get("coordinate_descent_tuning", False) is one_row_method
 
 
