@@ -404,10 +404,8 @@ def own_kernels_for(own: Mapping[str, Any], possible: bool, one_row_method: bool
     CUDA graph against 1.15-1.5 with Inductor's reductions) in a method that
     passes the single-row rule (SINGLE_ROW_SHARE), as a decode step does.
     Elsewhere a product of one row is a network's batch-1 head (ViT-B/16's
-    classifier), a small share of its weights: the kernel would gain little
-    there, and ViT-B/16's compile with it in the graph faulted the GPU (a
-    misaligned address while AOTInductor ran the library's kernels at compile
-    time, on the H200). =true asks for either anyway, =false turns it off."""
+    classifier), a small share of its weights, where the kernel would gain
+    little. =true asks for either anyway, =false turns it off."""
     return OwnKernels(attention=possible and bool(own.get(attention.OPTION, True)),
                       matvec=possible and bool(own.get(matvec.OPTION, one_row_method)))
 
