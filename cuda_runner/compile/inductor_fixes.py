@@ -1,9 +1,10 @@
-"""Work-arounds for Inductor defects that break cuda-runner's compiles, each held
-only for the length of one compile and undone after it."""
+"""Work-arounds for Inductor defects that break cuda-runner's compiles, each in
+place only while a compile runs."""
 
 from __future__ import annotations
 
 import contextlib
+import threading
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -32,12 +33,29 @@ def int_arrays_declared_per_writer(torch: Any) -> Iterator[None]:
     if not hasattr(CppWrapperCpu, "_codegen_int_array_var_impl"):
         yield  # a torch that caches otherwise (functools.cache keeps its keys alive)
         return
-    original = CppWrapperCpu.__dict__["codegen_int_array_var"]
-    CppWrapperCpu.codegen_int_array_var = declared_per_writer  # type: ignore[method-assign,assignment]
+    with _MEND.lock:  # compiles in several threads: the first in puts the mend in, the last out takes it out
+        if _MEND.holders == 0:
+            _MEND.original = CppWrapperCpu.__dict__["codegen_int_array_var"]
+            CppWrapperCpu.codegen_int_array_var = declared_per_writer  # type: ignore[method-assign,assignment]
+        _MEND.holders += 1
     try:
         yield
     finally:
-        CppWrapperCpu.codegen_int_array_var = original  # type: ignore[method-assign]
+        with _MEND.lock:
+            _MEND.holders -= 1
+            if _MEND.holders == 0:
+                CppWrapperCpu.codegen_int_array_var = _MEND.original  # type: ignore[method-assign]
+
+
+class _Mend:
+    """Whether the mend is in: the compiles holding it, and Inductor's own method to put back."""
+
+    lock = threading.Lock()
+    holders = 0
+    original: Any = None
+
+
+_MEND = _Mend()
 
 
 def declared_per_writer(

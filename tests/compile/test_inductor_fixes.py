@@ -67,3 +67,32 @@ def test_the_mend_lasts_for_the_compile_only():
     with pytest.raises(RuntimeError), int_arrays_declared_per_writer(torch):
         raise RuntimeError("a failed compile")
     assert cpp_wrapper_cpu.CppWrapperCpu.__dict__["codegen_int_array_var"] is original
+
+
+def test_compiles_in_two_threads_keep_the_mend_until_the_last_ends():
+    import threading
+
+    original = cpp_wrapper_cpu.CppWrapperCpu.__dict__["codegen_int_array_var"]
+    first_in, second_in, first_out = threading.Event(), threading.Event(), threading.Event()
+    seen = {}
+
+    def first():
+        with int_arrays_declared_per_writer(torch):
+            first_in.set()
+            second_in.wait(10)
+        first_out.set()
+
+    def second():
+        first_in.wait(10)
+        with int_arrays_declared_per_writer(torch):
+            second_in.set()
+            first_out.wait(10)
+            seen["after the first ended"] = cpp_wrapper_cpu.CppWrapperCpu.codegen_int_array_var
+
+    threads = [threading.Thread(target=first), threading.Thread(target=second)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(20)
+    assert seen["after the first ended"] is declared_per_writer
+    assert cpp_wrapper_cpu.CppWrapperCpu.__dict__["codegen_int_array_var"] is original
