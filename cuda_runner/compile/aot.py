@@ -65,19 +65,20 @@ AUTOTUNE_OPTIONS: dict[str, Any] = {"max_autotune": True, "coordinate_descent_tu
 # of the tile, and a fused prologue that reads another tensor at a shifted
 # index inherits the hint. ViT-B/16's first qkv GEMM took its layer norm, its
 # class-token concatenation (tokens one place along) and the patch
-# convolution's bias that way, and Triton made 16-byte loads at addresses
-# 4 bytes off: "misaligned address", a fault that ends the process's CUDA
-# context (H200, torch 2.11, placed by synchronising after every launch). The
-# prologue runs as a kernel of its own instead.
+# convolution's bias that way, and faulted: "misaligned address", which ends
+# the process's CUDA context (H200, torch 2.11; the kernel named by
+# synchronising after every launch). Our reading of its source: vector loads
+# sized by the hint, at addresses one element off it. The prologue runs as a
+# kernel of its own instead.
 #
 # Choices whose shared memory Inductor estimates above the GPU's are dropped
 # before they are built (max_autotune_prune_choices_based_on_shared_mem): the
 # largest are the slowest to build, and some do not fit. On one of ResNet-50's
-# 3x3 convolutions (128 channels at 28x28, fp32, torch 2.11, H200) Inductor
-# built 16 choices in 19.6 s, two of them 8.7 and 19.7 s long and two needing
-# 256 and 288 KiB of the 227 KiB there; pruned, it built 12 in 7.0 s and chose
-# the same kernel. The estimate is generous, so a choice that would just fit
-# can be dropped.
+# 3x3 convolutions (128 channels at 28x28, fp32, torch 2.11, H200) Inductor's
+# precompile of 16 choices took 19.6 s; the slowest two (BLOCK_K=128) took 8.7
+# and 19.7 s and then needed 256 and 288 KiB of shared memory, of the 227 KiB
+# there. Pruned, it built 12 in 7.0 s and chose the same kernel. The estimate
+# is generous, so a choice that would just fit can be dropped.
 STANDALONE_CUDA_OPTIONS: dict[str, Any] = {
     "max_autotune": True, "max_autotune_gemm_backends": "TRITON", "max_autotune_conv_backends": "TRITON",
     "benchmark_epilogue_fusion": False, "prologue_fusion": False, "max_autotune_prune_choices_based_on_shared_mem": True,
@@ -530,7 +531,7 @@ def _aot_compile(
                 convolution.as_two_dimensional(module)
             progress(_COMPILE_NOTICE["autotuned" if options.get("max_autotune") else "plain"])
             with (_math_attention(torch) if standalone else contextlib.nullcontext(), torch_talking_to_itself(),
-                  int_arrays_declared_per_writer(torch)):
+                  int_arrays_declared_per_writer()):
                 return Path(torch._inductor.aot_compile(module, example_args, dict(example_kwargs), options=_with_kernel_options(options, in_use)))
         except Exception as error:  # inductor raises many types; report one line
             if not in_use:

@@ -10,7 +10,7 @@ from typing import Any
 
 
 @contextlib.contextmanager
-def int_arrays_declared_per_writer(torch: Any) -> Iterator[None]:
+def int_arrays_declared_per_writer() -> Iterator[None]:
     """Make AOTInductor's C++ wrapper declare every size/stride array in the
     code that uses it.
 
@@ -30,8 +30,8 @@ def int_arrays_declared_per_writer(torch: Any) -> Iterator[None]:
     except ImportError:  # another torch layout: nothing to mend
         yield
         return
-    if not hasattr(CppWrapperCpu, "_codegen_int_array_var_impl"):
-        yield  # a torch that caches otherwise (functools.cache keeps its keys alive)
+    if not hasattr(CppWrapperCpu, "_codegen_int_array_var_impl") or "codegen_int_array_var" not in CppWrapperCpu.__dict__:
+        yield  # a torch that caches otherwise (functools.cache keeps its keys alive) or elsewhere
         return
     with _MEND.lock:  # compiles in several threads: the first in puts the mend in, the last out takes it out
         if _MEND.holders == 0:

@@ -210,8 +210,9 @@ def test_a_build_that_fails_with_its_own_kernels_is_compiled_again_without_them(
 
 
 def test_a_gpu_fault_with_an_own_kernel_in_the_graph_is_not_followed_by_another_compile(monkeypatch):
-    """ViT-B/16 on the H200: a fault while AOTInductor ran the build's kernels, with the
-    matrix-vector kernel in the graph. A second compile in the process would only fail on it."""
+    """A GPU fault while AOTInductor ran the build's kernels (ViT-B/16's on the H200, which
+    came from Inductor's prologue fusion), with the matrix-vector kernel in the graph: a
+    second compile in the process would only fail on the broken context."""
     monkeypatch.setattr(matvec, "use_matvec", lambda module: setattr(module, "products", 1) or matvec.MatvecUse(products=1, launches=1))
     compiled: list[int] = []
 
