@@ -48,25 +48,26 @@ def prefetch_kernel():
     import triton.language as tl
 
     @triton.jit
-    def prefetch_lines(base, last_line, LINES: tl.constexpr):
+    def prefetch_lines(base, last_line, sink, LINES: tl.constexpr):
         lines = tl.program_id(0).to(tl.int64) * LINES + tl.arange(0, LINES)
         lines = tl.minimum(lines, last_line)  # a repeat of the last line rather than an address past the end
-        # The asm has a side effect (is_pure=False), so Triton keeps it although its value is unused.
-        tl.inline_asm_elementwise("prefetch.global.L2::evict_last [$1];\n\tmov.u32 $0, 0;", "=r,l",
-                                  [base + lines * 64], dtype=tl.int32, is_pure=False, pack=1)
+        issued = tl.inline_asm_elementwise("prefetch.global.L2::evict_last [$1];\n\tmov.u32 $0, 0;", "=r,l",
+                                           [base + lines * 64], dtype=tl.int32, is_pure=False, pack=1)
+        # The asm always yields 0, which the compiler cannot see: a store it must keep keeps the prefetches.
+        tl.store(sink + tl.zeros_like(issued), issued, mask=issued != 0)
 
     return prefetch_lines
 
 
-def prefetch_launch(kernel, tensor, nbytes: int):
+def prefetch_launch(kernel, tensor, nbytes: int, sink):
     """A launch that prefetches the first `nbytes` of `tensor` (bf16, contiguous)."""
     import triton
 
     lines = max(1, min(tensor.numel() * tensor.element_size(), nbytes) // (LINE_ELEMENTS * 2))
-    return lambda: kernel[(triton.cdiv(lines, LINES_PER_PROGRAM),)](tensor, lines - 1, LINES=LINES_PER_PROGRAM, num_warps=4)
+    return lambda: kernel[(triton.cdiv(lines, LINES_PER_PROGRAM),)](tensor, lines - 1, sink, LINES=LINES_PER_PROGRAM, num_warps=4)
 
 
-def step_launches(layers: list[dict], head: tuple, attention: bool, stand_ins: bool, prefetch_mb: int | None, kernel) -> list:
+def step_launches(layers: list[dict], head: tuple, attention: bool, stand_ins: bool, prefetch_mb: int | None, kernel, sink) -> list:
     """A step's launches in order; `prefetch_mb` None leaves the prefetch kernel out."""
     import torch
 
@@ -82,10 +83,10 @@ def step_launches(layers: list[dict], head: tuple, attention: bool, stand_ins: b
         launches.append(fused(layer["qkv"]))
         if prefetch_mb is not None:
             o_weight = layer["o"][1][0]
-            launches.append(prefetch_launch(kernel, o_weight, o_weight.numel() * 2))
+            launches.append(prefetch_launch(kernel, o_weight, o_weight.numel() * 2, sink))
             if prefetch_mb:
                 for weight in layer["gate/up"][1]:
-                    launches.append(prefetch_launch(kernel, weight, prefetch_mb * 2**20 // 2))
+                    launches.append(prefetch_launch(kernel, weight, prefetch_mb * 2**20 // 2, sink))
         if stand_ins:
             q, k, cache, position, cos = layer["rope"]
             launches.append(lambda q=q, cos=cos: q.mul_(cos))
@@ -135,6 +136,7 @@ def main() -> int:
 
     torch.manual_seed(0)
     kernel = prefetch_kernel()
+    sink = torch.zeros(1, device="cuda", dtype=torch.int32)
     layers, head = decoder_operands(16)
     results: dict[str, object] = {"gpu": torch.cuda.get_device_name(0), "torch": torch.__version__, "triton": triton.__version__,
                                   "date": time.strftime("%Y-%m-%d"), "replays": options.replays}
@@ -145,10 +147,10 @@ def main() -> int:
         *((f"+ prefetch o and {mb} MB of gate/up", {"attention": True, "stand_ins": True, "prefetch_mb": mb}) for mb in PREFETCH_MB),
     ]
     for name, variant in variants:
-        times = graph_time_us(step_launches(layers, head, kernel=kernel, **variant), replays=options.replays)
+        times = graph_time_us(step_launches(layers, head, kernel=kernel, sink=sink, **variant), replays=options.replays)
         results[name] = summary_us(times)
         print(name, json.dumps(results[name]), flush=True)
-    alone = [prefetch_launch(kernel, layer["o"][1][0], 2048 * 2048 * 2) for layer in layers]
+    alone = [prefetch_launch(kernel, layer["o"][1][0], 2048 * 2048 * 2, sink) for layer in layers]
     results["prefetch alone, 16 launches"] = summary_us(graph_time_us(alone, replays=options.replays))
     print("prefetch alone", json.dumps(results["prefetch alone, 16 launches"]), flush=True)
     if options.output is not None:
