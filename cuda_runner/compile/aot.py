@@ -61,15 +61,16 @@ AUTOTUNE_OPTIONS: dict[str, Any] = {"max_autotune": True, "coordinate_descent_tu
 # the fastest template, or left a kernel of its own where it cannot be.
 #
 # Nor are pointwise prologues fused into a template's loads (prologue_fusion):
-# the GEMM template hints that its row indices are contiguous from a multiple
-# of the tile, and a fused prologue that reads another tensor at a shifted
-# index inherits the hint. ViT-B/16's first qkv GEMM took its layer norm, its
-# class-token concatenation (tokens one place along) and the patch
-# convolution's bias that way, and faulted: "misaligned address", which ends
-# the process's CUDA context (H200, torch 2.11; the kernel named by
-# synchronising after every launch). Our reading of its source: vector loads
-# sized by the hint, at addresses one element off it. The prologue runs as a
-# kernel of its own instead.
+# the GEMM template hints that its row indices (rows modulo M) are contiguous
+# from a multiple of the tile, which is untrue in the last tile where they
+# wrap, and harmless only while no load runs along the rows. A prologue that
+# reads a value per row does: ViT-B/16's first qkv GEMM took its layer norm,
+# whose mean and reciprocal deviation per token Triton then read as 16-byte
+# vectors along the hinted rows. M is 197, so in the last tile the wrapped
+# rows start vectors at token 3, 12 bytes off alignment: "misaligned
+# address", which ends the process's CUDA context (H200, torch 2.11; the
+# kernel named by synchronising after every launch, its loads read from the
+# PTX Triton builds for it). The prologue runs as a kernel of its own instead.
 #
 # Choices whose shared memory Inductor estimates above the GPU's are dropped
 # before they are built (max_autotune_prune_choices_based_on_shared_mem): the
