@@ -101,8 +101,9 @@ SINGLE_ROW_OPTIONS: dict[str, Any] = {"coordinate_descent_tuning": True}
 # 11.5 ms instead of 1.5 (docs/benchmarks.md has what --quick costs).
 QUICK_OPTIONS: dict[str, Any] = {"test_configs.max_mm_configs": 1}
 
-# cuda-runner's own compile options, next to Inductor's (never passed to it).
-_OWN_OPTIONS = frozenset({attention.OPTION, matvec.OPTION})
+# cuda-runner's own compile options, next to Inductor's (never passed to it): the one that turns each own kernel on or off.
+OWN_KERNEL_OPTIONS = {"attention": attention.OPTION, "matvec": matvec.OPTION}
+_OWN_OPTIONS = frozenset(OWN_KERNEL_OPTIONS.values())
 
 # What the runtime relies on: a user option may not change these.
 _PROTECTED_OPTIONS = frozenset(SELF_CONTAINED_OPTIONS) | {"aot_inductor.output_path", "cpp.cxx", "aot_inductor.check_lowerbound"}
@@ -424,9 +425,8 @@ def triton_ops_available() -> bool:
 
 # How the manifest's compile options name what happened to each own kernel: (calls it took, why it was given up).
 OWN_KERNEL_RECORDS = {"attention": ("fused_decode_attention", "fused_decode_attention_failed"), "matvec": ("matvec_products", "matvec_failed")}
-# How a user hears of each, and the option that leaves it out.
+# How a user hears of each (OWN_KERNEL_OPTIONS names the option that leaves it out).
 OWN_KERNEL_NAMES = {"attention": "the fused decode attention", "matvec": "the matrix-vector kernel"}
-OWN_KERNEL_OPTIONS = {"attention": attention.OPTION, "matvec": matvec.OPTION}
 
 
 class GpuFault(CompileError):
