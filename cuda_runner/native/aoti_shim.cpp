@@ -98,7 +98,29 @@ typedef struct CUctx_st *CUcontext;
 typedef struct CUstream_st *CUstream;
 typedef struct CUmemPoolHandle_st *CUmemoryPool;
 typedef unsigned long long CUdeviceptr;
+typedef struct CUfunc_st *CUfunction;
 constexpr int kReleaseThreshold = 4;  // CU_MEMPOOL_ATTR_RELEASE_THRESHOLD
+
+// cuLaunchKernelEx's arguments, laid out as cuda.h lays out CUlaunchAttribute
+// and CUlaunchConfig (this file builds without the CUDA headers).
+constexpr int kProgrammaticStreamSerialization = 6;  // CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION
+struct LaunchAttribute {
+  int32_t id;
+  char pad[4];
+  union {
+    char bytes[64];
+    int32_t allowed;
+  } value;
+};
+struct LaunchConfig {
+  unsigned grid[3];
+  unsigned block[3];
+  unsigned shared_bytes;
+  CUstream stream;
+  LaunchAttribute *attributes;
+  unsigned attribute_count;
+};
+static_assert(sizeof(LaunchAttribute) == 72 && sizeof(LaunchConfig) == 56, "the driver's launch structures");
 
 struct Driver {
   bool loaded = false;
@@ -118,6 +140,11 @@ struct Driver {
   CUresult (*cuDeviceGetDefaultMemPool)(CUmemoryPool *, CUdevice);
   CUresult (*cuMemPoolSetAttribute)(CUmemoryPool, int, void *);
   CUresult (*cuGetErrorString)(CUresult, const char **);
+  CUresult (*cuLaunchKernel)(CUfunction, unsigned, unsigned, unsigned, unsigned, unsigned, unsigned, unsigned, CUstream, void **,
+                             void **);
+  // Optional (CUDA 12.3 and later drivers): programmatic dependent launch, see crLaunchKernel.
+  CUresult (*cuLaunchKernelEx)(const struct LaunchConfig *, CUfunction, void **, void **) = nullptr;
+  CUresult (*cuFuncGetName)(const char **, CUfunction) = nullptr;
   CUcontext primary[kMaxDevices] = {};
 };
 
@@ -151,7 +178,9 @@ void load_driver() {
             bind(library, "cuCtxSynchronize", &driver.cuCtxSynchronize) &&
             bind(library, "cuDeviceGetDefaultMemPool", &driver.cuDeviceGetDefaultMemPool) &&
             bind(library, "cuMemPoolSetAttribute", &driver.cuMemPoolSetAttribute) &&
-            bind(library, "cuGetErrorString", &driver.cuGetErrorString);
+            bind(library, "cuGetErrorString", &driver.cuGetErrorString) && bind(library, "cuLaunchKernel", &driver.cuLaunchKernel);
+  driver.cuLaunchKernelEx = reinterpret_cast<decltype(driver.cuLaunchKernelEx)>(dlsym(library, "cuLaunchKernelEx"));
+  driver.cuFuncGetName = reinterpret_cast<decltype(driver.cuFuncGetName)>(dlsym(library, "cuFuncGetName"));
   if (ok && driver.cuInit(0) != 0) {
     driver.error = "cuInit failed: no usable CUDA driver or device";
     ok = false;
@@ -231,6 +260,62 @@ thread_local CUstream current_stream[kMaxDevices] = {};
 thread_local int32_t current_device = 0;
 
 CUstream stream_for(int32_t device) { return device >= 0 && device < kMaxDevices ? current_stream[device] : nullptr; }
+
+// ---------------------------------------------------------------- kernel launches
+// A library bound to this shim launches its kernels here (runtime/providers.py
+// renames its cuLaunchKernel import). A kernel whose name starts with
+// kProgrammaticPrefix waits for the launch before it to finish before it reads
+// anything a step writes (compile/matvec_kernel.py), so it is launched as a
+// programmatic dependent: its programs may start, and load their weights,
+// while that launch drains. Any other kernel is launched as cuLaunchKernel
+// would. CUDA_RUNNER_PDL=0, a driver without cuLaunchKernelEx or cuFuncGetName,
+// or a GPU that refuses the launch, launches every kernel plainly; the
+// waits are then no-ops.
+constexpr char kProgrammaticPrefix[] = "cudarunner_pdl_";
+
+std::atomic<bool> programmatic_refused{false};
+std::atomic<int64_t> programmatic_launches{0};
+
+bool programmatic_wanted() {
+  static const bool wanted = [] {
+    const char *setting = getenv("CUDA_RUNNER_PDL");
+    return setting == nullptr || strcmp(setting, "0") != 0;
+  }();
+  return wanted && !programmatic_refused.load(std::memory_order_relaxed) && driver.cuLaunchKernelEx != nullptr &&
+         driver.cuFuncGetName != nullptr;
+}
+
+// Asked at every launch, not kept: a module unloaded and another loaded may
+// give a function of another name the same handle. The driver answers from
+// its own tables, and a CUDA graph replays its launches without asking.
+bool is_programmatic(CUfunction function) {
+  const char *name = nullptr;
+  return driver.cuFuncGetName(&name, function) == 0 && name != nullptr &&
+         strncmp(name, kProgrammaticPrefix, sizeof(kProgrammaticPrefix) - 1) == 0;
+}
+
+}  // namespace
+
+EXPORT CUresult crLaunchKernel(CUfunction function, unsigned grid_x, unsigned grid_y, unsigned grid_z, unsigned block_x,
+                               unsigned block_y, unsigned block_z, unsigned shared_bytes, CUstream stream, void **arguments,
+                               void **extra) {
+  pthread_once(&driver_once, load_driver);
+  if (!driver.loaded) return 3;  // CUDA_ERROR_NOT_INITIALIZED
+  if (extra == nullptr && programmatic_wanted() && is_programmatic(function)) {
+    LaunchAttribute attribute{};
+    attribute.id = kProgrammaticStreamSerialization;
+    attribute.value.allowed = 1;
+    LaunchConfig config{{grid_x, grid_y, grid_z}, {block_x, block_y, block_z}, shared_bytes, stream, &attribute, 1};
+    CUresult result = driver.cuLaunchKernelEx(&config, function, arguments, nullptr);
+    // CUDA_ERROR_INVALID_VALUE (1) or CUDA_ERROR_NOT_SUPPORTED (801): this GPU or driver takes no such launch.
+    if (result == 0) programmatic_launches.fetch_add(1, std::memory_order_relaxed);
+    if (result != 1 && result != 801) return result;
+    programmatic_refused.store(true, std::memory_order_relaxed);
+  }
+  return driver.cuLaunchKernel(function, grid_x, grid_y, grid_z, block_x, block_y, block_z, shared_bytes, stream, arguments, extra);
+}
+
+namespace {
 
 // ---------------------------------------------------------------- tensors
 struct Storage {
@@ -755,6 +840,8 @@ EXPORT size_t cudarunner_dtype_element_size(int32_t dtype) { return element_size
 // ---------------------------------------------------------------- our own entry points
 EXPORT int32_t cudarunner_shim_abi_version() { return SHIM_ABI_VERSION; }
 EXPORT const char *cudarunner_shim_last_error() { return last_error.c_str(); }
+// Kernels launched as programmatic dependents so far in the process (crLaunchKernel).
+EXPORT int64_t cudarunner_shim_programmatic_launches() { return programmatic_launches.load(); }
 
 // A capture (see Group): begin returns it, end stops adding to it on this
 // thread, release deletes every tensor of it still alive, and the group.

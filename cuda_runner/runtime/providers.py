@@ -48,7 +48,11 @@ from .shim import TORCH_PREFIX, Shim, load_shim, missing_symbols
 
 OWN_PREFIX = "cudarunner_"
 SLEEF_PREFIX, OWN_SLEEF_PREFIX = "Sleef_", "cr_sl_"
-RENAMES = {TORCH_PREFIX: OWN_PREFIX, SLEEF_PREFIX: OWN_SLEEF_PREFIX}
+# A CUDA library's kernel launches go through the shim, which launches its own
+# kernels that wait for their inputs as programmatic dependents (crLaunchKernel
+# in aoti_shim.cpp). The NUL makes it this name exactly, not a prefix.
+LAUNCH, OWN_LAUNCH = "cuLaunchKernel\0", "crLaunchKernel\0"
+RENAMES = {TORCH_PREFIX: OWN_PREFIX, SLEEF_PREFIX: OWN_SLEEF_PREFIX, LAUNCH: OWN_LAUNCH}
 PROVIDERS = ("auto", "shim", "libtorch")
 SHIM_NAME = "cuda-runner shim"
 LIBTORCH_NAME = "libtorch"

@@ -304,6 +304,27 @@ def test_renaming_changes_only_the_renamed_import_names(dict_mlp_bundle):
         rename_imports(original, {"aoti_torch_": "short_"})
 
 
+LAUNCHING_SOURCE = """
+extern int cuLaunchKernel(void *, unsigned, unsigned, unsigned, unsigned, unsigned, unsigned, unsigned, void *, void **, void **);
+extern int cuLaunchKernelEx(const void *, void *, void **, void **);
+int launch(void *f) { return cuLaunchKernel(f, 1, 1, 1, 32, 1, 1, 0, 0, 0, 0) + cuLaunchKernelEx(0, f, 0, 0); }
+"""
+
+
+def test_a_cuda_library_launches_through_the_shim_by_exactly_that_name(tmp_path, lib):
+    """cuLaunchKernel binds to the shim's crLaunchKernel; cuLaunchKernelEx, which starts with that name, keeps its own."""
+    import shutil
+    import subprocess
+
+    if shutil.which("gcc") is None:
+        pytest.skip("needs gcc")
+    (tmp_path / "model.c").write_text(LAUNCHING_SOURCE)
+    subprocess.run(["gcc", "-shared", "-fPIC", "-o", str(tmp_path / "model.so"), str(tmp_path / "model.c")], check=True)
+    renamed = read_library_facts(rename_imports((tmp_path / "model.so").read_bytes(), RENAMES))
+    assert {"crLaunchKernel", "cuLaunchKernelEx"} <= set(renamed.undefined) and "cuLaunchKernel" not in renamed.undefined
+    assert hasattr(lib, "crLaunchKernel")  # what the renamed import binds to
+
+
 def test_our_shim_provides_every_import_of_the_cpu_fixtures(dict_mlp_bundle, embedder_bundle):
     assert "aoti_torch_cpu_addmm_out" in own_exports() and "Sleef_expf8_u10" in own_exports()
     for compiled in (dict_mlp_bundle, embedder_bundle):
