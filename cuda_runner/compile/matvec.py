@@ -23,6 +23,7 @@ weight) is taken as well.
 
 from __future__ import annotations
 
+import operator as python_operator
 from dataclasses import dataclass
 from typing import Any
 
@@ -67,9 +68,11 @@ def use_matvec(graph_module: Any, operator: Any = None, fused_operator: Any = No
     """Replace the qualifying products of `graph_module` (a copy the caller owns)
     by the kernel, with what surrounds them folded in where it can be
     (`operator`, `fused_operator`: cuda_runner::matvec and ::matvec_fused, or
-    operators of the same schemas)."""
+    operators of the same schemas). A launch whose weights no op writes
+    (read_only_tensors) may fetch them early (matvec_kernel.waits_for_inputs)."""
     graph = graph_module.graph
     order = {node: index for index, node in enumerate(graph.nodes)}
+    read_only = read_only_tensors(graph)
     sites = single_row_products(graph)
     if not sites:
         return MatvecUse()
@@ -90,7 +93,7 @@ def use_matvec(graph_module: Any, operator: Any = None, fused_operator: Any = No
         if isinstance(launch, ProductSite):
             _replace_plain(graph, launch, operator, replacements)
             continue
-        matvec_fusion.emit(graph, launch, fused_operator, replacements, order)
+        matvec_fusion.emit(graph, launch, fused_operator, replacements, order, read_only)
         used.norms += launch.norm is not None
         used.gated += launch.gate is not None
         used.residuals += launch.residual is not None
@@ -98,6 +101,49 @@ def use_matvec(graph_module: Any, operator: Any = None, fused_operator: Any = No
     graph.lint()
     graph_module.recompile()
     return used
+
+
+def read_only_tensors(graph: Any) -> frozenset[str]:
+    """The names of the module tensors (get_attr) that no op of `graph` writes,
+    directly or through a view of them: the weights, not a KV cache written in
+    place. An exported program keeps such writes as in-place ops (index_copy_)
+    and need not list them among its mutated buffers, so the graph is read
+    rather than the signature. An op whose schema is unknown counts as writing
+    every tensor it takes."""
+    written: set[Any] = set()
+    for node in graph.nodes:
+        if node.op == "call_function" and node.target is not python_operator.getitem:
+            written.update(_written_operands(node))
+    bases: set[str] = set()
+    for node in written:
+        while node.op == "call_function" and _is_view(node):
+            node = node.args[0]
+        if node.op == "get_attr":
+            bases.add(node.target)
+    return frozenset(node.target for node in graph.nodes if node.op == "get_attr" and node.target not in bases)
+
+
+def _written_operands(node: Any) -> list[Any]:
+    """The graph nodes `node` may write: the arguments its schema marks written, every node argument without a schema."""
+    schema = getattr(node.target, "_schema", None)
+    if schema is None:
+        return [operand for operand in node.all_input_nodes]
+    written: list[Any] = []
+    for index, argument in enumerate(schema.arguments):
+        if argument.alias_info is None or not argument.alias_info.is_write:
+            continue
+        value = node.args[index] if index < len(node.args) else node.kwargs.get(argument.name)
+        written += value if isinstance(value, (list, tuple)) else [value]
+    return [operand for operand in written if hasattr(operand, "op")]
+
+
+def _is_view(node: Any) -> bool:
+    """Whether `node`'s result aliases its first argument (a view: it shares the first's memory)."""
+    schema = getattr(node.target, "_schema", None)
+    if schema is None or not schema.arguments or not node.args or not hasattr(node.args[0], "op"):
+        return False
+    alias = schema.arguments[0].alias_info
+    return alias is not None and not alias.is_write
 
 
 def _replace_plain(graph: Any, site: ProductSite, operator: Any, replacements: dict[Any, Any]) -> None:

@@ -155,11 +155,14 @@ def _groupable(members: list[Any], order: dict[Any, int]) -> list[Any]:
     return batch
 
 
-def emit(graph: Any, unit: Unit, operator: Any, replacements: dict[Any, Any], order: dict[Any, int]) -> None:
+def emit(graph: Any, unit: Unit, operator: Any, replacements: dict[Any, Any], order: dict[Any, int], read_only: frozenset[str] = frozenset()) -> None:
     """Put one launch in the graph in place of the nodes it stands for, before
     the first of them (`order`: the graph's nodes' places before the rewrite).
     `replacements` maps nodes replaced earlier to what replaced them: a unit
-    may read another's result (a product of a product)."""
+    may read another's result (a product of a product). `read_only`: the
+    module's tensors nothing writes (its parameters, its buffers that are never
+    mutated); a launch whose weights are all among them may load them before
+    the launch ahead of it has finished (matvec_kernel._await_inputs)."""
     import operator as python_operator
 
     def now(node: Any) -> Any:
@@ -176,7 +179,8 @@ def emit(graph: Any, unit: Unit, operator: Any, replacements: dict[Any, Any], or
             anchor.prepend(weight)  # a grouped weight fetched later in the graph: a fetch reads nothing else
     eps = unit.norm.eps if unit.norm is not None else 0.0
     with graph.inserting_before(anchor):
-        launch = graph.call_function(operator, (vector, weights, norm_weight, eps, residual, unit.gate is not None))
+        early = all(weight.op == "get_attr" and weight.target in read_only for weight in weights)
+        launch = graph.call_function(operator, (vector, weights, norm_weight, eps, residual, unit.gate is not None, early))
         launch.meta["val"] = [value(node) for node in unit.replaced]
         for index, node in enumerate(unit.replaced):
             result = graph.call_function(python_operator.getitem, (launch, index))

@@ -7,6 +7,7 @@ Triton is installed."""
 
 from __future__ import annotations
 
+import itertools
 import os
 import subprocess
 import sys
@@ -117,19 +118,61 @@ def _(x, weight, bias):
 
 @torch.library.custom_op("cuda_runner_tests::matvec_fused_row", mutates_args=())
 def _fused_row(x: torch.Tensor, weights: list[torch.Tensor], norm_weight: torch.Tensor | None, norm_eps: float,
-               residual: torch.Tensor | None, gated: bool) -> list[torch.Tensor]:
+               residual: torch.Tensor | None, gated: bool, read_only_weights: bool = False) -> list[torch.Tensor]:
     """cuda_runner::matvec_fused's schema and result, computed by matvec_fusion.reference."""
     return [out.clone() for out in matvec_fusion.reference(x, weights, norm_weight, norm_eps, residual, gated)]
 
 
 @_fused_row.register_fake
-def _(x, weights, norm_weight, norm_eps, residual, gated):
+def _(x, weights, norm_weight, norm_eps, residual, gated, read_only_weights=False):
     return [x.new_empty((*x.shape[:-1], weight.shape[0])) for weight in weights[:1 if gated else len(weights)]]
 
 
 def _rewrite(graph_module: torch.fx.GraphModule) -> matvec.MatvecUse:
     """use_matvec with stand-ins of both kernels."""
     return matvec.use_matvec(graph_module, torch.ops.cuda_runner_tests.linear_row.default, torch.ops.cuda_runner_tests.matvec_fused_row.default)
+
+
+def _early_flags(graph_module: torch.fx.GraphModule) -> list[bool]:
+    """Each fused launch's read_only_weights argument, in graph order."""
+    return [node.args[6] for node in graph_module.graph.nodes if node.target == torch.ops.cuda_runner_tests.matvec_fused_row.default]
+
+
+def test_the_decoders_read_only_tensors_are_its_weights_and_not_its_cache():
+    """The exported decoder writes its KV cache with index_copy_ and lists no mutated buffer: the graph tells."""
+    program, config = _llama_program("decode")
+    graph_module = program.module()
+    read_only = matvec.read_only_tensors(graph_module.graph)
+    caches = {name for name, _ in graph_module.named_buffers() if name.endswith("_cache")}
+    assert len(caches) == 2 * config.layers and not caches & read_only
+    assert {name for name, _ in graph_module.named_parameters()} <= read_only
+
+
+def test_launches_fetch_weights_early_only_where_nothing_in_the_step_writes_them():
+    """The decoder's launches all read parameters: each may fetch them early.
+    A product of a buffer the step writes (through a view of it, here) or of a
+    weight the step computes (dequantized, say) may not."""
+    program, config = _llama_program("decode")
+    graph_module = program.module()
+    used = _rewrite(graph_module)
+    assert _early_flags(graph_module) == [True] * used.launches and used.launches == 4 * config.layers + 1
+
+    class _StepWrites(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.register_buffer("cache", torch.randn(8, 16))
+            self.scale = torch.nn.Parameter(torch.randn(8, 16))
+            self.kept = torch.nn.Parameter(torch.randn(8, 16))
+
+        def forward(self, x, y, z):  # three rows: three launches, none grouped
+            self.cache[:, :4].add_(1.0)
+            return x @ self.cache.t(), y @ (self.scale * 2).t(), z @ self.kept.t()
+
+    program = torch.export.export(_StepWrites(), (torch.randn(1, 16), torch.randn(1, 16), torch.randn(1, 16)))
+    graph_module = program.module()
+    assert matvec.read_only_tensors(graph_module.graph) == {"scale", "kept"}
+    assert _rewrite(graph_module).launches == 3
+    assert _early_flags(graph_module) == [False, False, True]
 
 
 class _Chained(torch.nn.Module):
@@ -373,6 +416,7 @@ def test_the_rewritten_decoder_computes_what_it_did_under_tritons_interpreter():
     assert result.returncode == 0 and "ok" in result.stdout, result.stderr[-2000:]
 
 
+@pytest.mark.triton
 @pytest.mark.skipif(not __import__("importlib").util.find_spec("triton"), reason="Triton is not installed (CPU torch)")
 @pytest.mark.parametrize("case, message", [
     ("columns", "weights of shapes"), ("rows", "2 rows, not one"), ("bias", "a bias of 3"), ("dtype", "operand beside x"),
@@ -396,6 +440,7 @@ def test_the_operators_refuse_operands_they_would_read_past(case, message):
         calls[case]()
 
 
+@pytest.mark.triton
 @pytest.mark.skipif(not __import__("importlib").util.find_spec("triton"), reason="Triton is not installed (CPU torch)")
 @pytest.mark.parametrize("shape, bias", [((32000, 2048), False), ((7, 5), True)])
 def test_the_kernel_builds_for_sm90_with_its_shape_compiled_in(shape, bias):
@@ -417,6 +462,7 @@ def test_the_kernel_builds_for_sm90_with_its_shape_compiled_in(shape, bias):
     triton.compile(source, target=GPUTarget("cuda", 90, 32))
 
 
+@pytest.mark.triton
 @pytest.mark.skipif(not __import__("importlib").util.find_spec("triton"), reason="Triton is not installed (CPU torch)")
 @pytest.mark.parametrize("rows, gated, norm, residual", [
     ((32000,), False, True, False), ((2048, 512, 512), False, True, False), ((8192, 8192), True, True, False),
@@ -427,10 +473,10 @@ def test_inductor_sees_the_fused_kernel_write_its_outputs_alone(monkeypatch, row
     user kernel writes; whatever else it finds written becomes an output of the
     library (the 1B decoder's weights did, on the H200). Traced here for sm90."""
     import triton
-    from torch._higher_order_ops.triton_kernel_wrap import identify_accessed_tensors
+    from torch._higher_order_ops import triton_kernel_wrap
     from triton.backends.compiler import GPUTarget
 
-    from cuda_runner.compile.matvec_kernel import _matvec_fused_kernel, fused_plan
+    from cuda_runner.compile.matvec_kernel import _matvec_fused_kernel, cudarunner_pdl_matvec_fused, fused_plan
 
     monkeypatch.setattr(triton.runtime.driver, "_active", SimpleNamespace(get_current_target=lambda: GPUTarget("cuda", 90, 32)))
     k, count = 2048, len(rows)
@@ -443,5 +489,72 @@ def test_inductor_sees_the_fused_kernel_write_its_outputs_alone(monkeypatch, row
     tensors |= {f"out{index}": torch.empty(1, 1, max(padded[index], 1), dtype=torch.bfloat16) if index < outputs else x for index in range(3)}
     constants = dict(COLUMNS_K=k, ROWS0=padded[0], ROWS1=padded[1], ROWS2=padded[2], STRIDE0=k, STRIDE1=k, STRIDE2=k, WEIGHTS=count,
                      GATED=gated, NORM=norm, EPS=1e-5, RESIDUAL=residual, BLOCK_N=block_n, BLOCK_K=block_k)
-    accesses = identify_accessed_tensors(_matvec_fused_kernel, {**tensors, **constants}, {})
-    assert {dep.name for dep in accesses.read_writes.writes} == {f"out{index}" for index in range(outputs)}
+    for kernel in (_matvec_fused_kernel, cudarunner_pdl_matvec_fused):
+        arguments = {**tensors, **constants}
+        if hasattr(triton_kernel_wrap, "identify_accessed_tensors"):  # torch 2.13; 2.11 has only identify_mutated_tensors
+            written = {dep.name for dep in triton_kernel_wrap.identify_accessed_tensors(kernel, arguments, {}).read_writes.writes}
+        else:
+            written = set(triton_kernel_wrap.identify_mutated_tensors(kernel, arguments, {}))
+        assert written == {f"out{index}" for index in range(outputs)}, kernel
+
+
+@pytest.mark.triton
+@pytest.mark.skipif(not __import__("importlib").util.find_spec("triton"), reason="Triton is not installed (CPU torch)")
+@pytest.mark.parametrize("rows, gated, norm, residual", [((2048, 512, 512), False, True, False), ((8192, 8192), True, True, False),
+                                                         ((2048,), False, False, True)], ids=["qkv", "swiglu", "residual"])
+def test_the_programmatic_kernel_loads_weights_then_waits_then_reads_the_row(rows, gated, norm, residual):
+    """Built for sm90 on the CPU: in each program's PTX the first tiles of weight
+    (evict-first loads) come before griddepcontrol.wait, and every other load
+    (the row, the norm's weight, the residual) and every store after it; the row
+    is still read as 16-byte vectors."""
+    import inspect
+
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from cuda_runner.compile.matvec_kernel import cudarunner_pdl_matvec_fused, fused_plan
+
+    k, count = 2048, len(rows)
+    padded = list(rows) + [0] * (3 - count)
+    block_n, block_k, warps = fused_plan(list(rows), k, gated)
+    constants = dict(COLUMNS_K=k, ROWS0=padded[0], ROWS1=padded[1], ROWS2=padded[2], STRIDE0=k, STRIDE1=k, STRIDE2=k, WEIGHTS=count,
+                     GATED=gated, NORM=norm, EPS=1e-5, RESIDUAL=residual, BLOCK_N=block_n, BLOCK_K=block_k)
+    parameters = list(inspect.signature(cudarunner_pdl_matvec_fused.fn).parameters)
+    source = ASTSource(fn=cudarunner_pdl_matvec_fused, signature={name: "constexpr" if name in constants else "*bf16" for name in parameters},
+                       constexprs={(parameters.index(name),): value for name, value in constants.items()},
+                       attrs={(index,): [["tt.divisibility", 16]] for index, name in enumerate(parameters) if name not in constants})
+    ptx = triton.compile(source, target=GPUTarget("cuda", 90, 32), options={"num_warps": warps}).asm["ptx"]
+    # Memory operations, waits and what ends a basic block (labels, branches), in order.
+    lines = [line.strip().lstrip("@%p0123456789! ") for line in ptx.splitlines()]
+    ops = [line.split()[0] for line in lines if line.startswith(("ld.global", "st.global", "griddepcontrol.wait", "bra", "$L__BB"))]
+    waits = [index for index, op in enumerate(ops) if op.startswith("griddepcontrol.wait")]
+    assert len(waits) == (1 if gated else count)  # one a branch over a weight
+    assert all("evict_first" in op for op in ops[:waits[0]] if op.startswith("ld.global"))  # nothing of the step's before the first
+    for wait in waits:
+        before = list(itertools.takewhile(lambda op: op.startswith("ld.global"), reversed(ops[:wait])))
+        assert before and all("evict_first" in op for op in before), ops[:wait]
+        first_read = next(op for op in ops[wait + 1:] if op.startswith("ld.global"))
+        assert "evict_first" not in first_read and ".v4." in first_read, ops[wait:]
+    assert "griddepcontrol.launch_dependents;" in ptx
+
+
+def test_no_kernel_source_holds_a_backslash():
+    """Inductor compiles a user kernel from its source pasted into a non-raw
+    string literal of the code it generates, so an escape anywhere in a kernel
+    or a helper it calls (a comment included) changes the source Triton reads:
+    the programmatic kernel's asm with a newline escape in it failed every
+    compile of the 1B decoder's products on the H200. Read from the files, so
+    it holds without Triton too."""
+    import ast
+    from pathlib import Path
+
+    package = Path(__file__).resolve().parents[2] / "cuda_runner" / "compile"
+    checked = 0
+    for path in (package / "matvec_kernel.py", package / "attention_kernel.py"):
+        source = path.read_text()
+        for node in ast.walk(ast.parse(source)):
+            if isinstance(node, ast.FunctionDef) and any("jit" in ast.unparse(decorator) for decorator in node.decorator_list):
+                checked += 1
+                assert "\\" not in ast.get_source_segment(source, node, padded=True), f"{path.name}: {node.name}"
+    assert checked >= 10

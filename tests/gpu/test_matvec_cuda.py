@@ -78,6 +78,28 @@ def test_the_fused_kernel_computes_what_the_graph_it_replaces_does(k, rows, form
         torch.testing.assert_close(out.double(), expected, atol=tolerance, rtol=tolerance)
 
 
+@pytest.mark.parametrize("form", ["products", "normed-gated", "normed-residual"])
+@pytest.mark.parametrize("k, rows", FUSED_SHAPES, ids=lambda value: "x".join(map(str, value)) if isinstance(value, tuple) else str(value))
+def test_the_kernel_that_fetches_weights_early_computes_the_same_bits(k, rows, form):
+    """read_only_weights takes the kernel that loads its first tiles of weight
+    before it waits for the launch ahead (eagerly, Triton launches it plainly):
+    the same results, to the bit."""
+    from cuda_runner.compile import matvec_kernel  # noqa: F401
+
+    gated, residual_wanted = "gated" in form, "residual" in form
+    if gated and len(rows) < 2:
+        pytest.skip("a gated product reads two weights")
+    generator = torch.Generator("cuda").manual_seed(k + len(rows))
+    x = torch.randn((1, 1, k), device="cuda", dtype=torch.bfloat16, generator=generator)
+    weights = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16, generator=generator) / k ** 0.5 for n in rows]
+    weights = [weights[0], weights[0].flip(0)] if gated else weights[:1] if residual_wanted else weights
+    norm = (torch.rand(k, device="cuda", generator=generator) + 0.5).to(torch.bfloat16) if "normed" in form else None
+    residual = torch.randn((1, 1, rows[0]), device="cuda", dtype=torch.bfloat16, generator=generator) if residual_wanted else None
+    plain = torch.ops.cuda_runner.matvec_fused(x, weights, norm, 1e-5, residual, gated)
+    early = torch.ops.cuda_runner.matvec_fused(x, weights, norm, 1e-5, residual, gated, True)
+    assert all(torch.equal(a, b) for a, b in zip(plain, early, strict=True))
+
+
 def _reference_in_double(x, weights, norm, residual, gated):
     """The fused graph's result with the products in float64 and the graph's roundings to x's dtype kept."""
     from cuda_runner.compile.matvec_fusion import rms_normed
@@ -91,10 +113,16 @@ def _reference_in_double(x, weights, norm, residual, gated):
     return [product.double() for product in products]
 
 
-def test_the_standalone_decoder_takes_its_products_over_and_matches_eager(tmp_path):
+@pytest.fixture(scope="module")
+def tiny_decoder(tmp_path_factory):
+    """The tiny decoder built the default way (standalone: the kernel is on where the single-row rule holds)."""
+    path = tmp_path_factory.mktemp("matvec") / "llama.bundle"
+    return path, compile_tiny_llama(path, {})
+
+
+def test_the_standalone_decoder_takes_its_products_over_and_matches_eager(tiny_decoder):
     config = scale_models.LLAMA_TINY
-    path = tmp_path / "llama.bundle"
-    module = compile_tiny_llama(path, {})  # the default: on where the single-row rule holds
+    path, module = tiny_decoder
     methods = cuda_runner.read_manifest(path).methods
     # Seven projections a layer and the vocabulary head; a prompt of dynamic length keeps Inductor's GEMMs, its
     # head too: the one product of one row there (the last position's) is a small share of the weights.
@@ -120,6 +148,50 @@ def test_the_standalone_decoder_takes_its_products_over_and_matches_eager(tmp_pa
             worst = max(worst, float(np.abs(got - want).max()))
     print(f"tiny decoder, matrix-vector kernel: worst logit error {worst:.3g} over 12 decode steps (bfloat16)")
     assert worst < 5e-2
+
+
+STEPS_SCRIPT = """
+import ctypes, sys
+import numpy as np
+import cuda_runner
+from cuda_runner.runtime.providers import own_shim_path
+path, graph, out = sys.argv[1], sys.argv[2] == "graph", sys.argv[3]
+prompt = np.arange(1, 7, dtype=np.int64)[None]
+logits = []
+with cuda_runner.load(path, "cuda", cuda_graph=graph) as model:
+    model.run({"tokens": prompt, "input_pos": np.arange(6)}, "prefill")
+    for step in range(10):
+        logits.append(model.run({"tokens": np.array([[step + 1]], np.int64), "input_pos": np.array([6 + step], np.int64)}, "decode")["output_0"])
+shim = ctypes.CDLL(str(own_shim_path()))  # the library the runtime loaded
+shim.cudarunner_shim_programmatic_launches.restype = ctypes.c_int64
+np.save(out, np.stack(logits))
+print(shim.cudarunner_shim_programmatic_launches())
+"""
+
+
+def test_programmatic_launches_change_no_bit_of_a_decode_step(tiny_decoder, tmp_path):
+    """The shim launches the fused products as programmatic dependents
+    (CUDA_RUNNER_PDL unset) or plainly (=0), with a CUDA graph and without:
+    the four give the same logits to the bit, and only the first two launch
+    any kernel that way."""
+    import os
+    import subprocess
+    import sys
+
+    path, _ = tiny_decoder
+    runs = {}
+    for setting in ("1", "0"):
+        for mode in ("graph", "calls"):
+            out = tmp_path / f"{setting}-{mode}.npy"
+            done = subprocess.run([sys.executable, "-c", STEPS_SCRIPT, str(path), mode, str(out)], capture_output=True, text=True,
+                                  env={**os.environ, "CUDA_RUNNER_PDL": setting}, timeout=300)
+            assert done.returncode == 0, done.stderr[-2000:]
+            runs[setting, mode] = (int(done.stdout.split()[-1]), np.load(out))
+    print({key: launches for key, (launches, _) in runs.items()})
+    assert runs["1", "calls"][0] > 0 and runs["1", "graph"][0] > 0
+    assert runs["0", "calls"][0] == 0 and runs["0", "graph"][0] == 0
+    first = runs["0", "calls"][1]
+    assert all(np.array_equal(logits, first) for _, logits in runs.values())
 
 
 def test_the_option_turns_it_on_and_off_through_the_cli(tmp_path):
