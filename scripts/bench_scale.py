@@ -27,7 +27,8 @@ and big model; later stages use what earlier ones left in WORK):
            eager PyTorch, torch.compile(mode="reduce-overhead"), torch's
            aoti_load_package of the decode program, and the HBM floor (bytes a
            step must read / 4.8 TB/s); a CUPTI kernel profile; and
-           `cuda-runner bench --steps` through the CLI.
+           `cuda-runner bench --steps` through the CLI, with --cuda-graph
+           also with the shim's programmatic launches off and on, alternately.
   whisper  Whisper-base's decoder alone, built three ways (the default, --libtorch,
            no coordinate descent), each stepped against eager on eager's
            encoding of the same audio: the error of every step.
@@ -694,7 +695,20 @@ def stage_decode(work: Path, count: int) -> dict[str, Any]:
     results["cli bench --steps"] = cli_bench(work, graph=False)
     if cuda():
         results["cli bench --steps --cuda-graph"] = cli_bench(work, graph=True)
+        results["cli bench --steps --cuda-graph, programmatic launches off and on"] = programmatic_pairs(work)
     return results
+
+
+def programmatic_pairs(work: Path, rounds: int = 3) -> dict[str, Any]:
+    """`cuda-runner bench --cuda-graph` with the shim's programmatic launches off
+    (CUDA_RUNNER_PDL=0) and on, alternately, `rounds` times: each run's median
+    step in ms, and each setting's median of those."""
+    runs: dict[str, list[float]] = {"off": [], "on": []}
+    for _ in range(rounds):
+        for setting, name in (("0", "off"), ("1", "on")):
+            bench = cli_bench(work, graph=True, environment={"CUDA_RUNNER_PDL": setting})
+            runs[name].append(round(bench["step_s"]["median"] * 1e3, 4) if "step_s" in bench else float("nan"))
+    return {"median_ms": {name: statistics.median(values) for name, values in runs.items()}, "runs_ms": runs}
 
 
 def profile_steps(work: Path, build: str) -> dict[str, Any]:
@@ -728,7 +742,7 @@ def profile_steps(work: Path, build: str) -> dict[str, Any]:
             "top": [{"kernel": name[:120], "ms_per_step": round(seconds * 1e3, 4), "launches_per_step": launches} for seconds, name, launches in top]}
 
 
-def cli_bench(work: Path, graph: bool) -> dict[str, Any]:
+def cli_bench(work: Path, graph: bool, environment: dict[str, str] | None = None) -> dict[str, Any]:
     path = artifact(work, SETTINGS["builds"][0])
     warmup = 20
     steps = min(200, config().max_seq - SETTINGS["prompt"] - warmup - 1)  # every position inside the cache
@@ -737,7 +751,7 @@ def cli_bench(work: Path, graph: bool) -> dict[str, Any]:
                "--json"]
     if graph:
         command.append("--cuda-graph")
-    done = subprocess.run(command, capture_output=True, text=True, timeout=600)
+    done = subprocess.run(command, capture_output=True, text=True, timeout=600, env={**os.environ, **(environment or {})})
     if done.returncode != 0:
         return {"error": done.stderr.strip()[-500:]}
     return json.loads(done.stdout)["decode"]

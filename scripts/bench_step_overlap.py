@@ -1,14 +1,19 @@
 #!/usr/bin/env python3
-"""Would fetching weights into L2 while a decode step waits on latency shorten it? (GPU machine)
+"""Can a decode step's launches overlap? Two ways, timed (GPU machine).
 
 The 1B decoder's step (docs/benchmarks.md) spends 0.62 ms in products that
 stream the weights, and 0.15 ms in kernels that barely touch the memory: the
-attention over the cache, RoPE and the cache writes. The memory sits idle
-through the second. A kernel that only issues prefetches (one per 128-byte
-line, `prefetch.global.L2::evict_last`, nothing waits for them) launched
-before the attention could have the next products' weights in L2 by the time
-they run, so that the o projection, and the start of gate/up, read L2 rather
-than HBM.
+attention over the cache, RoPE and the cache writes. Between launches the GPU
+drains one kernel before it starts the next.
+
+  PDL         each fused product launched as a programmatic dependent of the
+              launch before it: its programs start while that launch drains,
+              load their first tiles of weight, and wait for it only before
+              they read the row (matvec_kernel._await_inputs)
+  prefetch    a kernel that only issues `prefetch.global.L2::evict_last` (one
+              per 128-byte line), launched after each q/k/v launch over o's
+              weight and F MB of gate's and up's, to have them in L2 by the
+              time they run
 
 This times, from one CUDA graph per variant, a step built of the real
 kernels a standalone bundle runs, on random weights of the 1B decoder's
@@ -19,15 +24,15 @@ shapes (16 layers and the head; bf16):
                           heads, 8 K/V heads, 512 cached positions) a layer
   + stand-ins             and four small kernels a layer standing in for
                           RoPE and the cache writes (ATen's, not Inductor's)
-  + prefetch F MB         and, after each q/k/v launch, the prefetch kernel
-                          over o's weight and F MB of gate's and up's
-  prefetch alone          16 launches of the prefetch kernel over o's weight:
-                          what issuing costs
+  prefetch alone          16 launches of the prefetch kernel over o's weight
 
-Nothing here is checked against a reference: the step's values do not
-depend on where a weight was read from.
+Each launch reads operands of its own, so the timed step's values mean
+nothing; --check instead chains 16 layers of q/k/v, o, gate/up and down
+launches, each reading what the one before wrote, and compares the result
+with PDL and without, eagerly and from a graph: equal to the bit, or the
+wait lets a read overtake a write.
 
-    python3 scripts/bench_prefetch.py --output prefetch.json
+    python3 scripts/bench_step_overlap.py --check --output overlap.json
 """
 
 from __future__ import annotations
@@ -40,7 +45,7 @@ from pathlib import Path
 
 LINE_ELEMENTS = 64  # bf16 elements in a 128-byte line
 LINES_PER_PROGRAM = 1024
-PREFETCH_MB = (0, 8, 16, 24)
+PREFETCH_MB = (0, 16)
 
 
 def prefetch_kernel():
@@ -67,7 +72,8 @@ def prefetch_launch(kernel, tensor, nbytes: int, sink):
     return lambda: kernel[(triton.cdiv(lines, LINES_PER_PROGRAM),)](tensor, lines - 1, sink, LINES=LINES_PER_PROGRAM, num_warps=4)
 
 
-def step_launches(layers: list[dict], head: tuple, attention: bool, stand_ins: bool, prefetch_mb: int | None, kernel, sink) -> list:
+def step_launches(layers: list[dict], head: tuple, attention: bool, stand_ins: bool, prefetch_mb: int | None, kernel, sink,
+                  pdl: bool = False) -> list:
     """A step's launches in order; `prefetch_mb` None leaves the prefetch kernel out."""
     import torch
 
@@ -76,7 +82,7 @@ def step_launches(layers: list[dict], head: tuple, attention: bool, stand_ins: b
     def fused(operands):
         x, weights, gain, added, outputs, gated = operands
         chosen = fused_plan([w.shape[0] for w in weights], x.shape[-1], gated)
-        return lambda: launch_fused(x, weights, gain, 1e-5, added, gated, outputs, chosen)
+        return lambda: launch_fused(x, weights, gain, 1e-5, added, gated, outputs, chosen, pdl=pdl, launch_pdl=pdl)
 
     launches = []
     for layer in layers:
@@ -121,10 +127,75 @@ def decoder_operands(layer_count: int) -> tuple[list[dict], tuple]:
     return layers, fused_operands(FUSED_CASES["head + norm"], 1)[0]
 
 
+def chained_step(layer_count: int, pdl: bool):
+    """A function running `layer_count` layers of the decoder's products, each
+    launch reading what the one before wrote (q/k/v of the normed row, o of q
+    plus the row, gated gate/up of the normed row, down plus the row), and every
+    tensor the launches write, the last row last."""
+    import torch
+
+    from cuda_runner.compile.matvec_kernel import fused_plan, launch_fused
+
+    def bf16(*shape: int) -> torch.Tensor:
+        return torch.randn(*shape, device="cuda", dtype=torch.bfloat16) / 32
+
+    hidden, ffn = 2048, 8192
+    rows = [bf16(1, hidden) * 32]
+    written: list[torch.Tensor] = []
+    launches = []
+    for _ in range(layer_count):
+        row = rows[-1]
+        gain = torch.rand(hidden, device="cuda", dtype=torch.bfloat16)
+        qkv = [torch.empty(1, n, device="cuda", dtype=torch.bfloat16) for n in (2048, 512, 512)]
+        after_o, gated, after_down = (torch.empty(1, n, device="cuda", dtype=torch.bfloat16) for n in (hidden, ffn, hidden))
+        steps = [
+            (row, [bf16(2048, hidden), bf16(512, hidden), bf16(512, hidden)], gain, None, False, qkv),
+            (qkv[0], [bf16(hidden, 2048)], None, row, False, [after_o]),
+            (after_o, [bf16(ffn, hidden), bf16(ffn, hidden)], gain, None, True, [gated]),
+            (gated, [bf16(hidden, ffn)], None, after_o, False, [after_down]),
+        ]
+        for x, weights, norm, added, is_gated, outputs in steps:
+            chosen = fused_plan([w.shape[0] for w in weights], x.shape[-1], is_gated)
+            launches.append(lambda x=x, w=weights, g=norm, r=added, o=outputs, c=chosen, gate=is_gated:
+                            launch_fused(x, w, g, 1e-5, r, gate, o, c, pdl=pdl, launch_pdl=pdl))
+        rows.append(after_down)
+        written += [*qkv, after_o, gated, after_down]
+    return lambda: [launch() for launch in launches], written
+
+
+def check_pdl(layer_count: int = 16) -> dict:
+    """The chained step's last row with PDL and without, eagerly and replayed from a graph."""
+    import torch
+
+    results = {}
+    for mode in ("eager", "graph"):
+        finals = {}
+        for pdl in (False, True):
+            torch.manual_seed(1)
+            run, written = chained_step(layer_count, pdl)
+            run()  # compiles outside any capture
+            if mode == "graph":
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph):
+                    run()
+            # A read that overtook the write it depends on would read NaN.
+            for tensor in written:
+                tensor.fill_(float("nan"))
+            graph.replay() if mode == "graph" else run()
+            torch.cuda.synchronize()
+            finals[pdl] = written[-1].clone()
+        equal = bool(torch.equal(finals[False], finals[True]))
+        results[mode] = {"equal to the bit": equal, "finite": bool(finals[True].isfinite().all()),
+                         "max abs": float(finals[False].float().abs().max())}
+        print(f"check {mode}", json.dumps(results[mode]), flush=True)
+    return results
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--output", type=Path, default=None)
     parser.add_argument("--replays", type=int, default=50)
+    parser.add_argument("--check", action="store_true", help="first compare a chained step with PDL and without")
     options = parser.parse_args()
     here = Path(__file__).resolve().parent
     sys.path[:0] = [str(here.parent), str(here)]
@@ -134,21 +205,25 @@ def main() -> int:
 
     import cuda_runner.compile.attention_kernel  # noqa: F401  (registers cuda_runner::decode_attention)
 
+    results: dict[str, object] = {"gpu": torch.cuda.get_device_name(0), "torch": torch.__version__, "triton": triton.__version__,
+                                  "date": time.strftime("%Y-%m-%d"), "replays": options.replays}
+    if options.check:
+        results["check"] = check_pdl()
     torch.manual_seed(0)
     kernel = prefetch_kernel()
     sink = torch.zeros(1, device="cuda", dtype=torch.int32)
     layers, head = decoder_operands(16)
-    results: dict[str, object] = {"gpu": torch.cuda.get_device_name(0), "torch": torch.__version__, "triton": triton.__version__,
-                                  "date": time.strftime("%Y-%m-%d"), "replays": options.replays}
     variants: list[tuple[str, dict]] = [
-        ("products", {"attention": False, "stand_ins": False, "prefetch_mb": None}),
-        ("+ attention", {"attention": True, "stand_ins": False, "prefetch_mb": None}),
-        ("+ stand-ins", {"attention": True, "stand_ins": True, "prefetch_mb": None}),
-        *((f"+ prefetch o and {mb} MB of gate/up", {"attention": True, "stand_ins": True, "prefetch_mb": mb}) for mb in PREFETCH_MB),
+        (f"{name}{', PDL' if pdl else ''}", {**variant, "pdl": pdl})
+        for name, variant in (("products", {"attention": False, "stand_ins": False}), ("+ attention", {"attention": True, "stand_ins": False}),
+                              ("+ stand-ins", {"attention": True, "stand_ins": True}))
+        for pdl in (False, True)
     ]
+    variants += [(f"+ stand-ins, prefetch o and {mb} MB of gate/up", {"attention": True, "stand_ins": True, "prefetch_mb": mb})
+                 for mb in PREFETCH_MB]
     for name, variant in variants:
-        times = graph_time_us(step_launches(layers, head, kernel=kernel, sink=sink, **variant), replays=options.replays)
-        results[name] = summary_us(times)
+        launches = step_launches(layers, head, kernel=kernel, sink=sink, **{"prefetch_mb": None, **variant})
+        results[name] = summary_us(graph_time_us(launches, replays=options.replays))
         print(name, json.dumps(results[name]), flush=True)
     alone = [prefetch_launch(kernel, layer["o"][1][0], 2048 * 2048 * 2, sink) for layer in layers]
     results["prefetch alone, 16 launches"] = summary_us(graph_time_us(alone, replays=options.replays))
