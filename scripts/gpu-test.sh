@@ -62,7 +62,7 @@ if [ "${GPU_TESTS:-1}" = 1 ]; then
     alone=(-n 0)
     case "${GPU_WORKERS:-8}" in 0|1) ;; *) parallel=(-n "${GPU_WORKERS:-8}" --dist loadgroup) ;; esac
   fi
-  python3 -X faulthandler -m pytest -m "gpu and not whole_device" tests -p no:cacheprovider -p no:logging -rA -s ${parallel[@]+"${parallel[@]}"} \
+  python3 -X faulthandler -m pytest -m "(gpu or triton) and not whole_device" tests -p no:cacheprovider -p no:logging -rA -s ${parallel[@]+"${parallel[@]}"} \
     ${GPU_TEST_ARGS:-} 2>&1 | tee "$out/gpu-tests.log"
   main=${PIPESTATUS[0]}
   python3 -X faulthandler -m pytest -m "gpu and whole_device" tests -p no:cacheprovider -p no:logging -rA -s ${GPU_TEST_ARGS:-} \

@@ -210,6 +210,7 @@ def test_a_fused_attention_that_does_not_compile_costs_the_fusion_not_the_build(
                          aot.OwnKernels(attention=False, matvec=False), heard.append)
 
 
+@pytest.mark.triton
 @pytest.mark.skipif(not __import__("importlib").util.find_spec("triton"), reason="Triton is not installed (CPU torch)")
 @pytest.mark.parametrize("scale_type", ["fp64", "constexpr"])
 def test_the_kernel_builds_for_sm90_as_inductor_passes_its_scale(scale_type):
