@@ -104,28 +104,41 @@ def use_matvec(graph_module: Any, operator: Any = None, fused_operator: Any = No
 
 
 def read_only_tensors(graph: Any) -> frozenset[str]:
-    """The names of the module tensors (get_attr) that no op of `graph` writes,
-    directly or through a view of them: the weights, not a KV cache written in
-    place. An exported program keeps such writes as in-place ops (index_copy_)
-    and need not list them among its mutated buffers, so the graph is read
-    rather than the signature. An op whose schema is unknown counts as writing
-    every tensor it takes."""
+    """The names of the module tensors (get_attr) whose memory no op of `graph`
+    writes: the weights, not a KV cache written in place. An exported program
+    keeps such writes as in-place ops (index_copy_) and need not list them
+    among its mutated buffers, so the graph is read rather than the signature;
+    and a write is matched to the tensors it touches by the storage of the
+    values export traced, which a view, a piece of an unbind or split, and a
+    second name for the same memory all share. An op whose schema is unknown
+    counts as writing every tensor it takes, and a write whose storage is not
+    known leaves no tensor read-only."""
     written: set[Any] = set()
     for node in graph.nodes:
-        if node.op == "call_function" and node.target is not python_operator.getitem:
-            written.update(_written_operands(node))
-    bases: set[str] = set()
-    for node in written:
-        while node.op == "call_function" and _is_view(node):
-            node = node.args[0]
-        if node.op == "get_attr":
-            bases.add(node.target)
-    return frozenset(node.target for node in graph.nodes if node.op == "get_attr" and node.target not in bases)
+        if node.op == "call_function" and node.target is python_operator.getitem:
+            continue
+        if node.op in ("call_function", "call_module", "call_method"):
+            for operand in _written_operands(node):
+                storage = _storage(operand)
+                if storage is None:
+                    return frozenset()
+                written.add(storage)
+    return frozenset(node.target for node in graph.nodes
+                     if node.op == "get_attr" and (storage := _storage(node)) is not None and storage not in written)
+
+
+def _storage(node: Any) -> Any:
+    """The storage of the tensor export traced for `node` (a weak reference, compared by identity), or None."""
+    import torch
+    from torch.multiprocessing.reductions import StorageWeakRef
+
+    traced = node.meta.get("val")
+    return StorageWeakRef(traced.untyped_storage()) if isinstance(traced, torch.Tensor) else None
 
 
 def _written_operands(node: Any) -> list[Any]:
     """The graph nodes `node` may write: the arguments its schema marks written, every node argument without a schema."""
-    schema = getattr(node.target, "_schema", None)
+    schema = getattr(node.target, "_schema", None) if node.op == "call_function" else None
     if schema is None:
         return [operand for operand in node.all_input_nodes]
     written: list[Any] = []
@@ -135,15 +148,6 @@ def _written_operands(node: Any) -> list[Any]:
         value = node.args[index] if index < len(node.args) else node.kwargs.get(argument.name)
         written += value if isinstance(value, (list, tuple)) else [value]
     return [operand for operand in written if hasattr(operand, "op")]
-
-
-def _is_view(node: Any) -> bool:
-    """Whether `node`'s result aliases its first argument (a view: it shares the first's memory)."""
-    schema = getattr(node.target, "_schema", None)
-    if schema is None or not schema.arguments or not node.args or not hasattr(node.args[0], "op"):
-        return False
-    alias = schema.arguments[0].alias_info
-    return alias is not None and not alias.is_write
 
 
 def _replace_plain(graph: Any, site: ProductSite, operator: Any, replacements: dict[Any, Any]) -> None:

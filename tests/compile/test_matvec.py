@@ -175,6 +175,44 @@ def test_launches_fetch_weights_early_only_where_nothing_in_the_step_writes_them
     assert _early_flags(graph_module) == [False, False, True]
 
 
+class _WritesAPiece(torch.nn.Module):
+    """A buffer written through a piece of it (unbind, split, chunk: the piece
+    comes out of a getitem, not a view op), or through a second name for its
+    memory; and a product of it."""
+
+    def __init__(self, how: str):
+        super().__init__()
+        self.how = how
+        self.register_buffer("cache", torch.randn(8, 16))
+        self.register_buffer("stack", torch.randn(2, 8, 16))
+        self.register_buffer("second_name", self.stack[0])
+        self.kept = torch.nn.Parameter(torch.randn(8, 16))
+
+    def forward(self, x, y):
+        if self.how == "unbind":
+            self.cache.unbind(0)[3].copy_(x[0])
+        elif self.how == "split":
+            self.cache.split([7, 1])[1].copy_(x)
+        elif self.how == "chunk":
+            self.cache.chunk(2)[1][0].add_(1.0)
+        else:
+            self.stack[0, 3].copy_(x[0])
+        weight = self.second_name if self.how == "second name" else self.cache
+        return x @ weight.t(), y @ self.kept.t()
+
+
+@pytest.mark.parametrize("how", ["unbind", "split", "chunk", "second name"])
+def test_a_buffer_written_through_a_piece_or_another_name_is_not_read_only(how):
+    """The writes a review found the first form of the rule missing (it walked view ops by name)."""
+    program = torch.export.export(_WritesAPiece(how), (torch.randn(1, 16), torch.randn(1, 16)))
+    graph_module = program.module()
+    read_only = matvec.read_only_tensors(graph_module.graph)
+    written = {"stack", "second_name"} if how == "second name" else {"cache"}
+    assert read_only == {"cache", "stack", "second_name", "kept"} - written
+    assert _rewrite(graph_module).launches == 2
+    assert _early_flags(graph_module) == [False, True]
+
+
 class _Chained(torch.nn.Module):
     """Products that read products: a LoRA adapter's two Linears back to back, and one as an addmm's bias."""
 
