@@ -538,13 +538,15 @@ def test_inductor_sees_the_fused_kernel_write_its_outputs_alone(monkeypatch, row
 
 @pytest.mark.triton
 @pytest.mark.skipif(not __import__("importlib").util.find_spec("triton"), reason="Triton is not installed (CPU torch)")
-@pytest.mark.parametrize("rows, gated, norm, residual", [((2048, 512, 512), False, True, False), ((8192, 8192), True, True, False),
-                                                         ((2048,), False, False, True)], ids=["qkv", "swiglu", "residual"])
-def test_the_programmatic_kernel_loads_weights_then_waits_then_reads_the_row(rows, gated, norm, residual):
-    """Built for sm90 on the CPU: in each program's PTX the first tiles of weight
-    (evict-first loads) come before griddepcontrol.wait, and every other load
-    (the row, the norm's weight, the residual) and every store after it; the row
-    is still read as 16-byte vectors."""
+@pytest.mark.parametrize("k, rows, gated, norm, residual", [
+    (2048, (2048, 512, 512), False, True, False), (2048, (8192, 8192), True, True, False), (2048, (2048,), False, False, True),
+    (2048, (32000,), False, True, False), (5, (7, 5, 3), False, True, False), (5, (7, 7), True, True, False),
+], ids=["qkv", "swiglu", "residual", "head", "masked-three", "masked-gated"])
+def test_the_programmatic_kernel_loads_weights_then_waits_then_reads_the_row(k, rows, gated, norm, residual):
+    """Built for sm90 on the CPU: on every path through each program's PTX,
+    nothing but the first tiles of weight (evict-first loads) is loaded and
+    nothing is stored before griddepcontrol.wait; each wait follows such
+    loads; an unmasked row is still read as 16-byte vectors."""
     import inspect
 
     import triton
@@ -553,7 +555,7 @@ def test_the_programmatic_kernel_loads_weights_then_waits_then_reads_the_row(row
 
     from cuda_runner.compile.matvec_kernel import cudarunner_pdl_matvec_fused, fused_plan
 
-    k, count = 2048, len(rows)
+    count = len(rows)
     padded = list(rows) + [0] * (3 - count)
     block_n, block_k, warps = fused_plan(list(rows), k, gated)
     constants = dict(COLUMNS_K=k, ROWS0=padded[0], ROWS1=padded[1], ROWS2=padded[2], STRIDE0=k, STRIDE1=k, STRIDE2=k, WEIGHTS=count,
@@ -563,18 +565,69 @@ def test_the_programmatic_kernel_loads_weights_then_waits_then_reads_the_row(row
                        constexprs={(parameters.index(name),): value for name, value in constants.items()},
                        attrs={(index,): [["tt.divisibility", 16]] for index, name in enumerate(parameters) if name not in constants})
     ptx = triton.compile(source, target=GPUTarget("cuda", 90, 32), options={"num_warps": warps}).asm["ptx"]
-    # Memory operations, waits and what ends a basic block (labels, branches), in order.
-    lines = [line.strip().lstrip("@%p0123456789! ") for line in ptx.splitlines()]
-    ops = [line.split()[0] for line in lines if line.startswith(("ld.global", "st.global", "griddepcontrol.wait", "bra", "$L__BB"))]
-    waits = [index for index, op in enumerate(ops) if op.startswith("griddepcontrol.wait")]
-    assert len(waits) == (1 if gated else count)  # one a branch over a weight
-    assert all("evict_first" in op for op in ops[:waits[0]] if op.startswith("ld.global"))  # nothing of the step's before the first
-    for wait in waits:
-        before = list(itertools.takewhile(lambda op: op.startswith("ld.global"), reversed(ops[:wait])))
-        assert before and all("evict_first" in op for op in before), ops[:wait]
-        first_read = next(op for op in ops[wait + 1:] if op.startswith("ld.global"))
-        assert "evict_first" not in first_read and ".v4." in first_read, ops[wait:]
+    blocks = _ptx_blocks(ptx)
+    waited = _waited_on_entry(blocks)
+    unmasked = k % block_k == 0 and all(n % block_n == 0 for n in rows)
+    for label, (ops, _) in blocks.items():
+        done = waited[label]
+        for index, op in enumerate(ops):
+            if op == "griddepcontrol.wait":
+                before = list(itertools.takewhile(lambda prior: prior.startswith("ld.global"), reversed(ops[:index])))
+                assert before and all("evict_first" in prior for prior in before), (label, ops[:index])
+                after = next((later for later in ops[index + 1:] if later.startswith("ld.global")), None)
+                assert not unmasked or after is None or ".v4." in after, (label, after)
+                done = True
+            elif op.startswith("st.global") or (op.startswith("ld.global") and "evict_first" not in op):
+                assert done, (label, op)
     assert "griddepcontrol.launch_dependents;" in ptx
+
+
+def _ptx_blocks(ptx: str) -> dict[str, tuple[list[str], list[str]]]:
+    """The kernel's basic blocks in order: label -> (its memory operations and
+    waits, the labels it may go to next)."""
+    blocks: dict[str, tuple[list[str], list[str]]] = {}
+    label, ops, order = "entry", [], []
+    for raw in ptx.splitlines():
+        line = raw.strip()
+        if line.startswith("$L__BB") and line.split()[0].endswith(":"):
+            blocks[label] = (ops, [])
+            order.append(label)
+            label, ops = line.split()[0][:-1], []
+            continue
+        statement = line.lstrip("@%p0123456789! ")
+        if statement.startswith(("ld.global", "st.global")):
+            ops.append(statement.split()[0])
+        elif statement.startswith("griddepcontrol.wait"):
+            ops.append("griddepcontrol.wait")
+        elif statement.startswith("bra"):
+            ops.append(("goto " if statement.startswith("bra.uni") else "branch ") + statement.split()[-1].rstrip(";"))
+    blocks[label] = (ops, [])
+    order.append(label)
+    for position, name in enumerate(order):
+        ops, successors = blocks[name]
+        ends = True
+        for op in [op for op in ops if op.startswith(("goto ", "branch "))]:
+            successors.append(op.split()[1])
+            ends = ends and not op.startswith("goto ")
+        if ends and position + 1 < len(order):
+            successors.append(order[position + 1])
+        blocks[name] = ([op for op in ops if not op.startswith(("goto ", "branch "))], successors)
+    return blocks
+
+
+def _waited_on_entry(blocks: dict[str, tuple[list[str], list[str]]]) -> dict[str, bool]:
+    """Whether every path from the kernel's entry to each block has passed a wait."""
+    waited = dict.fromkeys(blocks, True)
+    waited["entry"] = False
+    changed = True
+    while changed:
+        changed = False
+        for label, (ops, successors) in blocks.items():
+            leaves = waited[label] or "griddepcontrol.wait" in ops
+            for successor in successors:
+                if waited[successor] and not leaves:
+                    waited[successor], changed = False, True
+    return waited
 
 
 def test_no_kernel_source_holds_a_backslash():

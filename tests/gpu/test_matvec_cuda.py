@@ -194,6 +194,22 @@ def test_programmatic_launches_change_no_bit_of_a_decode_step(tiny_decoder, tmp_
     assert all(np.array_equal(logits, first) for _, logits in runs.values())
 
 
+def test_a_chain_of_programmatic_launches_reads_what_each_launch_before_wrote():
+    """The products of 4 decoder layers, each launch reading what the one before
+    wrote, launched by Triton as programmatic dependents and plainly, eagerly
+    and from a CUDA graph, with every written tensor filled with NaN before the
+    measured run: the same bits either way, and finite (scripts/bench_step_overlap.py --check)."""
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[2] / "scripts" / "bench_step_overlap.py"
+    spec = importlib.util.spec_from_file_location("bench_step_overlap", path)
+    overlap = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(overlap)
+    results = overlap.check_pdl(layer_count=4)
+    assert all(result["equal to the bit"] and result["finite"] for result in results.values()), results
+
+
 def test_the_option_turns_it_on_and_off_through_the_cli(tmp_path):
     torch.manual_seed(4)
     module = torch.nn.Sequential(torch.nn.Linear(96, 200), torch.nn.GELU(), torch.nn.Linear(200, 33, bias=False)).eval()
