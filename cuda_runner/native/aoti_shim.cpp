@@ -104,7 +104,7 @@ constexpr int kReleaseThreshold = 4;  // CU_MEMPOOL_ATTR_RELEASE_THRESHOLD
 // cuLaunchKernelEx's arguments, laid out as cuda.h lays out CUlaunchAttribute
 // and CUlaunchConfig (this file builds without the CUDA headers).
 constexpr int kProgrammaticStreamSerialization = 6;  // CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION
-struct LaunchAttribute {
+struct alignas(8) LaunchAttribute {
   int32_t id;
   char pad[4];
   union {
@@ -307,10 +307,13 @@ EXPORT CUresult crLaunchKernel(CUfunction function, unsigned grid_x, unsigned gr
     attribute.value.allowed = 1;
     LaunchConfig config{{grid_x, grid_y, grid_z}, {block_x, block_y, block_z}, shared_bytes, stream, &attribute, 1};
     CUresult result = driver.cuLaunchKernelEx(&config, function, arguments, nullptr);
-    // CUDA_ERROR_INVALID_VALUE (1) or CUDA_ERROR_NOT_SUPPORTED (801): this GPU or driver takes no such launch.
     if (result == 0) programmatic_launches.fetch_add(1, std::memory_order_relaxed);
+    // CUDA_ERROR_INVALID_VALUE (1) or CUDA_ERROR_NOT_SUPPORTED (801) may say that this GPU or driver takes
+    // no such launch: launched plainly, and if that works, never asked again.
     if (result != 1 && result != 801) return result;
-    programmatic_refused.store(true, std::memory_order_relaxed);
+    result = driver.cuLaunchKernel(function, grid_x, grid_y, grid_z, block_x, block_y, block_z, shared_bytes, stream, arguments, extra);
+    if (result == 0) programmatic_refused.store(true, std::memory_order_relaxed);
+    return result;
   }
   return driver.cuLaunchKernel(function, grid_x, grid_y, grid_z, block_x, block_y, block_z, shared_bytes, stream, arguments, extra);
 }

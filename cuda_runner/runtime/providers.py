@@ -50,9 +50,12 @@ OWN_PREFIX = "cudarunner_"
 SLEEF_PREFIX, OWN_SLEEF_PREFIX = "Sleef_", "cr_sl_"
 # A CUDA library's kernel launches go through the shim, which launches its own
 # kernels that wait for their inputs as programmatic dependents (crLaunchKernel
-# in aoti_shim.cpp). The NUL makes it this name exactly, not a prefix.
+# in aoti_shim.cpp). The NUL makes it this name exactly, not a prefix. It is
+# optional: where the library's names make it unsafe (another name ending in
+# this one shares its bytes), the library launches its kernels itself.
 LAUNCH, OWN_LAUNCH = "cuLaunchKernel\0", "crLaunchKernel\0"
-RENAMES = {TORCH_PREFIX: OWN_PREFIX, SLEEF_PREFIX: OWN_SLEEF_PREFIX, LAUNCH: OWN_LAUNCH}
+REQUIRED_RENAMES = {TORCH_PREFIX: OWN_PREFIX, SLEEF_PREFIX: OWN_SLEEF_PREFIX}
+RENAMES = {**REQUIRED_RENAMES, LAUNCH: OWN_LAUNCH}
 PROVIDERS = ("auto", "shim", "libtorch")
 SHIM_NAME = "cuda-runner shim"
 LIBTORCH_NAME = "libtorch"
@@ -69,11 +72,21 @@ class Provider:
 
     def prepare(self, library: bytes) -> bytes | bytearray:
         """The bytes to load: for our shim, a copy whose imports name its functions."""
-        return rename_imports(library, RENAMES) if self.renames else library
+        return bound_to_own_shim(library) if self.renames else library
 
     @property
     def needs_torch(self) -> bool:
         return self.name == LIBTORCH_NAME
+
+
+def bound_to_own_shim(library: bytes | memoryview) -> bytearray:
+    """The library's copy whose imports name our shim's functions, its kernel
+    launches too where that rename is safe (BundleError where the required
+    ones are not)."""
+    try:
+        return rename_imports(library, RENAMES)
+    except BundleError:
+        return rename_imports(library, REQUIRED_RENAMES)
 
 
 def default_provider(name: str | None) -> str:
@@ -147,7 +160,7 @@ def _renamed_for_own_shim(library: bytes | memoryview, facts: LibraryFacts) -> t
     if missing:
         return None, f"cuda-runner's shim lacks {_listed(missing)}"
     try:
-        return rename_imports(library, RENAMES), None
+        return bound_to_own_shim(library), None
     except BundleError as error:
         return None, f"its imports cannot be bound to cuda-runner's shim ({str(error).removeprefix('model library: ')})"
 

@@ -325,6 +325,36 @@ def test_a_cuda_library_launches_through_the_shim_by_exactly_that_name(tmp_path,
     assert hasattr(lib, "crLaunchKernel")  # what the renamed import binds to
 
 
+TAIL_SHARING_SOURCE = """
+extern int cuLaunchKernel(void *, unsigned, unsigned, unsigned, unsigned, unsigned, unsigned, unsigned, void *, void **, void **);
+extern int aoti_torch_get_data_ptr(void *, void **);
+int my_cuLaunchKernel(void *f) { return cuLaunchKernel(f, 1, 1, 1, 32, 1, 1, 0, 0, 0, 0); }
+int use(void *t, void **p) { return aoti_torch_get_data_ptr(t, p); }
+"""
+
+
+def test_a_library_whose_names_make_the_launch_rename_unsafe_still_binds_to_the_shim(tmp_path):
+    """The linker lets my_cuLaunchKernel and cuLaunchKernel share bytes, so the
+    launch cannot be renamed alone: the library keeps launching its kernels
+    itself, and its shim functions are bound as before (a review found the
+    shim refused such a library)."""
+    import shutil
+    import subprocess
+
+    from cuda_runner.runtime.providers import bound_to_own_shim, own_shim_refusal
+
+    if shutil.which("gcc") is None:
+        pytest.skip("needs gcc")
+    (tmp_path / "model.c").write_text(TAIL_SHARING_SOURCE)
+    subprocess.run(["gcc", "-shared", "-fPIC", "-o", str(tmp_path / "model.so"), str(tmp_path / "model.c")], check=True)
+    library = (tmp_path / "model.so").read_bytes()
+    with pytest.raises(BundleError):
+        rename_imports(library, RENAMES)
+    renamed = read_library_facts(bound_to_own_shim(library))
+    assert "cudarunner_get_data_ptr" in renamed.undefined and "cuLaunchKernel" in renamed.undefined
+    assert own_shim_refusal(library) is None
+
+
 def test_our_shim_provides_every_import_of_the_cpu_fixtures(dict_mlp_bundle, embedder_bundle):
     assert "aoti_torch_cpu_addmm_out" in own_exports() and "Sleef_expf8_u10" in own_exports()
     for compiled in (dict_mlp_bundle, embedder_bundle):
