@@ -1,0 +1,135 @@
+"""Masks that only say "up to the step's position": the fused decode attention
+(compile/attention.py) takes the position instead of the mask, reads no key
+past it, and no kernel a layer computes the mask.
+
+A decoder with a KV cache masks a decode step's scores by where it is: the
+query at position p sees cache positions 0..p. Models write that in many ways
+(a comparison with an arange, a row of a causal buffer picked by the position,
+an additive mask of -inf or the dtype's lowest value), so the mask is not
+matched by its ops. It is proven by its values instead: a mask computed from
+one input, a single integer position, and otherwise from constants, is
+evaluated at every position the cache has, and is taken only if each one
+allows exactly the positions up to it. The constants it reads must be ones
+no op of the graph writes: a mask kept in a buffer the step updates would
+be proven on its compile-time contents.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from .graph_values import static_shape
+from .graph_values import value as recorded_value
+from .matvec import read_only_tensors
+
+# The longest cache whose mask is proven position by position (each one a run of
+# the mask's few ops): a longer one keeps its mask.
+MAX_PROVEN_POSITIONS = 8192
+
+
+def position_limit(mask: Any, target: tuple[int, int, int, int]) -> Any | None:
+    """The graph input p such that `mask`, broadcast to `target` ([B, H, 1, S]),
+    allows exactly the positions 0..p for every p in [0, S); None where that is
+    not so or cannot be shown."""
+    _, _, rows, length = target
+    if rows != 1 or length > MAX_PROVEN_POSITIONS or static_shape(mask) is None:
+        return None
+    ancestors = _ancestors(mask)
+    inputs = [node for node in ancestors if node.op == "placeholder"]
+    if len(inputs) != 1 or not _one_integer(inputs[0]) or not all(_pure(node) for node in ancestors):
+        return None
+    position = inputs[0]
+    if any(_writes(user, position) for user in position.users):
+        return None
+    constants = [node.target for node in ancestors if node.op == "get_attr"]
+    if constants and not set(constants) <= read_only_tensors(mask.graph):
+        return None  # a tensor the step writes (a mask kept in a buffer) is not what it was at compile time
+    try:
+        return position if _allows_up_to_position(mask, ancestors, position, target) else None
+    except Exception:  # a mask that does not evaluate on its own keeps its mask
+        return None
+
+
+def _ancestors(node: Any) -> list[Any]:
+    """The nodes `node` is computed from, itself included, in graph order."""
+    seen = {node}
+    pending = [node]
+    while pending:
+        for source in pending.pop().all_input_nodes:
+            if source not in seen:
+                seen.add(source)
+                pending.append(source)
+    return [candidate for candidate in node.graph.nodes if candidate in seen]
+
+
+def _one_integer(node: Any) -> bool:
+    recorded = recorded_value(node)
+    return (static_shape(node) is not None and getattr(recorded, "numel", lambda: 0)() == 1
+            and str(getattr(recorded, "dtype", "")) in ("torch.int32", "torch.int64"))
+
+
+def _pure(node: Any) -> bool:
+    """A node whose value depends on its inputs alone: an input, a constant, or
+    an ATen op that writes nothing and draws no random numbers."""
+    if node.op in ("placeholder", "get_attr"):
+        return True
+    if node.op != "call_function":
+        return False
+    import torch
+
+    target = node.target
+    if not isinstance(target, torch._ops.OpOverload) or target._schema.is_mutable:
+        return False
+    return torch.Tag.nondeterministic_seeded not in target.tags
+
+
+def _writes(user: Any, tensor: Any) -> bool:
+    """Whether `user` may write `tensor` in place: given it as an argument its
+    schema marks written, or with no schema to tell."""
+    if user.op == "call_module" and user.target == "_guards_fn":
+        return False  # the input checks ExportedProgram.module() adds: it reads its inputs
+    schema = getattr(getattr(user, "target", None), "_schema", None)
+    if user.op != "call_function" or schema is None:
+        return True
+    for index, argument in enumerate(schema.arguments):
+        given = user.args[index] if index < len(user.args) else user.kwargs.get(argument.name)
+        written = argument.alias_info is not None and argument.alias_info.is_write
+        if written and (given is tensor or (isinstance(given, (list, tuple)) and tensor in given)):
+            return True
+    return False
+
+
+def _allows_up_to_position(mask: Any, ancestors: list[Any], position: Any, target: tuple[int, ...]) -> bool:
+    import torch
+    from torch import fx
+
+    graph = fx.Graph()
+    copies: dict[Any, Any] = {}
+    for node in ancestors:
+        copies[node] = graph.node_copy(node, lambda source: copies[source])
+    graph.output(copies[mask])
+    evaluate = fx.GraphModule(mask.graph.owning_module, graph)
+    example = recorded_value(position)
+    positions = torch.arange(target[-1], device=example.device)
+    with torch.no_grad():
+        for step in range(target[-1]):
+            given = torch.full(tuple(example.shape), step, dtype=example.dtype, device=example.device)
+            if not _allows_exactly(evaluate(given).expand(target), positions <= step):
+                return False
+    return True
+
+
+def _allows_exactly(values: Any, allowed: Any) -> bool:
+    """Whether a bool mask keeps just the allowed positions, or an additive one
+    adds 0 to them and, to every other, -inf or its dtype's lowest value (which
+    leaves exp() of the score 0, as -inf does, while some position is allowed)."""
+    import torch
+
+    if values.dtype == torch.bool:
+        return bool(torch.equal(values, allowed.expand_as(values)))
+    if not values.dtype.is_floating_point:
+        return False
+    lowest = torch.finfo(values.dtype).min
+    kept = values == 0
+    dropped = (values == float("-inf")) | (values == lowest)
+    return bool(torch.equal(kept, allowed.expand_as(values)) and torch.equal(dropped, ~allowed.expand_as(values)))

@@ -1,0 +1,106 @@
+"""Masks proven to say "cache positions up to the step's" (compile/position_mask.py):
+the ways models write them are taken, anything that differs at any position,
+or that cannot be evaluated from the position alone, keeps its mask."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from models import MethodOf, scale_models
+
+from cuda_runner.compile import position_mask
+from cuda_runner.compile.attention import _mask_target, decode_attention_sites
+from cuda_runner.compile.position_mask import position_limit
+
+LENGTH = 24
+
+
+class _Masked(torch.nn.Module):
+    """One SDPA call over a cache of LENGTH positions, its mask made from the position by `make`."""
+
+    def __init__(self, make, rows: int = 1):
+        super().__init__()
+        self.make, self.rows = make, rows
+        self.register_buffer("causal", torch.ones(LENGTH, LENGTH, dtype=torch.bool).tril())
+
+    def forward(self, q, k, v, input_pos, other):
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=self.make(self, input_pos, other))
+
+
+def _arange(input_pos):
+    return torch.arange(LENGTH, device=input_pos.device)
+
+
+MASKS = {
+    "arange compare": lambda m, p, o: (_arange(p)[None, :] <= p[:, None]).view(1, 1, 1, LENGTH),
+    "causal buffer row": lambda m, p, o: m.causal[p].view(1, 1, 1, LENGTH),
+    "additive, lowest value": lambda m, p, o: torch.where(_arange(p) <= p, 0.0, torch.finfo(torch.float32).min).view(1, 1, 1, LENGTH),
+    "additive, -inf": lambda m, p, o: torch.zeros(LENGTH).masked_fill(_arange(p) > p, float("-inf")).view(1, 1, 1, LENGTH),
+}
+NOT_POSITION_MASKS = {
+    "one short": lambda m, p, o: (_arange(p) < p).view(1, 1, 1, LENGTH),
+    "a sliding window": lambda m, p, o: ((_arange(p) <= p) & (_arange(p) > p - 4)).view(1, 1, 1, LENGTH),
+    "additive, -1e4": lambda m, p, o: torch.where(_arange(p) <= p, 0.0, -1e4).view(1, 1, 1, LENGTH),
+    "from two inputs": lambda m, p, o: (_arange(p) <= p + o).view(1, 1, 1, LENGTH),
+    "random": lambda m, p, o: ((_arange(p) <= p) | (torch.rand(LENGTH) > 2.0)).view(1, 1, 1, LENGTH),
+}
+
+
+def _site(make, rows: int = 1):
+    q, k, v = torch.randn(1, 4, rows, 8), torch.randn(1, 4, LENGTH, 8), torch.randn(1, 4, LENGTH, 8)
+    graph = torch.export.export(_Masked(make, rows), (q, k, v, torch.tensor([5]), torch.tensor([0]))).module().graph
+    (site,) = decode_attention_sites(graph)
+    return site
+
+
+@pytest.mark.parametrize("make", MASKS.values(), ids=MASKS.keys())
+def test_masks_that_allow_the_positions_up_to_the_steps_are_taken(make):
+    site = _site(make)
+    limit = position_limit(site.mask, _mask_target(site))
+    assert limit is not None and limit.op == "placeholder" and limit.name == "input_pos"
+
+
+@pytest.mark.parametrize("make", NOT_POSITION_MASKS.values(), ids=NOT_POSITION_MASKS.keys())
+def test_masks_that_differ_anywhere_or_need_more_than_the_position_are_kept(make):
+    site = _site(make)
+    assert position_limit(site.mask, _mask_target(site)) is None
+
+
+def test_several_query_rows_keep_their_mask():
+    site = _site(lambda m, p, o: (_arange(p)[None, :] <= p[:, None]).view(1, 1, 1, LENGTH).expand(1, 1, 2, LENGTH), rows=2)
+    assert position_limit(site.mask, _mask_target(site)) is None
+
+
+def test_a_cache_longer_than_what_is_proven_keeps_its_mask(monkeypatch):
+    site = _site(MASKS["arange compare"])
+    monkeypatch.setattr(position_mask, "MAX_PROVEN_POSITIONS", LENGTH - 1)
+    assert position_limit(site.mask, _mask_target(site)) is None
+
+
+def test_every_layer_of_the_llama_decoders_step_is_masked_by_its_position():
+    config = scale_models.LLAMA_TINY
+    model = scale_models.LlamaDecoder(config, torch.float32).eval()
+    graph = torch.export.export(MethodOf(model, "decode"), scale_models.llama_examples(config, 6)["decode"]).module().graph
+    sites = decode_attention_sites(graph)
+    assert len(sites) == config.layers
+    assert {position_limit(site.mask, _mask_target(site)).name for site in sites} == {"input_pos"}
+
+
+class _MaskKeptInABuffer(torch.nn.Module):
+    """Allows exactly the positions up to the step's at compile time, but the step writes the buffer it reads."""
+
+    def __init__(self):
+        super().__init__()
+        self.register_buffer("causal", torch.ones(LENGTH, LENGTH, dtype=torch.bool).tril())
+
+    def forward(self, q, k, v, input_pos):
+        self.causal[0].copy_(torch.zeros(LENGTH, dtype=torch.bool))
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=self.causal[input_pos].view(1, 1, 1, LENGTH))
+
+
+def test_a_mask_read_from_a_buffer_the_step_writes_is_kept():
+    q, k, v = torch.randn(1, 4, 1, 8), torch.randn(1, 4, LENGTH, 8), torch.randn(1, 4, LENGTH, 8)
+    graph = torch.export.export(_MaskKeptInABuffer(), (q, k, v, torch.tensor([5]))).module().graph
+    (site,) = decode_attention_sites(graph)
+    assert position_limit(site.mask, _mask_target(site)) is None
