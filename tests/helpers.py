@@ -122,3 +122,54 @@ def compile_with_option(program: Path, bundle: Path, option: str, setting: str |
     result = run_cli("compile", str(program), "-o", str(bundle), "--device", "cuda", "--quick", *chosen)
     assert result.returncode == 0, result.stderr
     return dict(cuda_runner.read_manifest(bundle).methods["forward"].compile_options)
+
+
+# ---------------------------------------------------------------------------
+# PTX of a programmatic-dependent kernel, read as basic blocks
+
+def ptx_blocks(ptx: str) -> dict[str, tuple[list[str], list[str]]]:
+    """The kernel's basic blocks in order: label -> (its memory operations and
+    waits, the labels it may go to next)."""
+    blocks: dict[str, tuple[list[str], list[str]]] = {}
+    label, ops, order = "entry", [], []
+    for raw in ptx.splitlines():
+        line = raw.strip()
+        if line.startswith("$L__BB") and line.split()[0].endswith(":"):
+            blocks[label] = (ops, [])
+            order.append(label)
+            label, ops = line.split()[0][:-1], []
+            continue
+        statement = line.lstrip("@%p0123456789! ")
+        if statement.startswith(("ld.global", "st.global")):
+            ops.append(statement.split()[0])
+        elif statement.startswith("griddepcontrol.wait"):
+            ops.append("griddepcontrol.wait")
+        elif statement.startswith("bra"):
+            ops.append(("goto " if statement.startswith("bra.uni") else "branch ") + statement.split()[-1].rstrip(";"))
+    blocks[label] = (ops, [])
+    order.append(label)
+    for position, name in enumerate(order):
+        ops, successors = blocks[name]
+        ends = True
+        for op in [op for op in ops if op.startswith(("goto ", "branch "))]:
+            successors.append(op.split()[1])
+            ends = ends and not op.startswith("goto ")
+        if ends and position + 1 < len(order):
+            successors.append(order[position + 1])
+        blocks[name] = ([op for op in ops if not op.startswith(("goto ", "branch "))], successors)
+    return blocks
+
+
+def waited_on_entry(blocks: dict[str, tuple[list[str], list[str]]]) -> dict[str, bool]:
+    """Whether every path from the kernel's entry to each block has passed a wait."""
+    waited = dict.fromkeys(blocks, True)
+    waited["entry"] = False
+    changed = True
+    while changed:
+        changed = False
+        for label, (ops, successors) in blocks.items():
+            leaves = waited[label] or "griddepcontrol.wait" in ops
+            for successor in successors:
+                if waited[successor] and not leaves:
+                    waited[successor], changed = False, True
+    return waited

@@ -9,7 +9,9 @@ shapes, one floating dtype, and a mask that is absent, bool or additive and
 broadcasts to [B, H, L, S]. Keys and values that the model repeated per query
 head (repeat_interleave along the heads, or Hugging Face's
 unsqueeze-expand-reshape) are read from the unrepeated tensor, so
-grouped-query attention copies nothing.
+grouped-query attention copies nothing. A mask proven to allow just the cache
+positions up to the step's (compile/position_mask.py) is replaced by that
+position.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from typing import Any
 
 from .graph_values import FLOATING_DTYPES, dtype_name, one_floating_dtype, static_shape
 from .graph_values import value as recorded_value
+from .position_mask import position_limit
 
 # The kernel runs one program per query row and reads every key for each:
 # beyond a few rows (a prefill, an encoder) SDPA's own lowering does better.
@@ -57,31 +60,71 @@ def decode_attention_sites(graph: Any) -> list[AttentionSite]:
     return sites
 
 
-def fuse_decode_attention(graph_module: Any) -> int:
+@dataclass(frozen=True)
+class Fused:
+    """What fuse_decode_attention replaced: SDPA calls, and of those the ones
+    whose mask became the step's position."""
+
+    calls: int = 0
+    position_limits: int = 0
+
+
+def fuse_decode_attention(graph_module: Any) -> Fused:
     """Replace the qualifying SDPA calls of `graph_module` (a copy the caller
-    owns: ExportedProgram.module() makes a new one) by the fused kernel; the
-    number replaced."""
+    owns: ExportedProgram.module() makes a new one) by the fused kernel."""
     sites = decode_attention_sites(graph_module.graph)
     if not sites:
-        return 0
+        return Fused()
     import torch
 
     from . import attention_kernel  # noqa: F401  (registers the operator)
 
     operator = torch.ops.cuda_runner.decode_attention.default
     graph = graph_module.graph
+    limits: dict[Any, Any] = {}  # mask -> the position that stands for it (the layers share one mask)
+    masks = set()
+    position_limits = 0
     for site in sites:
+        mask, limit = site.mask, None
+        if mask is not None:
+            if mask not in limits:
+                limits[mask] = position_limit(mask, _mask_target(site))
+            limit = limits[mask]
+            if limit is not None:
+                masks.add(mask)
+                mask, position_limits = None, position_limits + 1
         with graph.inserting_before(site.node):
-            fused = graph.call_function(operator, (site.query, site.key, site.value, site.mask, site.scale, site.group))
+            fused = graph.call_function(operator, (site.query, site.key, site.value, mask, site.scale, site.group, limit))
         fused.meta.update(site.node.meta)  # its value as export saw it: pin_sdpa_layout reads the layout
         site.node.replace_all_uses_with(fused)
         graph.erase_node(site.node)
         for repeat in site.repeats:  # innermost last: each may free the one before
             if not repeat.users:
                 graph.erase_node(repeat)
+    for mask in masks:
+        _erase_unused(mask)
     graph.lint()
     graph_module.recompile()
-    return len(sites)
+    return Fused(len(sites), position_limits)
+
+
+def _mask_target(site: AttentionSite) -> tuple[int, int, int, int]:
+    """[B, H, L, S]: what the site's mask broadcasts to."""
+    batch, heads, rows, _ = static_shape(site.query) or (0, 0, 0, 0)
+    return batch, heads, rows, (static_shape(site.key) or (0, 0, 0))[2]
+
+
+def _erase_unused(node: Any) -> None:
+    """Erase `node` if nothing uses it, and so on up what it was computed from
+    (only ops that write nothing: position_limit proved the mask's so)."""
+    pending = [node]
+    while pending:
+        candidate = pending.pop()
+        if candidate.users or candidate.op != "call_function":
+            continue
+        sources = candidate.all_input_nodes
+        candidate.graph.erase_node(candidate)
+        pending.extend(sources)
 
 
 def pin_sdpa_layout(graph_module: Any) -> int:

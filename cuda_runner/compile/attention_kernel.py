@@ -16,6 +16,13 @@ of the 1B decoder for 1 MB of cache). Each program reduces one stretch of
 the keys to a partial maximum, sum and weighted value, and a second small
 kernel merges the stretches of each row.
 
+A decoder's mask often says only "cache positions up to p" for the step's
+position p (compile/attention.py proves that of a mask before relying on
+it); the kernel is then given p instead of the mask and reads no key beyond
+it. On Hopper and later both kernels are launched as programmatic
+dependents (docs/standalone.md): a program may start while the launch
+before it finishes, and waits for it before reading or writing anything.
+
 Importing this module needs Triton (a CUDA build of torch has it); it
 registers the operator cuda_runner::decode_attention, which Inductor compiles
 into the library like its own kernels (torch.library.triton_op).
@@ -28,10 +35,13 @@ import triton
 import triton.language as tl
 from torch.library import triton_op, wrap_triton
 
+from .matvec_kernel import _await_inputs, waits_for_inputs
+
 OPERATOR = "cuda_runner::decode_attention"
 
-# Mask kinds, as the kernel reads them.
-_NO_MASK, _BOOL_MASK, _ADDITIVE_MASK = 0, 1, 2
+# Mask kinds, as the kernel reads them. A limit is a tensor of positions, one per
+# query row: the row attends to cache positions 0 up to its own.
+_NO_MASK, _BOOL_MASK, _ADDITIVE_MASK, _POSITION_LIMIT = 0, 1, 2, 3
 # Elements of one tile of keys a program holds in registers (keys x head dim).
 _TILE_ELEMENTS = 8192
 # Programs a call aims for: a few per SM of a large GPU (132 on the H200), so that loads overlap.
@@ -47,6 +57,36 @@ def _decode_attention_kernel(
     HEADS: tl.constexpr, ROWS: tl.constexpr, HEAD_DIM: tl.constexpr, VALUE_DIM: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, MASK_KIND: tl.constexpr, SPLITS: tl.constexpr,
 ):
+    _decode_attention(query, key, value, mask, out, part_max, part_sum, part_acc, scale, kv_length, group, split_keys,
+                      q_b, q_h, q_l, q_d, k_b, k_h, k_s, k_d, v_b, v_h, v_s, v_d, m_b, m_h, m_l, m_s, o_b, o_h, o_l, o_d,
+                      HEADS, ROWS, HEAD_DIM, VALUE_DIM, BLOCK_N, BLOCK_D, BLOCK_DV, MASK_KIND, SPLITS, False)
+
+
+# The same, for a launch as a programmatic dependent: cuda-runner's shim launches
+# kernels of this name prefix so (native/aoti_shim.cpp).
+@triton.jit
+def cudarunner_pdl_decode_attention(
+    query, key, value, mask, out, part_max, part_sum, part_acc, scale, kv_length, group, split_keys,
+    q_b, q_h, q_l, q_d, k_b, k_h, k_s, k_d, v_b, v_h, v_s, v_d, m_b, m_h, m_l, m_s, o_b, o_h, o_l, o_d,
+    HEADS: tl.constexpr, ROWS: tl.constexpr, HEAD_DIM: tl.constexpr, VALUE_DIM: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, MASK_KIND: tl.constexpr, SPLITS: tl.constexpr,
+):
+    _decode_attention(query, key, value, mask, out, part_max, part_sum, part_acc, scale, kv_length, group, split_keys,
+                      q_b, q_h, q_l, q_d, k_b, k_h, k_s, k_d, v_b, v_h, v_s, v_d, m_b, m_h, m_l, m_s, o_b, o_h, o_l, o_d,
+                      HEADS, ROWS, HEAD_DIM, VALUE_DIM, BLOCK_N, BLOCK_D, BLOCK_DV, MASK_KIND, SPLITS, True)
+
+
+@triton.jit
+def _decode_attention(
+    query, key, value, mask, out, part_max, part_sum, part_acc, scale, kv_length, group, split_keys,
+    q_b, q_h, q_l, q_d, k_b, k_h, k_s, k_d, v_b, v_h, v_s, v_d, m_b, m_h, m_l, m_s, o_b, o_h, o_l, o_d,
+    HEADS: tl.constexpr, ROWS: tl.constexpr, HEAD_DIM: tl.constexpr, VALUE_DIM: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, MASK_KIND: tl.constexpr, SPLITS: tl.constexpr,
+    PDL: tl.constexpr,
+):
+    # Every tensor this touches, written ones too, is addressed through `ready`:
+    # nothing is read or written before the launch before it is done.
+    ready = _await_inputs(PDL)
     program = tl.program_id(0).to(tl.int64)  # 64-bit offsets: a layer's cache may pass 2**31 elements
     split = tl.program_id(1).to(tl.int64)
     row = program % ROWS
@@ -55,18 +95,21 @@ def _decode_attention_kernel(
     kv_head = head // group
     dims = tl.arange(0, BLOCK_D)
     value_dims = tl.arange(0, BLOCK_DV)
-    q = tl.load(query + batch * q_b + head * q_h + row * q_l + dims * q_d, mask=dims < HEAD_DIM, other=0.0)
+    q = tl.load(query + ready + batch * q_b + head * q_h + row * q_l + dims * q_d, mask=dims < HEAD_DIM, other=0.0)
     # The product is cast, not the scale: Inductor passes the scale as fp64 to the
     # kernel it builds, and as a Python float to its analysis of what the kernel writes.
     q = (q.to(tl.float32) * scale).to(tl.float32)
     running_max = tl.full([], float("-inf"), tl.float32)
     running_sum = tl.full([], 0.0, tl.float32)
     acc = tl.zeros([BLOCK_DV], dtype=tl.float32)
-    key_base = key + batch * k_b + kv_head * k_h
-    value_base = value + batch * v_b + kv_head * v_h
-    mask_base = mask + batch * m_b + head * m_h + row * m_l
+    key_base = key + ready + batch * k_b + kv_head * k_h
+    value_base = value + ready + batch * v_b + kv_head * v_h
+    mask_base = mask + ready + batch * m_b + head * m_h + row * m_l
     begin = split * split_keys
     end = tl.minimum(begin + split_keys, kv_length)
+    if MASK_KIND == 3:
+        # Keys past the row's position are masked: they are not read at all (a stretch wholly past it reads nothing).
+        end = tl.minimum(end, tl.load(mask_base).to(tl.int64) + 1)
     for start in range(begin, end, BLOCK_N):
         positions = start + tl.arange(0, BLOCK_N).to(tl.int64)
         inside = positions < end
@@ -92,11 +135,11 @@ def _decode_attention_kernel(
     if SPLITS == 1:
         # A row with every position masked gives zeros, as torch's SDPA does (its safe softmax).
         result = tl.where(running_sum > 0, acc / tl.where(running_sum > 0, running_sum, 1.0), 0.0)
-        tl.store(out + batch * o_b + head * o_h + row * o_l + value_dims * o_d, result.to(out.dtype.element_ty),
+        tl.store(out + ready + batch * o_b + head * o_h + row * o_l + value_dims * o_d, result.to(out.dtype.element_ty),
                  mask=value_dims < VALUE_DIM)
     else:
         # This stretch's share, relative to its own maximum (-inf with a sum of 0 where all of it is masked).
-        slot = program * SPLITS + split
+        slot = program * SPLITS + split + ready
         tl.store(part_max + slot, running_max)
         tl.store(part_sum + slot, running_sum)
         tl.store(part_acc + slot * BLOCK_DV + value_dims, acc)
@@ -108,7 +151,26 @@ def _merge_splits_kernel(
     HEADS: tl.constexpr, ROWS: tl.constexpr, VALUE_DIM: tl.constexpr, BLOCK_DV: tl.constexpr,
     SPLITS: tl.constexpr, BLOCK_S: tl.constexpr,
 ):
+    _merge_splits(part_max, part_sum, part_acc, out, o_b, o_h, o_l, o_d, HEADS, ROWS, VALUE_DIM, BLOCK_DV, SPLITS, BLOCK_S, False)
+
+
+@triton.jit
+def cudarunner_pdl_merge_splits(
+    part_max, part_sum, part_acc, out, o_b, o_h, o_l, o_d,
+    HEADS: tl.constexpr, ROWS: tl.constexpr, VALUE_DIM: tl.constexpr, BLOCK_DV: tl.constexpr,
+    SPLITS: tl.constexpr, BLOCK_S: tl.constexpr,
+):
+    _merge_splits(part_max, part_sum, part_acc, out, o_b, o_h, o_l, o_d, HEADS, ROWS, VALUE_DIM, BLOCK_DV, SPLITS, BLOCK_S, True)
+
+
+@triton.jit
+def _merge_splits(
+    part_max, part_sum, part_acc, out, o_b, o_h, o_l, o_d,
+    HEADS: tl.constexpr, ROWS: tl.constexpr, VALUE_DIM: tl.constexpr, BLOCK_DV: tl.constexpr,
+    SPLITS: tl.constexpr, BLOCK_S: tl.constexpr, PDL: tl.constexpr,
+):
     """One row's stretches brought to a common maximum and summed: the softmax over all its keys."""
+    ready = _await_inputs(PDL)
     program = tl.program_id(0).to(tl.int64)
     row = program % ROWS
     head = (program // ROWS) % HEADS
@@ -116,7 +178,7 @@ def _merge_splits_kernel(
     splits = tl.arange(0, BLOCK_S)
     value_dims = tl.arange(0, BLOCK_DV)
     real = splits < SPLITS
-    slots = program * SPLITS + splits
+    slots = program * SPLITS + splits + ready
     maxima = tl.load(part_max + slots, mask=real, other=float("-inf"))
     sums = tl.load(part_sum + slots, mask=real, other=0.0)
     top = tl.max(maxima, axis=0)
@@ -127,7 +189,7 @@ def _merge_splits_kernel(
     acc = tl.sum(accs * weights[:, None], axis=0)
     # A row with every position masked gives zeros, as torch's SDPA does (its safe softmax).
     result = tl.where(total > 0, acc / tl.where(total > 0, total, 1.0), 0.0)
-    tl.store(out + batch * o_b + head * o_h + row * o_l + value_dims * o_d, result.to(out.dtype.element_ty),
+    tl.store(out + ready + batch * o_b + head * o_h + row * o_l + value_dims * o_d, result.to(out.dtype.element_ty),
              mask=value_dims < VALUE_DIM)
 
 
@@ -146,20 +208,16 @@ def split_plan(rows_total: int, kv_length: int, tile_rows: int) -> tuple[int, in
 
 @triton_op(OPERATOR, mutates_args=())
 def decode_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: torch.Tensor | None,
-                     scale: float, group: int) -> torch.Tensor:
+                     scale: float, group: int, limit: torch.Tensor | None = None) -> torch.Tensor:
     """softmax(query @ key^T * scale + mask) @ value for query [B, H, L, D],
     key [B, H/group, S, D], value [B, H/group, S, Dv]; query head h reads K/V
-    head h // group. A bool mask keeps the True positions; another is added."""
+    head h // group. A bool mask keeps the True positions; another is added.
+    In place of a mask, `limit` (integers [L]) keeps, for query row l, the
+    positions 0 to limit[l]."""
     batch, heads, rows, head_dim = query.shape
     kv_length, value_dim = key.shape[2], value.shape[3]
     out = torch.empty((batch, heads, rows, value_dim), dtype=query.dtype, device=query.device)
-    mask_strides: tuple[int, ...]
-    if mask is None:
-        kind, mask_view, mask_strides = _NO_MASK, query, (0, 0, 0, 0)
-    else:
-        kind = _BOOL_MASK if mask.dtype == torch.bool else _ADDITIVE_MASK
-        mask_view = mask.expand(batch, heads, rows, kv_length)
-        mask_strides = mask_view.stride()
+    kind, mask_view, mask_strides = _mask_operand(query, mask, limit, kv_length)
     block_d, block_dv = triton.next_power_of_2(head_dim), triton.next_power_of_2(value_dim)
     rows_total = batch * heads * rows
     # A program holds a tile of keys and one of values: the wider sets the tile's rows.
@@ -170,7 +228,8 @@ def decode_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor
     part_max = torch.empty((slots,), dtype=torch.float32, device=query.device)
     part_sum = torch.empty((slots,), dtype=torch.float32, device=query.device)
     part_acc = torch.empty((slots * block_dv,), dtype=torch.float32, device=query.device)
-    wrap_triton(_decode_attention_kernel)[(rows_total, splits)](
+    pdl = waits_for_inputs(query.device)
+    wrap_triton(cudarunner_pdl_decode_attention if pdl else _decode_attention_kernel)[(rows_total, splits)](
         query, key, value, mask_view, out, part_max, part_sum, part_acc, scale, kv_length, group, split_keys,
         *query.stride(), *key.stride(), *value.stride(), *mask_strides, *out.stride(),
         HEADS=heads, ROWS=rows, HEAD_DIM=head_dim, VALUE_DIM=value_dim,
@@ -178,9 +237,23 @@ def decode_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor
         num_warps=4 if block_n * max(block_d, block_dv) >= 4096 else 2,
     )
     if splits > 1:
-        wrap_triton(_merge_splits_kernel)[(rows_total,)](
+        wrap_triton(cudarunner_pdl_merge_splits if pdl else _merge_splits_kernel)[(rows_total,)](
             part_max, part_sum, part_acc, out, *out.stride(),
             HEADS=heads, ROWS=rows, VALUE_DIM=value_dim, BLOCK_DV=block_dv, SPLITS=splits, BLOCK_S=triton.next_power_of_2(splits),
             num_warps=1 if splits * block_dv <= 1024 else 4,
         )
     return out
+
+
+def _mask_operand(query: torch.Tensor, mask: torch.Tensor | None, limit: torch.Tensor | None,
+                  kv_length: int) -> tuple[int, torch.Tensor, tuple[int, ...]]:
+    """(mask kind, the tensor the kernel reads for it, its [B, H, L, S] strides)."""
+    batch, heads, rows, _ = query.shape
+    if limit is not None:
+        if mask is not None or limit.shape != (rows,) or limit.dtype not in (torch.int32, torch.int64):
+            raise ValueError(f"a limit is one integer per query row ({rows}), given without a mask")
+        return _POSITION_LIMIT, limit, (0, 0, limit.stride(0), 0)
+    if mask is None:
+        return _NO_MASK, query, (0, 0, 0, 0)
+    mask_view = mask.expand(batch, heads, rows, kv_length)
+    return (_BOOL_MASK if mask.dtype == torch.bool else _ADDITIVE_MASK), mask_view, tuple(mask_view.stride())

@@ -16,6 +16,7 @@ import torch
 import torch.nn.functional as F
 from models import MethodOf, scale_models
 
+from cuda_runner.compile import attention
 from cuda_runner.compile.aot import check_options
 from cuda_runner.compile.attention import MAX_QUERY_ROWS, OPTION, decode_attention_sites
 from cuda_runner.errors import CompileError, InputError
@@ -156,7 +157,7 @@ def test_the_fused_graph_computes_what_sdpa_does_under_tritons_interpreter(tmp_p
             def forward(self, tokens, position): return self.model.decode(tokens, position)
         fused = torch.export.export(Decode(copy.deepcopy(model)), examples["decode"]).module()
         plain = torch.export.export(Decode(copy.deepcopy(model)), examples["decode"]).module()
-        assert fuse_decode_attention(fused) == config.layers
+        assert fuse_decode_attention(fused).calls == config.layers
         assert not any("repeat_interleave" in str(node.target) for node in fused.graph.nodes)
         with torch.no_grad():
             error = (fused(*examples["decode"]) - plain(*examples["decode"])).abs().max().item()
@@ -196,7 +197,7 @@ def test_a_fused_attention_that_does_not_compile_costs_the_fusion_not_the_build(
         return "/nowhere/model.so"
 
     fake_torch = SimpleNamespace(_inductor=SimpleNamespace(aot_compile=aot_compile))
-    monkeypatch.setattr(attention, "fuse_decode_attention", lambda module: setattr(module, "fused", 2) or 2)
+    monkeypatch.setattr(attention, "fuse_decode_attention", lambda module: setattr(module, "fused", 2) or attention.Fused(2))
     monkeypatch.setattr(attention, "pin_sdpa_layout", lambda module: 0)
     program = SimpleNamespace(module=lambda: SimpleNamespace(fused=0))
     heard: list[str] = []
@@ -283,3 +284,62 @@ def test_a_fusion_that_fails_before_the_compile_costs_the_fusion_not_the_build(m
     path = aot._aot_compile(fake_torch, SimpleNamespace(module=object), (), {}, {}, False, "cuda", kernels, lambda _: None)
     assert str(path) == "/nowhere/model.so" and kernels.fused == 0
     assert kernels.failures == {"attention": "RuntimeError: triton_op: cannot register cuda_runner::decode_attention"}
+
+
+@pytest.mark.triton
+@pytest.mark.skipif(not __import__("importlib").util.find_spec("triton"), reason="Triton is not installed (CPU torch)")
+@pytest.mark.parametrize("mask_kind, splits", [(0, 16), (1, 16), (2, 1), (3, 16), (3, 1)])
+def test_the_programmatic_attention_kernels_touch_memory_only_after_their_wait(mask_kind, splits):
+    """Built for sm90 on the CPU: on every path through the PTX of the
+    attention kernel and of the merge, no load and no store comes before
+    griddepcontrol.wait (the launch before may still be writing what they
+    read, or reading what they write)."""
+    import inspect
+
+    import triton
+    from helpers import ptx_blocks, waited_on_entry
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from cuda_runner.compile.attention_kernel import cudarunner_pdl_decode_attention, cudarunner_pdl_merge_splits
+
+    mask_type = {0: "*bf16", 1: "*i1", 2: "*bf16", 3: "*i64"}[mask_kind]
+    builds = [
+        (cudarunner_pdl_decode_attention, dict(HEADS=32, ROWS=1, HEAD_DIM=64, VALUE_DIM=64, BLOCK_N=32, BLOCK_D=64, BLOCK_DV=64,
+                                               MASK_KIND=mask_kind, SPLITS=splits),
+         {"mask": mask_type, "part_max": "*fp32", "part_sum": "*fp32", "part_acc": "*fp32", "scale": "fp32"}),
+        (cudarunner_pdl_merge_splits, dict(HEADS=32, ROWS=1, VALUE_DIM=64, BLOCK_DV=64, SPLITS=16, BLOCK_S=16),
+         {"part_max": "*fp32", "part_sum": "*fp32", "part_acc": "*fp32"}),
+    ]
+    for kernel, constants, pointers in builds:
+        parameters = list(inspect.signature(kernel.fn).parameters)
+        tensors = {"query": "*bf16", "key": "*bf16", "value": "*bf16", "out": "*bf16", **pointers}
+        types = {name: "constexpr" if name in constants else tensors.get(name, "i32") for name in parameters}
+        source = ASTSource(fn=kernel, signature=types, constexprs={(parameters.index(name),): value for name, value in constants.items()})
+        ptx = triton.compile(source, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4}).asm["ptx"]
+        blocks = ptx_blocks(ptx)
+        waited = waited_on_entry(blocks)
+        touched = 0
+        for label, (ops, _) in blocks.items():
+            done = waited[label]
+            for op in ops:
+                if op == "griddepcontrol.wait":
+                    done = True
+                elif op.startswith(("ld.global", "st.global")):
+                    touched += 1
+                    assert done, (kernel.fn.__name__, label, op)
+        assert touched and "griddepcontrol.launch_dependents;" in ptx
+
+
+@pytest.mark.triton
+@pytest.mark.skipif(not __import__("importlib").util.find_spec("triton"), reason="Triton is not installed (CPU torch)")
+def test_the_decoders_masks_become_its_position_and_are_no_longer_computed():
+    from cuda_runner.compile.attention import fuse_decode_attention
+
+    config = scale_models.LLAMA_TINY
+    model = scale_models.LlamaDecoder(config, torch.float32).eval()
+    module = torch.export.export(MethodOf(model, "decode"), scale_models.llama_examples(config, 6)["decode"]).module()
+    assert fuse_decode_attention(module) == attention.Fused(calls=config.layers, position_limits=config.layers)
+    fused = [node for node in module.graph.nodes if str(node.target) == "cuda_runner.decode_attention.default"]
+    assert [(node.args[3], node.args[6].name) for node in fused] == [(None, "input_pos")] * config.layers
+    assert not any(str(node.target) in ("aten.le.Tensor", "aten.arange.default") for node in module.graph.nodes)

@@ -16,6 +16,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from helpers import ptx_blocks, waited_on_entry
 from models import MethodOf, scale_models
 
 from cuda_runner.compile import aot, attention, matvec, matvec_fusion
@@ -277,7 +278,7 @@ def _failing_compile(fails_while: set[str], compiled: list[tuple[int, int]]):
     (set(), [(2, 5)], set()),
 ])
 def test_a_build_that_fails_with_its_own_kernels_is_compiled_again_without_them(monkeypatch, fails_while, tries, given_up):
-    monkeypatch.setattr(attention, "fuse_decode_attention", lambda module: setattr(module, "fused", 2) or 2)
+    monkeypatch.setattr(attention, "fuse_decode_attention", lambda module: setattr(module, "fused", 2) or attention.Fused(2))
     monkeypatch.setattr(matvec, "use_matvec", lambda module: setattr(module, "products", 5) or matvec.MatvecUse(products=5, launches=3))
     compiled: list[tuple[int, int]] = []
     heard: list[str] = []
@@ -379,7 +380,7 @@ def test_the_matrix_vector_kernel_is_for_methods_that_pass_the_single_row_rule(o
 
 
 def test_a_build_with_the_matrix_vector_kernel_names_each_of_its_compiled_forms_apart(monkeypatch):
-    monkeypatch.setattr(attention, "fuse_decode_attention", lambda module: 2)
+    monkeypatch.setattr(attention, "fuse_decode_attention", lambda module: attention.Fused(2))
     monkeypatch.setattr(matvec, "use_matvec", lambda module: matvec.MatvecUse(products=5, launches=3))
     seen: list[dict] = []
     fake = SimpleNamespace(_inductor=SimpleNamespace(aot_compile=lambda module, args, kwargs, options: seen.append(options) or "/x/m.so"))
@@ -388,6 +389,13 @@ def test_a_build_with_the_matrix_vector_kernel_names_each_of_its_compiled_forms_
         aot._aot_compile(fake, program, (), {}, {"max_autotune": True}, False, "cuda", aot.OwnKernels(attention=True, matvec=matvec_on), print)
     assert [options.get("triton.unique_user_kernel_names") for options in seen] == [True, None]
     assert all(options["max_autotune"] for options in seen)
+
+
+def test_a_graph_with_the_fused_attention_takes_combo_kernels_unless_the_user_chose():
+    assert aot._with_kernel_options({}, ["attention"])["combo_kernels"] is True
+    assert aot._with_kernel_options({"combo_kernels": False}, ["attention", "matvec"])["combo_kernels"] is False
+    assert "combo_kernels" not in aot._with_kernel_options({}, ["matvec"])
+    assert "combo_kernels" not in aot._with_kernel_options({}, [])
 
 
 def test_a_failed_cpp_build_is_told_by_the_compilers_first_error():
@@ -565,8 +573,8 @@ def test_the_programmatic_kernel_loads_weights_then_waits_then_reads_the_row(k, 
                        constexprs={(parameters.index(name),): value for name, value in constants.items()},
                        attrs={(index,): [["tt.divisibility", 16]] for index, name in enumerate(parameters) if name not in constants})
     ptx = triton.compile(source, target=GPUTarget("cuda", 90, 32), options={"num_warps": warps}).asm["ptx"]
-    blocks = _ptx_blocks(ptx)
-    waited = _waited_on_entry(blocks)
+    blocks = ptx_blocks(ptx)
+    waited = waited_on_entry(blocks)
     unmasked = k % block_k == 0 and all(n % block_n == 0 for n in rows)
     for label, (ops, _) in blocks.items():
         done = waited[label]
@@ -580,54 +588,6 @@ def test_the_programmatic_kernel_loads_weights_then_waits_then_reads_the_row(k, 
             elif op.startswith("st.global") or (op.startswith("ld.global") and "evict_first" not in op):
                 assert done, (label, op)
     assert "griddepcontrol.launch_dependents;" in ptx
-
-
-def _ptx_blocks(ptx: str) -> dict[str, tuple[list[str], list[str]]]:
-    """The kernel's basic blocks in order: label -> (its memory operations and
-    waits, the labels it may go to next)."""
-    blocks: dict[str, tuple[list[str], list[str]]] = {}
-    label, ops, order = "entry", [], []
-    for raw in ptx.splitlines():
-        line = raw.strip()
-        if line.startswith("$L__BB") and line.split()[0].endswith(":"):
-            blocks[label] = (ops, [])
-            order.append(label)
-            label, ops = line.split()[0][:-1], []
-            continue
-        statement = line.lstrip("@%p0123456789! ")
-        if statement.startswith(("ld.global", "st.global")):
-            ops.append(statement.split()[0])
-        elif statement.startswith("griddepcontrol.wait"):
-            ops.append("griddepcontrol.wait")
-        elif statement.startswith("bra"):
-            ops.append(("goto " if statement.startswith("bra.uni") else "branch ") + statement.split()[-1].rstrip(";"))
-    blocks[label] = (ops, [])
-    order.append(label)
-    for position, name in enumerate(order):
-        ops, successors = blocks[name]
-        ends = True
-        for op in [op for op in ops if op.startswith(("goto ", "branch "))]:
-            successors.append(op.split()[1])
-            ends = ends and not op.startswith("goto ")
-        if ends and position + 1 < len(order):
-            successors.append(order[position + 1])
-        blocks[name] = ([op for op in ops if not op.startswith(("goto ", "branch "))], successors)
-    return blocks
-
-
-def _waited_on_entry(blocks: dict[str, tuple[list[str], list[str]]]) -> dict[str, bool]:
-    """Whether every path from the kernel's entry to each block has passed a wait."""
-    waited = dict.fromkeys(blocks, True)
-    waited["entry"] = False
-    changed = True
-    while changed:
-        changed = False
-        for label, (ops, successors) in blocks.items():
-            leaves = waited[label] or "griddepcontrol.wait" in ops
-            for successor in successors:
-                if waited[successor] and not leaves:
-                    waited[successor], changed = False, True
-    return waited
 
 
 def test_no_kernel_source_holds_a_backslash():

@@ -26,7 +26,7 @@ SHAPES = [(32, 8, 1, 512, 64, 64), (8, 8, 3, 77, 80, 80), (4, 1, 1, 4096, 128, 1
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
-@pytest.mark.parametrize("mask", ["none", "bool", "additive", "all-masked"])
+@pytest.mark.parametrize("mask", ["none", "bool", "additive", "all-masked", "position"])
 @pytest.mark.parametrize("shape", SHAPES, ids=lambda shape: "x".join(map(str, shape)))
 def test_the_kernel_computes_what_sdpa_does(shape, mask, dtype):
     from cuda_runner.compile import attention_kernel  # noqa: F401  (registers the operator)
@@ -39,7 +39,11 @@ def test_the_kernel_computes_what_sdpa_does(shape, mask, dtype):
                  "additive": torch.randn(2, 1, 1, length, device="cuda", dtype=dtype, generator=generator),
                  "all-masked": torch.zeros(rows, length, dtype=torch.bool, device="cuda")}[mask]
     group = heads // kv_heads
-    got = torch.ops.cuda_runner.decode_attention(q, k, v, attn_mask, 0.37, group)
+    limit = None
+    if mask == "position":  # row r keeps positions 0..limit[r]: the first, the last, one past the cache, and between
+        limit = torch.tensor([0, length - 1, length + 3, length // 2, -1][:rows] + [length // 3] * max(0, rows - 5), device="cuda")
+        attn_mask = torch.arange(length, device="cuda")[None, :] <= limit[:, None]
+    got = torch.ops.cuda_runner.decode_attention(q, k, v, None if limit is not None else attn_mask, 0.37, group, limit)
     reference_mask = attn_mask if attn_mask is None or attn_mask.dtype == torch.bool else attn_mask.float()
     want = F.scaled_dot_product_attention(q.float(), k.float().repeat_interleave(group, 1), v.float().repeat_interleave(group, 1),
                                           attn_mask=reference_mask, scale=0.37)
@@ -70,6 +74,9 @@ def test_the_standalone_decoder_fuses_each_layers_decode_attention_and_matches_e
     module = compile_tiny_llama(path, {OPTION: True})
     methods = cuda_runner.read_manifest(path).methods
     assert methods["decode"].compile_options["fused_decode_attention"] == config.layers
+    # its mask is proven to be "up to the step's position", and the step's small kernels are launched together
+    assert methods["decode"].compile_options["fused_decode_attention_position_limits"] == config.layers
+    assert methods["decode"].compile_options["combo_kernels"] is True
     assert "fused_decode_attention" not in methods["prefill"].compile_options  # a prompt of dynamic length keeps SDPA's lowering
     prompt = np.random.default_rng(3).integers(0, config.vocab, (1, 6), dtype=np.int64)
     with cuda_runner.load(path, "cuda") as model:
