@@ -83,12 +83,12 @@ BUILDS: dict[str, dict[str, Any]] = {
     "quick": {"runtime": "auto", "options": "aot.QUICK_OPTIONS"},
     "unfused": {"runtime": "auto", "options": "{'cuda_runner.fuse_decode_attention': False}"},
     "no-matvec": {"runtime": "auto", "options": "{'cuda_runner.matvec': False}"},
-    "combo": {"runtime": "auto", "options": "{'combo_kernels': True}"},
+    "no-combo": {"runtime": "auto", "options": "{'combo_kernels': False}"},
 }
 LABELS = {"default": "default bundle", "libtorch": "--libtorch bundle", "quick": "--quick bundle", "executorch": "ExecuTorch 1.5 program",
           "unfused": "default bundle without the fused decode attention (cuda_runner.fuse_decode_attention=false)",
           "no-matvec": "default bundle without the matrix-vector kernel (cuda_runner.matvec=false)",
-          "combo": "default bundle + Inductor's combo kernels (combo_kernels=true)"}
+          "no-combo": "default bundle without Inductor's combo kernels (combo_kernels=false)"}
 COMPILE_TIMEOUT_S = float(os.environ.get("BENCH_SCALE_COMPILE_TIMEOUT", "480"))  # each side-by-side batch of compiles
 
 
@@ -188,8 +188,8 @@ def how_built(manifest) -> dict[str, dict[str, Any]]:
     """What each method's library was built as, from its manifest's compile options."""
     return {name: {key: spec.compile_options.get(key) for key in
                    ("standalone", "libtorch_because", "coordinate_descent_tuning", "coordinate_descent_disagreed",
-                    "fused_decode_attention", "fused_decode_attention_disagreed", "fused_decode_attention_failed",
-                    "matvec_products", "matvec_launches", "matvec_disagreed", "matvec_failed")}
+                    "fused_decode_attention", "fused_decode_attention_position_limits", "fused_decode_attention_disagreed",
+                    "fused_decode_attention_failed", "combo_kernels", "matvec_products", "matvec_launches", "matvec_disagreed", "matvec_failed")}
             for name, spec in manifest.methods.items()}
 
 

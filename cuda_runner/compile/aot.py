@@ -360,7 +360,8 @@ def _compile_once(
         library_path = _aot_compile(torch, program, example_args, example_kwargs, options, standalone, device, kernels, progress)
         weights_path = library_path.with_name(library_path.name[: -len(".so")] + "_weights.blob")
         metadata = _sidecar_metadata(library_path)
-        recorded = {key: value for key, value in options.items() if key not in ("aot_inductor.output_path", "cpp.cxx")}
+        built_with = _with_kernel_options(options, kernels.in_graph())
+        recorded = {key: value for key, value in built_with.items() if key not in ("aot_inductor.output_path", "cpp.cxx")}
         recorded["cxx_flags"] = list(EXTRA_CXX_FLAGS)
         recorded.update(own)
         recorded.update(kernels.record())
@@ -464,6 +465,7 @@ class OwnKernels:
     attention: bool  # the fused decode attention (compile/attention.py)
     matvec: bool  # the matrix-vector kernel (compile/matvec.py)
     fused: int = 0  # SDPA calls the attention took
+    position_limits: int = 0  # of those, the ones whose mask it replaced by the step's position
     products: int = 0  # products of one row the matvec took
     launches: int = 0  # the kernel launches they became (several share one where it fused them)
     failures: dict[str, str] = dataclasses.field(default_factory=dict)  # "attention"/"matvec" -> why given up
@@ -478,15 +480,18 @@ class OwnKernels:
                 recorded[failed] = self.failures[kernel]
         if self.products:
             recorded["matvec_launches"] = self.launches
+        if self.position_limits:
+            recorded["fused_decode_attention_position_limits"] = self.position_limits
         return recorded
 
     def apply(self, module: Any, in_use: list[str]) -> None:
         """Put the kernels in `module`'s graph, each named in `in_use` (newest last)
         before its rewrite starts: a failure from then on may be the kernel's."""
-        self.fused = self.products = self.launches = 0
+        self.fused = self.products = self.launches = self.position_limits = 0
         if self.attention:
             in_use.append("attention")
-            self.fused = attention.fuse_decode_attention(module)
+            fused = attention.fuse_decode_attention(module)
+            self.fused, self.position_limits = fused.calls, fused.position_limits
             if not self.fused:
                 in_use.pop()
         if self.matvec:
@@ -495,6 +500,10 @@ class OwnKernels:
             self.products, self.launches = used.products, used.launches
             if not self.products:
                 in_use.pop()
+
+    def in_graph(self) -> list[str]:
+        """The kernels the last apply() put in the graph."""
+        return [kernel for kernel, count in (("attention", self.fused), ("matvec", self.products)) if count]
 
     def give_up(self, kernel: str, failure: str) -> None:
         setattr(self, kernel, False)
@@ -840,10 +849,17 @@ def _with_kernel_options(options: Mapping[str, Any], in_use: Sequence[str]) -> d
     method failed to build with the fused kernel on the H200 (a C++ compile
     error, its cause not recorded), where one and two layers of the same width
     built; unique names give every set a file of its own. That this was the
-    cause is not yet seen on the GPU."""
+    cause is not yet seen on the GPU. A graph with the fused decode attention
+    takes combo kernels unless the user set them."""
+    chosen = dict(options)
     if "matvec" in in_use:
-        return {**options, "triton.unique_user_kernel_names": True}
-    return dict(options)
+        chosen["triton.unique_user_kernel_names"] = True
+    if "attention" in in_use:
+        # A decode step's small pointwise kernels (RoPE on the query and the key,
+        # the cache writes) depend on one product, not on each other: Inductor's
+        # combo kernels launch them as one, which the step's time is mostly made of.
+        chosen.setdefault("combo_kernels", True)
+    return chosen
 
 
 def _sidecar_metadata(library_path: Path) -> dict[str, str]:
