@@ -2,7 +2,8 @@
 the shapes and masks it takes, and standalone CUDA builds of the scale
 models' tiny configurations (where it is on by default; the tests name the
 option anyway), whose decode methods get it and still match eager step after
-step; the option through the CLI, on and off."""
+step; the option through the CLI, on and off, and combo kernels turned off
+through it."""
 
 from __future__ import annotations
 
@@ -37,7 +38,7 @@ def test_the_kernel_computes_what_sdpa_does(shape, mask, dtype):
                for size in ((2, heads, rows, dim), (2, kv_heads, length, dim), (2, kv_heads, length, value_dim)))
     attn_mask = {"none": None, "bool": torch.rand(1, 1, rows, length, device="cuda", generator=generator) > 0.3,
                  "additive": torch.randn(2, 1, 1, length, device="cuda", dtype=dtype, generator=generator),
-                 "all-masked": torch.zeros(rows, length, dtype=torch.bool, device="cuda")}[mask]
+                 "all-masked": torch.zeros(rows, length, dtype=torch.bool, device="cuda"), "position": None}[mask]
     group = heads // kv_heads
     limit = None
     if mask == "position":  # row r keeps positions 0..limit[r]: the first, the last, one past the cache, and between
@@ -121,6 +122,11 @@ def test_the_option_turns_it_on_and_off_through_the_cli(tmp_path):
         options = compile_with_option(tmp_path / "decode.pt2", tmp_path / f"{setting}.bundle", OPTION, setting)
         assert options.get("fused_decode_attention") == expected and options[OPTION] == (setting == "true")
         assert "fused_decode_attention_failed" not in options and options["standalone"] is True
+        # with the fusion come combo kernels and the position in place of the mask; without it, neither
+        assert options.get("combo_kernels") == (True if expected else None)
+        assert options.get("fused_decode_attention_position_limits") == expected
+    options = compile_with_option(tmp_path / "decode.pt2", tmp_path / "no-combo.bundle", "combo_kernels", "false")
+    assert options["combo_kernels"] is False and options["fused_decode_attention"] == config.layers
 
 
 def test_an_encoder_with_multi_head_attention_compiles_standalone_and_matches_eager(tmp_path):
