@@ -81,15 +81,16 @@ def fuse_decode_attention(graph_module: Any) -> Fused:
 
     operator = torch.ops.cuda_runner.decode_attention.default
     graph = graph_module.graph
-    limits: dict[Any, Any] = {}  # mask -> the position that stands for it (the layers share one mask)
+    limits: dict[Any, Any] = {}  # (mask, its [B, H, L, S]) -> the position that stands for it (the layers share one mask)
     masks = set()
     position_limits = 0
     for site in sites:
         mask, limit = site.mask, None
         if mask is not None:
-            if mask not in limits:
-                limits[mask] = position_limit(mask, _mask_target(site))
-            limit = limits[mask]
+            key = (mask, _mask_target(site))
+            if key not in limits:
+                limits[key] = _position_on_device(position_limit(mask, key[1]), site.query)
+            limit = limits[key]
             if limit is not None:
                 masks.add(mask)
                 mask, position_limits = None, position_limits + 1
@@ -106,6 +107,13 @@ def fuse_decode_attention(graph_module: Any) -> Fused:
     graph.lint()
     graph_module.recompile()
     return Fused(len(sites), position_limits)
+
+
+def _position_on_device(position: Any, query: Any) -> Any:
+    """The position, where it lives on the query's device (the kernel reads it there), else None."""
+    if position is None or getattr(recorded_value(position), "device", None) != getattr(recorded_value(query), "device", None):
+        return None
+    return position
 
 
 def _mask_target(site: AttentionSite) -> tuple[int, int, int, int]:

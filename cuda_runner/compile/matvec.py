@@ -113,21 +113,32 @@ def read_only_tensors(graph: Any) -> frozenset[str]:
     second name for the same memory all share. An op whose schema is unknown
     counts as writing every tensor it takes, and a write whose storage is not
     known leaves no tensor read-only."""
+    written = written_storages(graph)
+    if written is None:
+        return frozenset()
+    return frozenset(node.target for node in graph.nodes
+                     if node.op == "get_attr" and (storage := storage_of(node)) is not None and storage not in written)
+
+
+def written_storages(graph: Any) -> set[Any] | None:
+    """The storages (storage_of) of every tensor an op of `graph` may write;
+    None where a write's storage is not known."""
     written: set[Any] = set()
     for node in graph.nodes:
         if node.op == "call_function" and node.target is python_operator.getitem:
             continue
+        if node.op == "call_module" and node.target == "_guards_fn":
+            continue  # the input checks ExportedProgram.module() adds: they read the inputs
         if node.op in ("call_function", "call_module", "call_method"):
             for operand in _written_operands(node):
-                storage = _storage(operand)
+                storage = storage_of(operand)
                 if storage is None:
-                    return frozenset()
+                    return None
                 written.add(storage)
-    return frozenset(node.target for node in graph.nodes
-                     if node.op == "get_attr" and (storage := _storage(node)) is not None and storage not in written)
+    return written
 
 
-def _storage(node: Any) -> Any:
+def storage_of(node: Any) -> Any:
     """The storage of the tensor export traced for `node` (a weak reference, compared by identity), or None."""
     import torch
     from torch.multiprocessing.reductions import StorageWeakRef

@@ -20,7 +20,7 @@ from typing import Any
 
 from .graph_values import static_shape
 from .graph_values import value as recorded_value
-from .matvec import read_only_tensors
+from .matvec import read_only_tensors, storage_of, written_storages
 
 # The longest cache whose mask is proven position by position (each one a run of
 # the mask's few ops): a longer one keeps its mask.
@@ -36,11 +36,12 @@ def position_limit(mask: Any, target: tuple[int, int, int, int]) -> Any | None:
         return None
     ancestors = _ancestors(mask)
     inputs = [node for node in ancestors if node.op == "placeholder"]
-    if len(inputs) != 1 or not _one_integer(inputs[0]) or not all(_pure(node) for node in ancestors):
+    if len(inputs) != 1 or not _one_integer(inputs[0]) or not all(_pure(node) and _small(node, length) for node in ancestors):
         return None
     position = inputs[0]
-    if any(_writes(user, position) for user in position.users):
-        return None
+    written = written_storages(mask.graph)
+    if written is None or storage_of(position) in written:
+        return None  # the step writes the position (through a view, say): the kernel would read it changed
     constants = [node.target for node in ancestors if node.op == "get_attr"]
     if constants and not set(constants) <= read_only_tensors(mask.graph):
         return None  # a tensor the step writes (a mask kept in a buffer) is not what it was at compile time
@@ -63,9 +64,8 @@ def _ancestors(node: Any) -> list[Any]:
 
 
 def _one_integer(node: Any) -> bool:
-    recorded = recorded_value(node)
-    return (static_shape(node) is not None and getattr(recorded, "numel", lambda: 0)() == 1
-            and str(getattr(recorded, "dtype", "")) in ("torch.int32", "torch.int64"))
+    """A tensor of shape [1] (one per query row, as the kernel takes it) of int32 or int64."""
+    return static_shape(node) == (1,) and str(getattr(recorded_value(node), "dtype", "")) in ("torch.int32", "torch.int64")
 
 
 def _pure(node: Any) -> bool:
@@ -83,20 +83,18 @@ def _pure(node: Any) -> bool:
     return torch.Tag.nondeterministic_seeded not in target.tags
 
 
-def _writes(user: Any, tensor: Any) -> bool:
-    """Whether `user` may write `tensor` in place: given it as an argument its
-    schema marks written, or with no schema to tell."""
-    if user.op == "call_module" and user.target == "_guards_fn":
-        return False  # the input checks ExportedProgram.module() adds: it reads its inputs
-    schema = getattr(getattr(user, "target", None), "_schema", None)
-    if user.op != "call_function" or schema is None:
+def _small(node: Any, length: int) -> bool:
+    """An op whose value has at most a few times the cache's positions: each is
+    computed again at every position the proof evaluates (a [S, S] causal
+    matrix built in the step would take minutes at S = 4096). Inputs and
+    module tensors cost nothing there."""
+    if node.op != "call_function":
         return True
-    for index, argument in enumerate(schema.arguments):
-        given = user.args[index] if index < len(user.args) else user.kwargs.get(argument.name)
-        written = argument.alias_info is not None and argument.alias_info.is_write
-        if written and (given is tensor or (isinstance(given, (list, tuple)) and tensor in given)):
-            return True
-    return False
+    shape = static_shape(node)
+    elements = 1
+    for size in shape or ():
+        elements *= size
+    return shape is not None and elements <= 4 * length + 64
 
 
 def _allows_up_to_position(mask: Any, ancestors: list[Any], position: Any, target: tuple[int, ...]) -> bool:

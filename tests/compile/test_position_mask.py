@@ -104,3 +104,42 @@ def test_a_mask_read_from_a_buffer_the_step_writes_is_kept():
     graph = torch.export.export(_MaskKeptInABuffer(), (q, k, v, torch.tensor([5]))).module().graph
     (site,) = decode_attention_sites(graph)
     assert position_limit(site.mask, _mask_target(site)) is None
+
+
+class _PositionAdvanced(torch.nn.Module):
+    """Allows the positions up to p, then writes p through a view before the attention reads the mask's source."""
+
+    def forward(self, q, k, v, input_pos):
+        mask = (torch.arange(LENGTH) <= input_pos).view(1, 1, 1, LENGTH)
+        input_pos[0] += 1
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+
+
+def test_a_position_the_step_writes_through_a_view_keeps_its_mask():
+    q, k, v = torch.randn(1, 4, 1, 8), torch.randn(1, 4, LENGTH, 8), torch.randn(1, 4, LENGTH, 8)
+    graph = torch.export.export(_PositionAdvanced(), (q, k, v, torch.tensor([5]))).module().graph
+    (site,) = decode_attention_sites(graph)
+    assert position_limit(site.mask, _mask_target(site)) is None
+
+
+@pytest.mark.parametrize("position", [torch.tensor(5), torch.tensor([[5]])], ids=["0-d", "1x1"])
+def test_a_position_not_shaped_one_per_row_keeps_its_mask(position):
+    """The kernel takes one position per query row, [1]; a 0-d or [1, 1] one would be refused by it at build time."""
+    q, k, v = torch.randn(1, 4, 1, 8), torch.randn(1, 4, LENGTH, 8), torch.randn(1, 4, LENGTH, 8)
+    module = _Masked(lambda m, p, o: (_arange(p) <= p.reshape(-1)[:, None]).view(1, 1, 1, LENGTH))
+    graph = torch.export.export(module, (q, k, v, position, torch.tensor([0]))).module().graph
+    (site,) = decode_attention_sites(graph)
+    assert position_limit(site.mask, _mask_target(site)) is None
+
+
+def test_a_mask_built_from_a_square_matrix_in_the_step_is_not_evaluated_at_every_position():
+    """torch.full((S, S)).triu(1)[p] would be computed again at each of S positions: minutes at S = 4096."""
+    make = MASKS["causal buffer row"]
+    slow = lambda m, p, o: torch.full((LENGTH, LENGTH), float("-inf")).triu(1)[p].view(1, 1, 1, LENGTH)  # noqa: E731
+    assert position_limit(*_limit_arguments(make)) is not None
+    assert position_limit(*_limit_arguments(slow)) is None
+
+
+def _limit_arguments(make):
+    site = _site(make)
+    return site.mask, _mask_target(site)
