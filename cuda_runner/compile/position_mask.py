@@ -9,9 +9,10 @@ an additive mask of -inf or the dtype's lowest value), so the mask is not
 matched by its ops. It is proven by its values instead: a mask computed from
 one input, a single integer position, and otherwise from constants, is
 evaluated at every position the cache has, and is taken only if each one
-allows exactly the positions up to it. The constants it reads must be ones
-no op of the graph writes: a mask kept in a buffer the step updates would
-be proven on its compile-time contents.
+allows exactly the positions up to it. Nothing it is computed from may be
+written by an op of the graph: a mask kept in a buffer the step updates
+would be proven on its compile-time contents, and one changed in place
+through another view of its memory on values the step does not use.
 """
 
 from __future__ import annotations
@@ -39,9 +40,8 @@ def position_limit(mask: Any, target: tuple[int, int, int, int]) -> Any | None:
     if len(inputs) != 1 or not _one_integer(inputs[0]) or not all(_pure(node) and _small(node, length) for node in ancestors):
         return None
     position = inputs[0]
-    written = written_storages(mask.graph)
-    if written is None or storage_of(position) in written:
-        return None  # the step writes the position (through a view, say): the kernel would read it changed
+    if not _written_by_no_op(ancestors):
+        return None
     constants = [node.target for node in ancestors if node.op == "get_attr"]
     if constants and not set(constants) <= read_only_tensors(mask.graph):
         return None  # a tensor the step writes (a mask kept in a buffer) is not what it was at compile time
@@ -49,6 +49,20 @@ def position_limit(mask: Any, target: tuple[int, int, int, int]) -> Any | None:
         return position if _allows_up_to_position(mask, ancestors, position, target) else None
     except Exception:  # a mask that does not evaluate on its own keeps its mask
         return None
+
+
+def _written_by_no_op(ancestors: list[Any]) -> bool:
+    """Whether no op of the graph writes what the mask is computed from. A
+    written position would be read changed by the kernel. A value written
+    through another view of its memory (base.logical_and_(...) where the mask
+    is base.view(...)) is not the one its node computes: the proof would run
+    on what the step does not use. Module tensors are checked by name
+    (read_only_tensors): their nodes carry no traced value."""
+    written = written_storages(ancestors[0].graph)
+    if written is None:
+        return False
+    computed = [storage_of(node) for node in ancestors if node.op != "get_attr"]
+    return all(storage is not None and storage not in written for storage in computed)
 
 
 def _ancestors(node: Any) -> list[Any]:

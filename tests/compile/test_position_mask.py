@@ -122,6 +122,30 @@ def test_a_position_the_step_writes_through_a_view_keeps_its_mask():
     assert position_limit(site.mask, _mask_target(site)) is None
 
 
+class _MaskNarrowedThroughItsBase(torch.nn.Module):
+    """The mask is a view of a tensor that is then narrowed to a window in place:
+    the SDPA's mask node is the view, computed before the write."""
+
+    def forward(self, q, k, v, input_pos):
+        base = torch.arange(LENGTH) <= input_pos
+        mask = base.view(1, 1, 1, LENGTH)
+        base.logical_and_(torch.arange(LENGTH) > input_pos - 4)
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+
+
+def test_a_mask_written_through_another_view_before_the_attention_keeps_its_mask():
+    q, k, v = torch.randn(1, 4, 1, 8), torch.randn(1, 4, LENGTH, 8), torch.randn(1, 4, LENGTH, 8)
+    module = _MaskNarrowedThroughItsBase()
+    graph = torch.export.export(module, (q, k, v, torch.tensor([5]))).module().graph
+    (site,) = decode_attention_sites(graph)
+    assert site.mask.target == torch.ops.aten.view.default  # the node read is the one before the write
+    assert position_limit(site.mask, _mask_target(site)) is None
+    # what it would have been proven as, had the write been missed: the window is what eager attends to
+    pos = torch.tensor([9])
+    want = F.scaled_dot_product_attention(q, k, v, attn_mask=((torch.arange(LENGTH) <= pos) & (torch.arange(LENGTH) > pos - 4)).view(1, 1, 1, LENGTH))
+    torch.testing.assert_close(module(q, k, v, pos), want)
+
+
 @pytest.mark.parametrize("position", [torch.tensor(5), torch.tensor([[5]])], ids=["0-d", "1x1"])
 def test_a_position_not_shaped_one_per_row_keeps_its_mask(position):
     """The kernel takes one position per query row, [1]; a 0-d or [1, 1] one would be refused by it at build time."""
