@@ -26,7 +26,6 @@ from . import attention, matvec, sharing
 from .aot import (
     DEFAULT_CPU_TARGET,
     NO_GPU,
-    OWN_KERNEL_NAMES,
     OWN_KERNEL_RECORDS,
     RUNTIMES,
     CompiledLibrary,
@@ -35,6 +34,7 @@ from .aot import (
     check_device,
     check_options,
     compile_program,
+    given_up,
     import_torch,
     torch_talking_to_itself,
 )
@@ -530,7 +530,7 @@ def _compiled(program: Any, args: tuple, kwargs: dict, device: str, progress: Pr
     for kernel, (_, failed) in OWN_KERNEL_RECORDS.items():
         failure = compiled.options.get(failed)
         if failure:
-            warn(f"method {method!r}: {OWN_KERNEL_NAMES[kernel]} did not compile ({failure}); compiled without it")
+            warn(f"method {method!r}: {given_up(kernel, failure, 'compiled')}")
     return compiled
 
 

@@ -356,7 +356,7 @@ def _compile_once(
             # sizes 0 and 1 of every dynamic dim, which export assumes >= 2 but
             # the generated code handles; the manifest's bounds are checked anyway.
             options["aot_inductor.check_lowerbound"] = False
-        kernels = own_kernels_for(own, standalone and device != "cpu" and triton_ops_available(), one_row_method)
+        kernels = own_kernels_for(own, standalone and device != "cpu" and triton_ops_available(), one_row_method, inductor_options)
         library_path = _aot_compile(torch, program, example_args, example_kwargs, options, standalone, device, kernels, progress)
         weights_path = library_path.with_name(library_path.name[: -len(".so")] + "_weights.blob")
         metadata = _sidecar_metadata(library_path)
@@ -400,7 +400,7 @@ def _one_ptxas_for_autotuning() -> None:
     _set_triton_ptxas_path()
 
 
-def own_kernels_for(own: Mapping[str, Any], possible: bool, one_row_method: bool) -> OwnKernels:
+def own_kernels_for(own: Mapping[str, Any], possible: bool, one_row_method: bool, inductor_options: Mapping[str, Any]) -> OwnKernels:
     """cuda-runner's own kernels for a standalone CUDA build (`possible`): a decode
     step's attention in one kernel (compile/attention.py) wherever the graph has
     one, and products of one row, with the norms, gates and residuals around
@@ -409,9 +409,11 @@ def own_kernels_for(own: Mapping[str, Any], possible: bool, one_row_method: bool
     passes the single-row rule (SINGLE_ROW_SHARE), as a decode step does.
     Elsewhere a product of one row is a network's batch-1 head (ViT-B/16's
     classifier), a small share of its weights, where the kernel would gain
-    little. =true asks for either anyway, =false turns it off."""
+    little. =true asks for either anyway, =false turns it off. Combo kernels
+    come with the attention unless `inductor_options` set them."""
     return OwnKernels(attention=possible and bool(own.get(attention.OPTION, True)),
-                      matvec=possible and bool(own.get(matvec.OPTION, one_row_method)))
+                      matvec=possible and bool(own.get(matvec.OPTION, one_row_method)),
+                      combo="combo_kernels" not in inductor_options)
 
 
 def triton_ops_available() -> bool:
@@ -425,9 +427,19 @@ def triton_ops_available() -> bool:
 
 
 # How the manifest's compile options name what happened to each own kernel: (calls it took, why it was given up).
-OWN_KERNEL_RECORDS = {"attention": ("fused_decode_attention", "fused_decode_attention_failed"), "matvec": ("matvec_products", "matvec_failed")}
-# How a user hears of each (OWN_KERNEL_OPTIONS names the option that leaves it out).
-OWN_KERNEL_NAMES = {"attention": "the fused decode attention", "matvec": "the matrix-vector kernel"}
+# Combo kernels are Inductor's, taken with the fused attention (_with_kernel_options):
+# given up like the kernels when a build fails, so that a failure of theirs costs
+# neither kernel.
+OWN_KERNEL_RECORDS = {"attention": ("fused_decode_attention", "fused_decode_attention_failed"), "matvec": ("matvec_products", "matvec_failed"),
+                      "combo": ("combo_kernels", "combo_kernels_failed")}
+# How a user hears of each, and the option that leaves it out.
+OWN_KERNEL_NAMES = {"attention": "the fused decode attention", "matvec": "the matrix-vector kernel", "combo": "Inductor's combo kernels"}
+_OFF_OPTIONS = {**OWN_KERNEL_OPTIONS, "combo": "combo_kernels"}
+
+
+def given_up(kernel: str, failure: str, then: str) -> str:
+    """One line for a kernel (OWN_KERNEL_NAMES) whose build failed: `then` is "compiling" or "compiled"."""
+    return f"{OWN_KERNEL_NAMES[kernel]} did not compile ({failure}); {then} without {'them' if kernel == 'combo' else 'it'}"
 
 
 class GpuFault(CompileError):
@@ -448,7 +460,7 @@ def gpu_fault_message(failure: str, in_graph: Sequence[str], libtorch: bool = Tr
     remedies = []
     if in_graph:
         names = " and ".join(OWN_KERNEL_NAMES[kernel] for kernel in in_graph)
-        options = " ".join(f"--option {OWN_KERNEL_OPTIONS[kernel]}=false" for kernel in in_graph)
+        options = " ".join(f"--option {_OFF_OPTIONS[kernel]}=false" for kernel in in_graph)
         one = len(in_graph) == 1
         remedies.append(f"{options} ({names} {'was' if one else 'were'} in the graph; leaving {'it' if one else 'them'} out may avoid the fault)")
     if libtorch:
@@ -464,6 +476,7 @@ class OwnKernels:
 
     attention: bool  # the fused decode attention (compile/attention.py)
     matvec: bool  # the matrix-vector kernel (compile/matvec.py)
+    combo: bool = True  # Inductor's combo kernels with the attention (false where the user set the option)
     fused: int = 0  # SDPA calls the attention took
     position_limits: int = 0  # of those, the ones whose mask it replaced by the step's position
     products: int = 0  # products of one row the matvec took
@@ -471,7 +484,7 @@ class OwnKernels:
     failures: dict[str, str] = dataclasses.field(default_factory=dict)  # "attention"/"matvec" -> why given up
 
     def record(self) -> dict[str, Any]:
-        counts = {"attention": self.fused, "matvec": self.products}
+        counts = {"attention": self.fused, "matvec": self.products, "combo": "combo" in self.in_graph()}
         recorded: dict[str, Any] = {}
         for kernel, (used, failed) in OWN_KERNEL_RECORDS.items():
             if counts[kernel]:
@@ -500,10 +513,12 @@ class OwnKernels:
             self.products, self.launches = used.products, used.launches
             if not self.products:
                 in_use.pop()
+        if self.fused and self.combo:
+            in_use.append("combo")  # the newest: given up first
 
     def in_graph(self) -> list[str]:
         """The kernels the last apply() put in the graph."""
-        return [kernel for kernel, count in (("attention", self.fused), ("matvec", self.products)) if count]
+        return [kernel for kernel, count in (("attention", self.fused), ("matvec", self.products), ("combo", self.fused and self.combo)) if count]
 
     def give_up(self, kernel: str, failure: str) -> None:
         setattr(self, kernel, False)
@@ -550,7 +565,7 @@ def _aot_compile(
                 raise GpuFault(f"AOTInductor compile failed: {type(error).__name__}: {compile_failure(error)}", tuple(in_use)) from error
             failure = f"{type(error).__name__}: {compile_failure(error)}"
             kernels.give_up(in_use[-1], failure)
-            progress(f"{OWN_KERNEL_NAMES[in_use[-1]]} did not compile ({failure}); compiling without it")
+            progress(given_up(in_use[-1], failure, "compiling"))
 
 
 @contextlib.contextmanager
@@ -849,16 +864,16 @@ def _with_kernel_options(options: Mapping[str, Any], in_use: Sequence[str]) -> d
     method failed to build with the fused kernel on the H200 (a C++ compile
     error, its cause not recorded), where one and two layers of the same width
     built; unique names give every set a file of its own. That this was the
-    cause is not yet seen on the GPU. A graph with the fused decode attention
-    takes combo kernels unless the user set them."""
+    cause is not yet seen on the GPU. Combo kernels where OwnKernels took them
+    (with the fused decode attention, the user not having set them)."""
     chosen = dict(options)
     if "matvec" in in_use:
         chosen["triton.unique_user_kernel_names"] = True
-    if "attention" in in_use:
+    if "combo" in in_use:
         # A decode step's small pointwise kernels (RoPE on the query and the key,
         # the cache writes) depend on one product, not on each other: Inductor's
         # combo kernels launch them as one, which the step's time is mostly made of.
-        chosen.setdefault("combo_kernels", True)
+        chosen["combo_kernels"] = True
     return chosen
 
 

@@ -109,7 +109,8 @@ def _decode_attention(
     end = tl.minimum(begin + split_keys, kv_length)
     if MASK_KIND == 3:
         # Keys past the row's position are masked: they are not read at all (a stretch wholly past it reads nothing).
-        end = tl.minimum(end, tl.load(mask_base).to(tl.int64) + 1)
+        # Clamped before the + 1: a position of int64's largest value would wrap to the smallest.
+        end = tl.minimum(end, tl.minimum(tl.load(mask_base).to(tl.int64), kv_length - 1) + 1)
     for start in range(begin, end, BLOCK_N):
         positions = start + tl.arange(0, BLOCK_N).to(tl.int64)
         inside = positions < end

@@ -203,8 +203,10 @@ def test_a_fused_attention_that_does_not_compile_costs_the_fusion_not_the_build(
     heard: list[str] = []
     kernels = aot.OwnKernels(attention=True, matvec=False)
     path = aot._aot_compile(fake_torch, program, (), {}, {}, False, "cuda", kernels, heard.append)
-    assert compiled == [2, 0] and kernels.fused == 0 and str(path) == "/nowhere/model.so"
-    assert kernels.record() == {"fused_decode_attention_failed": "RuntimeError: Failed to run autotuning code block: at 22:4:"}
+    # combo kernels, which came with it, are given up first; the fusion when the build fails without them too
+    assert compiled == [2, 2, 0] and kernels.fused == 0 and str(path) == "/nowhere/model.so"
+    failure = "RuntimeError: Failed to run autotuning code block: at 22:4:"
+    assert kernels.record() == {"combo_kernels_failed": failure, "fused_decode_attention_failed": failure}
     assert any("compiling without it" in line for line in heard)
     with pytest.raises(CompileError, match="AOTInductor compile failed: RuntimeError"):  # without the fusion, a failure is the compile's
         aot._aot_compile(fake_torch, SimpleNamespace(module=lambda: SimpleNamespace(fused=1)), (), {}, {}, False, "cuda",

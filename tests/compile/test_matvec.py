@@ -263,32 +263,51 @@ def test_the_option_asks_for_it_and_takes_a_bool():
         check_options(torch, {OPTION: 1})
 
 
-def _failing_compile(fails_while: set[str], compiled: list[tuple[int, int]]):
+def _failing_compile(fails_while: set[str], compiled: list[tuple[int, int, bool]]):
     def aot_compile(module, args, kwargs, options):
-        compiled.append((module.fused, module.products))
-        if ("attention" in fails_while and module.fused) or ("matvec" in fails_while and module.products):
+        combo = bool(options.get("combo_kernels"))
+        compiled.append((module.fused, module.products, combo))
+        if ("attention" in fails_while and module.fused) or ("matvec" in fails_while and module.products) or ("combo" in fails_while and combo):
             raise RuntimeError("C++ compile error\nCommand: ...")
         return "/nowhere/model.so"
     return SimpleNamespace(_inductor=SimpleNamespace(aot_compile=aot_compile))
 
 
 @pytest.mark.parametrize("fails_while, tries, given_up", [
-    ({"matvec"}, [(2, 5), (2, 0)], {"matvec"}),  # the newest kernel is given up first, the attention kept
-    ({"attention"}, [(2, 5), (2, 0), (0, 0)], {"matvec", "attention"}),  # a failure that is not the matvec's costs both
-    (set(), [(2, 5)], set()),
+    # combo kernels, taken with the attention, are the newest: given up first, both kernels kept
+    ({"combo"}, [(2, 5, True), (2, 5, False)], {"combo"}),
+    ({"matvec"}, [(2, 5, True), (2, 5, False), (2, 0, False)], {"combo", "matvec"}),
+    # a failure that is none of the newer ones' costs all three
+    ({"attention"}, [(2, 5, True), (2, 5, False), (2, 0, False), (0, 0, False)], {"combo", "matvec", "attention"}),
+    (set(), [(2, 5, True)], set()),
 ])
 def test_a_build_that_fails_with_its_own_kernels_is_compiled_again_without_them(monkeypatch, fails_while, tries, given_up):
     monkeypatch.setattr(attention, "fuse_decode_attention", lambda module: setattr(module, "fused", 2) or attention.Fused(2))
     monkeypatch.setattr(matvec, "use_matvec", lambda module: setattr(module, "products", 5) or matvec.MatvecUse(products=5, launches=3))
-    compiled: list[tuple[int, int]] = []
+    compiled: list[tuple[int, int, bool]] = []
     heard: list[str] = []
     kernels = aot.OwnKernels(attention=True, matvec=True)
     program = SimpleNamespace(module=lambda: SimpleNamespace(fused=0, products=0))
     path = aot._aot_compile(_failing_compile(fails_while, compiled), program, (), {}, {}, False, "cuda", kernels, heard.append)
     assert str(path) == "/nowhere/model.so" and compiled == tries and set(kernels.failures) == given_up
-    assert kernels.record().get("matvec_failed") == ("RuntimeError: C++ compile error" if "matvec" in given_up else None)
-    assert kernels.record().get("matvec_products") == (None if "matvec" in given_up else 5)
+    recorded = kernels.record()
+    for kernel, (used, failed) in aot.OWN_KERNEL_RECORDS.items():
+        assert recorded.get(failed) == ("RuntimeError: C++ compile error" if kernel in given_up else None)
+        assert (used in recorded) == (kernel not in given_up)
     assert sum("did not compile" in line for line in heard) == len(given_up)
+    assert any("Inductor's combo kernels did not compile" in line and line.endswith("without them") for line in heard) == ("combo" in given_up)
+
+
+def test_combo_kernels_the_user_set_are_theirs_to_keep(monkeypatch):
+    """A build failing with the user's own combo_kernels=true gives up the kernels, not the option."""
+    monkeypatch.setattr(attention, "fuse_decode_attention", lambda module: setattr(module, "fused", 2) or attention.Fused(2))
+    monkeypatch.setattr(matvec, "use_matvec", lambda module: setattr(module, "products", 5) or matvec.MatvecUse(products=5, launches=3))
+    compiled: list[tuple[int, int, bool]] = []
+    kernels = aot.own_kernels_for({}, True, True, {"combo_kernels": True})
+    program = SimpleNamespace(module=lambda: SimpleNamespace(fused=0, products=0))
+    aot._aot_compile(_failing_compile({"attention"}, compiled), program, (), {}, {"combo_kernels": True}, False, "cuda", kernels, print)
+    assert compiled == [(2, 5, True), (2, 0, True), (0, 0, True)] and set(kernels.failures) == {"matvec", "attention"}
+    assert "combo_kernels" not in kernels.record()
 
 
 def test_a_gpu_fault_with_an_own_kernel_in_the_graph_is_not_followed_by_another_compile(monkeypatch):
@@ -374,9 +393,10 @@ def test_a_standalone_cuda_build_takes_its_options_and_kernels_by_the_single_row
     ({OPTION: False, "cuda_runner.fuse_decode_attention": False}, True, (False, False)),
 ])
 def test_the_matrix_vector_kernel_is_for_methods_that_pass_the_single_row_rule(own, one_row_method, expected):
-    kernels = aot.own_kernels_for(own, True, one_row_method)
-    assert (kernels.attention, kernels.matvec) == expected
-    assert aot.own_kernels_for(own, False, one_row_method) == aot.OwnKernels(attention=False, matvec=False)  # CPU, libtorch or no Triton
+    kernels = aot.own_kernels_for(own, True, one_row_method, {})
+    assert (kernels.attention, kernels.matvec, kernels.combo) == (*expected, True)
+    assert aot.own_kernels_for(own, False, one_row_method, {}) == aot.OwnKernels(attention=False, matvec=False)  # CPU, libtorch or no Triton
+    assert aot.own_kernels_for(own, True, one_row_method, {"combo_kernels": False}).combo is False  # the user's to choose
 
 
 def test_a_build_with_the_matrix_vector_kernel_names_each_of_its_compiled_forms_apart(monkeypatch):
@@ -392,8 +412,14 @@ def test_a_build_with_the_matrix_vector_kernel_names_each_of_its_compiled_forms_
 
 
 def test_a_graph_with_the_fused_attention_takes_combo_kernels_unless_the_user_chose():
-    assert aot._with_kernel_options({}, ["attention"])["combo_kernels"] is True
-    assert aot._with_kernel_options({"combo_kernels": False}, ["attention", "matvec"])["combo_kernels"] is False
+    kernels = aot.OwnKernels(attention=True, matvec=True, fused=2, products=5)
+    assert kernels.in_graph() == ["attention", "matvec", "combo"]
+    assert aot._with_kernel_options({}, kernels.in_graph())["combo_kernels"] is True
+    assert kernels.record()["combo_kernels"] is True
+    user_set = aot.OwnKernels(attention=True, matvec=True, combo=False, fused=2, products=5)
+    assert aot._with_kernel_options({"combo_kernels": False}, user_set.in_graph())["combo_kernels"] is False
+    assert "combo_kernels" not in user_set.record()
+    assert aot.OwnKernels(attention=True, matvec=True, products=5).in_graph() == ["matvec"]  # no attention fused: no combo
     assert "combo_kernels" not in aot._with_kernel_options({}, ["matvec"])
     assert "combo_kernels" not in aot._with_kernel_options({}, [])
 

@@ -109,6 +109,9 @@ def test_a_gpu_fault_survives_the_way_back_from_the_compile_process():
     assert aot.gpu_fault_message("x", fault.in_graph, libtorch=False).endswith(
         "--option cuda_runner.fuse_decode_attention=false --option cuda_runner.matvec=false (the fused decode attention and the "
         "matrix-vector kernel were in the graph; leaving them out may avoid the fault)")
+    # combo kernels, taken with the attention, are an option of Inductor's to turn off as well
+    assert "--option cuda_runner.fuse_decode_attention=false --option combo_kernels=false (the fused decode attention and Inductor's combo " \
+        "kernels were in the graph" in aot.gpu_fault_message("x", ("attention", "combo"))
 
 
 def test_what_counts_as_a_cuda_fault():

@@ -41,8 +41,8 @@ def test_the_kernel_computes_what_sdpa_does(shape, mask, dtype):
                  "all-masked": torch.zeros(rows, length, dtype=torch.bool, device="cuda"), "position": None}[mask]
     group = heads // kv_heads
     limit = None
-    if mask == "position":  # row r keeps positions 0..limit[r]: the first, the last, one past the cache, and between
-        limit = torch.tensor([0, length - 1, length + 3, length // 2, -1][:rows] + [length // 3] * max(0, rows - 5), device="cuda")
+    if mask == "position":  # row r keeps positions 0..limit[r]: the first, the last, past the cache, between, none, int64's largest
+        limit = torch.tensor([0, length - 1, length + 3, length // 2, -1, 2**63 - 1][:rows] + [length // 3] * max(0, rows - 6), device="cuda")
         attn_mask = torch.arange(length, device="cuda")[None, :] <= limit[:, None]
     got = torch.ops.cuda_runner.decode_attention(q, k, v, None if limit is not None else attn_mask, 0.37, group, limit)
     reference_mask = attn_mask if attn_mask is None or attn_mask.dtype == torch.bool else attn_mask.float()
