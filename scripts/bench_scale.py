@@ -189,7 +189,7 @@ def how_built(manifest) -> dict[str, dict[str, Any]]:
     return {name: {key: spec.compile_options.get(key) for key in
                    ("standalone", "libtorch_because", "coordinate_descent_tuning", "coordinate_descent_disagreed",
                     "fused_decode_attention", "fused_decode_attention_position_limits", "fused_decode_attention_disagreed",
-                    "fused_decode_attention_failed", "combo_kernels", "matvec_products", "matvec_launches", "matvec_disagreed", "matvec_failed")}
+                    "fused_decode_attention_failed", "combo_kernels", "combo_kernels_failed", "matvec_products", "matvec_launches", "matvec_disagreed", "matvec_failed")}
             for name, spec in manifest.methods.items()}
 
 
