@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import functools
 import os
 import platform
 import zipfile
@@ -282,10 +283,11 @@ def compile_sources(
         problem = method_name_problem(method)
         if problem:
             raise InputError(f"method name {method!r} {problem}")
+    written_by_methods = _written_by_methods(sources)
     for method, source in sources.items():
         with torch_talking_to_itself():
             spec, method_segments, programs[method] = _compile_method(torch, method, source, device, progress, user_options, cpu_target, runtime,
-                                                                      warn or _warn)
+                                                                      warn or _warn, written_by_methods)
         methods[method] = spec
         segments.update(method_segments)
     if share_weights and len(methods) > 1:
@@ -395,11 +397,22 @@ def _may_write(program: Any) -> bool:
     return False
 
 
+def _written_by_methods(sources: Mapping[str, MethodSource]) -> frozenset[str]:
+    """The module tensors some method of a bundle of several may write (a KV
+    cache): the methods share them, so what one method's compile takes for a
+    constant may be one another writes. Empty for one method."""
+    if len(sources) < 2:
+        return frozenset()
+    return frozenset().union(*(matvec.written_tensors(source.program.module().graph) for source in sources.values()))
+
+
 def _compile_method(
     torch: Any, method: str, source: MethodSource, device: str, progress: Progress, options: Mapping[str, Any],
     cpu_target: str = DEFAULT_CPU_TARGET, runtime: str = "auto", warn: Warn = lambda note: None,
+    written_by_methods: frozenset[str] = frozenset(),
 ) -> tuple[MethodSpec, dict[str, Any], Any]:
-    """The method's spec and segments, and its program (on `device`)."""
+    """The method's spec and segments, and its program (on `device`).
+    `written_by_methods`: module tensors the bundle's methods write (_written_by_methods)."""
     program = source.program
     if device != "cpu":
         from torch.export.passes import move_to_device_pass
@@ -415,9 +428,10 @@ def _compile_method(
         # add_(1)) was folded into the code, so every run wrote the same value
         # and nothing was kept between calls (torch's own aoti_load_package too).
         options = {**options, "joint_graph_constant_folding": False}
-    compiled = _compiled(program, args, kwargs, device, progress, options, cpu_target, runtime, method, warn)
-    compiled, spec, segments = _checked_against_eager(
-        torch, method, program, signature, written, args, kwargs, device, progress, options, cpu_target, runtime, warn, compiled)
+    build = functools.partial(_compiled, program, args, kwargs, device, progress, cpu_target=cpu_target, runtime=runtime, method=method,
+                                warn=warn, written_by_methods=written_by_methods)
+    compiled, spec, segments = _checked_against_eager(torch, method, program, signature, written, args, kwargs, device, progress, options,
+                                                      warn, build, build(options))
     if compiled.note:
         warn(f"method {method!r}: {compiled.note}")
     if source.sample_inputs is not None:
@@ -464,17 +478,21 @@ class _Choice:
 _SINGLE_ROW = _Choice("coordinate-descent tuning (matrix-vector kernels)", {"coordinate_descent_tuning": False}, "coordinate_descent_disagreed")
 _FUSED_ATTENTION = _Choice("the fused decode attention", {attention.OPTION: False}, "fused_decode_attention_disagreed")
 _MATVEC = _Choice("the matrix-vector kernel", {matvec.OPTION: False}, "matvec_disagreed")
+_COMBO = _Choice("Inductor's combo kernels", {"combo_kernels": False}, "combo_kernels_disagreed")
 
 
 def _own_choices(compiled: CompiledLibrary, options: Mapping[str, Any]) -> list[_Choice]:
     """What the check against eager may take back from this CUDA method: the
-    single-row rule's coordinate-descent tuning (where the caller did not set
-    the option), and cuda-runner's own kernels wherever they took calls over:
-    the matrix-vector kernel (the newest, taken back first) and the fused
+    combo kernels cuda-runner turned on with the fused attention (the newest,
+    taken back first), the single-row rule's coordinate-descent tuning (each
+    where the caller did not set the option), and cuda-runner's own kernels
+    wherever they took calls over: the matrix-vector kernel and the fused
     decode attention."""
     if compiled.device.type != "cuda":
         return []
     choices = []
+    if compiled.options.get("combo_kernels") is True and "combo_kernels" not in options:
+        choices.append(_COMBO)
     if compiled.options.get("matvec_products"):
         choices.append(_MATVEC)
     if compiled.options.get("coordinate_descent_tuning") and "coordinate_descent_tuning" not in options:
@@ -486,7 +504,7 @@ def _own_choices(compiled: CompiledLibrary, options: Mapping[str, Any]) -> list[
 
 def _checked_against_eager(
     torch: Any, method: str, program: Any, signature: Any, written: _WrittenState | None, args: tuple, kwargs: dict,
-    device: str, progress: Progress, options: Mapping[str, Any], cpu_target: str, runtime: str, warn: Warn,
+    device: str, progress: Progress, options: Mapping[str, Any], warn: Warn, build: Callable[[Mapping[str, Any]], CompiledLibrary],
     compiled: CompiledLibrary,
 ) -> tuple[CompiledLibrary, MethodSpec, dict[str, Any]]:
     """The method's library run once on its example inputs against eager where
@@ -516,17 +534,17 @@ def _checked_against_eager(
              f"({problem}); compiled again without it")
         options = {**options, **choice.off}
         taken_back[choice.record] = problem
-        compiled = _compiled(program, args, kwargs, device, progress, options, cpu_target, runtime, method, warn)
+        compiled = build(options)
         spec, segments = _method_spec(torch, method, signature, compiled, written, device)
         spec = dataclasses.replace(spec, compile_options={**spec.compile_options, **taken_back})
         choices = [choice for choice in _own_choices(compiled, options) if choice.record not in taken_back]  # what this build has
     return compiled, spec, segments
 
 
-def _compiled(program: Any, args: tuple, kwargs: dict, device: str, progress: Progress, options: Mapping[str, Any], cpu_target: str,
-              runtime: str, method: str, warn: Warn) -> CompiledLibrary:
+def _compiled(program: Any, args: tuple, kwargs: dict, device: str, progress: Progress, options: Mapping[str, Any], *, cpu_target: str,
+              runtime: str, method: str, warn: Warn, written_by_methods: frozenset[str]) -> CompiledLibrary:
     """compile_program, saying where one of cuda-runner's own kernels was asked for and did not compile."""
-    compiled = compile_program(program, args, kwargs, device, progress, options, cpu_target, runtime)
+    compiled = compile_program(program, args, kwargs, device, progress, options, cpu_target, runtime, written_elsewhere=written_by_methods)
     for kernel, (_, failed) in OWN_KERNEL_RECORDS.items():
         failure = compiled.options.get(failed)
         if failure:

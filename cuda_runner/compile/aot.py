@@ -224,21 +224,25 @@ def check_cpu_target(target: str) -> str:
 def compile_program(
     program: Any, example_args: tuple, example_kwargs: Mapping[str, Any], device: str, progress: Progress,
     user_options: Mapping[str, Any] | None = None, cpu_target: str = DEFAULT_CPU_TARGET, runtime: str = "auto",
+    written_elsewhere: frozenset[str] = frozenset(),
 ) -> CompiledLibrary:
     """Compile an ExportedProgram that already lives on `device`, for `runtime`
     (RUNTIMES): a CUDA library is compiled standalone unless runtime is
     "libtorch", and compiled again bound to libtorch where the standalone one
-    still needs libtorch and runtime is "auto"."""
+    still needs libtorch and runtime is "auto". `written_elsewhere` names the
+    module tensors other methods of the bundle write (shared with this one)."""
     if device == "cpu" or runtime == "libtorch":
         # A standalone CPU compile differs only in its attention, lowered from SDPA's math form (the shim has no flash attention).
         standalone = runtime == "standalone"
-        compiled = _compile_once(program, example_args, example_kwargs, device, progress, user_options, cpu_target, standalone=standalone)
+        compiled = _compile_once(program, example_args, example_kwargs, device, progress, user_options, cpu_target, standalone=standalone,
+                                 written_elsewhere=written_elsewhere)
         if standalone:
             _check_standalone(compiled.library)
             compiled.options["standalone"] = True
         return compiled
     try:
-        compiled = _compile_once(program, example_args, example_kwargs, device, progress, user_options, cpu_target, standalone=True)
+        compiled = _compile_once(program, example_args, example_kwargs, device, progress, user_options, cpu_target, standalone=True,
+                                 written_elsewhere=written_elsewhere)
         refusal = standalone_refusal(compiled.library)
     except CompileError as error:
         failure = str(error).removeprefix("AOTInductor compile failed: ")
@@ -255,7 +259,8 @@ def compile_program(
     if runtime == "standalone":
         raise CompileError(f"--standalone: the compiled library cannot run without libtorch: {refusal}; compile without --standalone to run it on libtorch")
     progress("compiling again, bound to libtorch")
-    compiled = _compile_once(program, example_args, example_kwargs, device, progress, user_options, cpu_target, standalone=False)
+    compiled = _compile_once(program, example_args, example_kwargs, device, progress, user_options, cpu_target, standalone=False,
+                             written_elsewhere=written_elsewhere)
     compiled.options["libtorch_because"] = refusal
     return dataclasses.replace(compiled, note=f"compiled bound to libtorch: {refusal}; {LIBTORCH_COST}")
 
@@ -329,7 +334,7 @@ def standalone_refusal(library: bytes) -> str | None:
 
 def _compile_once(
     program: Any, example_args: tuple, example_kwargs: Mapping[str, Any], device: str, progress: Progress,
-    user_options: Mapping[str, Any] | None, cpu_target: str, standalone: bool,
+    user_options: Mapping[str, Any] | None, cpu_target: str, standalone: bool, written_elsewhere: frozenset[str] = frozenset(),
 ) -> CompiledLibrary:
     torch = import_torch()
     work_dir = Path(tempfile.mkdtemp(prefix="cuda-runner-compile-"))
@@ -357,6 +362,7 @@ def _compile_once(
             # the generated code handles; the manifest's bounds are checked anyway.
             options["aot_inductor.check_lowerbound"] = False
         kernels = own_kernels_for(own, standalone and device != "cpu" and triton_ops_available(), one_row_method, inductor_options)
+        kernels.written_elsewhere = written_elsewhere
         library_path = _aot_compile(torch, program, example_args, example_kwargs, options, standalone, device, kernels, progress)
         weights_path = library_path.with_name(library_path.name[: -len(".so")] + "_weights.blob")
         metadata = _sidecar_metadata(library_path)
@@ -459,7 +465,8 @@ def gpu_fault_message(failure: str, in_graph: Sequence[str], libtorch: bool = Tr
     again with, in a new process (this one cannot use the GPU any more)."""
     remedies = []
     if in_graph:
-        names = " and ".join(OWN_KERNEL_NAMES[kernel] for kernel in in_graph)
+        named = [OWN_KERNEL_NAMES[kernel] for kernel in in_graph]
+        names = named[0] if len(named) == 1 else f"{', '.join(named[:-1])} and {named[-1]}"
         options = " ".join(f"--option {_OFF_OPTIONS[kernel]}=false" for kernel in in_graph)
         one = len(in_graph) == 1
         remedies.append(f"{options} ({names} {'was' if one else 'were'} in the graph; leaving {'it' if one else 'them'} out may avoid the fault)")
@@ -477,6 +484,9 @@ class OwnKernels:
     attention: bool  # the fused decode attention (compile/attention.py)
     matvec: bool  # the matrix-vector kernel (compile/matvec.py)
     combo: bool = True  # Inductor's combo kernels with the attention (false where the user set the option)
+    combo_on_trial: bool = False  # the last build left them out to see whether its failure was theirs
+    combo_cleared: bool = False  # a build failed without them too: not suspected again
+    written_elsewhere: frozenset[str] = frozenset()  # module tensors other methods of the bundle write
     fused: int = 0  # SDPA calls the attention took
     position_limits: int = 0  # of those, the ones whose mask it replaced by the step's position
     products: int = 0  # products of one row the matvec took
@@ -503,13 +513,13 @@ class OwnKernels:
         self.fused = self.products = self.launches = self.position_limits = 0
         if self.attention:
             in_use.append("attention")
-            fused = attention.fuse_decode_attention(module)
+            fused = attention.fuse_decode_attention(module, self.written_elsewhere)
             self.fused, self.position_limits = fused.calls, fused.position_limits
             if not self.fused:
                 in_use.pop()
         if self.matvec:
             in_use.append("matvec")
-            used = matvec.use_matvec(module)
+            used = matvec.use_matvec(module, written_elsewhere=self.written_elsewhere)
             self.products, self.launches = used.products, used.launches
             if not self.products:
                 in_use.pop()
@@ -523,6 +533,24 @@ class OwnKernels:
     def give_up(self, kernel: str, failure: str) -> None:
         setattr(self, kernel, False)
         self.failures[kernel] = failure
+
+    def blame(self, in_use: list[str], failure: str) -> list[str]:
+        """Give up the newest of `in_use` (the build's, as apply() listed them)
+        that may have made it fail; what to tell the user. Combo kernels are
+        given up on trial: where the build fails without them too, the failure
+        was not theirs, so they come back, are not suspected again, and the
+        newest kernel goes (combo kernels are worth about 0.06 ms of the 1B
+        decoder's step, docs/benchmarks.md)."""
+        lines = []
+        if self.combo_on_trial:
+            self.combo, self.combo_on_trial, self.combo_cleared = True, False, True
+            del self.failures["combo"]
+            lines.append("the build failed without Inductor's combo kernels too: compiling with them again")
+        suspect = [kernel for kernel in in_use if not (kernel == "combo" and self.combo_cleared)][-1]
+        self.give_up(suspect, failure)
+        self.combo_on_trial = suspect == "combo"
+        lines.append(given_up(suspect, failure, "compiling"))
+        return lines
 
 
 # What a user is told as the compile starts: an autotuned one (every standalone CUDA
@@ -541,7 +569,7 @@ def _aot_compile(
     """The library AOTInductor builds from the program, with cuda-runner's own
     kernels where they apply (`kernels` says which were used). A compile that
     fails with one of them in the graph is done again without it, the newest
-    first: a kernel is an optimisation, never a reason to lose the build. But
+    first (OwnKernels.blame): a kernel is an optimisation, never a reason to lose the build. But
     not after a GPU fault, which no later compile in the process survives:
     that raises GpuFault, naming the kernels that were in the graph."""
     if device != "cpu":
@@ -563,9 +591,8 @@ def _aot_compile(
                 raise CompileError(f"AOTInductor compile failed: {type(error).__name__}: {compile_failure(error)}") from error
             if gpu_unusable_after(error):  # no second compile can run in this process
                 raise GpuFault(f"AOTInductor compile failed: {type(error).__name__}: {compile_failure(error)}", tuple(in_use)) from error
-            failure = f"{type(error).__name__}: {compile_failure(error)}"
-            kernels.give_up(in_use[-1], failure)
-            progress(given_up(in_use[-1], failure, "compiling"))
+            for line in kernels.blame(in_use, f"{type(error).__name__}: {compile_failure(error)}"):
+                progress(line)
 
 
 @contextlib.contextmanager

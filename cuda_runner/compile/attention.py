@@ -69,9 +69,10 @@ class Fused:
     position_limits: int = 0
 
 
-def fuse_decode_attention(graph_module: Any) -> Fused:
+def fuse_decode_attention(graph_module: Any, written_elsewhere: frozenset[str] = frozenset()) -> Fused:
     """Replace the qualifying SDPA calls of `graph_module` (a copy the caller
-    owns: ExportedProgram.module() makes a new one) by the fused kernel."""
+    owns: ExportedProgram.module() makes a new one) by the fused kernel.
+    `written_elsewhere`: module tensors other methods write (position_limit)."""
     sites = decode_attention_sites(graph_module.graph)
     if not sites:
         return Fused()
@@ -89,7 +90,7 @@ def fuse_decode_attention(graph_module: Any) -> Fused:
         if mask is not None:
             key = (mask, _mask_target(site))
             if key not in limits:
-                limits[key] = _position_on_device(position_limit(mask, key[1]), site.query)
+                limits[key] = _position_on_device(position_limit(mask, key[1], written_elsewhere), site.query)
             limit = limits[key]
             if limit is not None:
                 masks.add(mask)

@@ -64,7 +64,7 @@ class MatvecUse:
     residuals: int = 0
 
 
-def use_matvec(graph_module: Any, operator: Any = None, fused_operator: Any = None) -> MatvecUse:
+def use_matvec(graph_module: Any, operator: Any = None, fused_operator: Any = None, written_elsewhere: frozenset[str] = frozenset()) -> MatvecUse:
     """Replace the qualifying products of `graph_module` (a copy the caller owns)
     by the kernel, with what surrounds them folded in where it can be
     (`operator`, `fused_operator`: cuda_runner::matvec and ::matvec_fused, or
@@ -72,7 +72,9 @@ def use_matvec(graph_module: Any, operator: Any = None, fused_operator: Any = No
     (read_only_tensors) may fetch them early (matvec_kernel.waits_for_inputs)."""
     graph = graph_module.graph
     order = {node: index for index, node in enumerate(graph.nodes)}
-    read_only = read_only_tensors(graph)
+    # A tensor another method writes is not fetched early either: the launch
+    # before this method's first may be that method's last.
+    read_only = read_only_tensors(graph) - written_elsewhere
     sites = single_row_products(graph)
     if not sites:
         return MatvecUse()
@@ -118,6 +120,12 @@ def read_only_tensors(graph: Any) -> frozenset[str]:
         return frozenset()
     return frozenset(node.target for node in graph.nodes
                      if node.op == "get_attr" and (storage := storage_of(node)) is not None and storage not in written)
+
+
+def written_tensors(graph: Any) -> frozenset[str]:
+    """The names of the module tensors (get_attr) that an op of `graph` may
+    write: every one not read-only (read_only_tensors), a KV cache."""
+    return frozenset(node.target for node in graph.nodes if node.op == "get_attr") - read_only_tensors(graph)
 
 
 def written_storages(graph: Any) -> set[Any] | None:

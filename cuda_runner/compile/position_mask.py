@@ -21,17 +21,19 @@ from typing import Any
 
 from .graph_values import static_shape
 from .graph_values import value as recorded_value
-from .matvec import read_only_tensors, storage_of, written_storages
+from .matvec import storage_of, written_storages
 
 # The longest cache whose mask is proven position by position (each one a run of
 # the mask's few ops): a longer one keeps its mask.
 MAX_PROVEN_POSITIONS = 8192
 
 
-def position_limit(mask: Any, target: tuple[int, int, int, int]) -> Any | None:
+def position_limit(mask: Any, target: tuple[int, int, int, int], written_elsewhere: frozenset[str] = frozenset()) -> Any | None:
     """The graph input p such that `mask`, broadcast to `target` ([B, H, 1, S]),
     allows exactly the positions 0..p for every p in [0, S); None where that is
-    not so or cannot be shown."""
+    not so or cannot be shown. `written_elsewhere` names the module tensors
+    that other methods of the bundle write: the methods share them (a mask
+    buffer a prefill fills would be proven on its compile-time contents)."""
     _, _, rows, length = target
     if rows != 1 or length > MAX_PROVEN_POSITIONS or static_shape(mask) is None:
         return None
@@ -40,11 +42,8 @@ def position_limit(mask: Any, target: tuple[int, int, int, int]) -> Any | None:
     if len(inputs) != 1 or not _one_integer(inputs[0]) or not all(_pure(node) and _small(node, length) for node in ancestors):
         return None
     position = inputs[0]
-    if not _written_by_no_op(ancestors):
+    if not _written_by_no_op(ancestors) or any(node.op == "get_attr" and node.target in written_elsewhere for node in ancestors):
         return None
-    constants = [node.target for node in ancestors if node.op == "get_attr"]
-    if constants and not set(constants) <= read_only_tensors(mask.graph):
-        return None  # a tensor the step writes (a mask kept in a buffer) is not what it was at compile time
     try:
         return position if _allows_up_to_position(mask, ancestors, position, target) else None
     except Exception:  # a mask that does not evaluate on its own keeps its mask
@@ -56,13 +55,13 @@ def _written_by_no_op(ancestors: list[Any]) -> bool:
     written position would be read changed by the kernel. A value written
     through another view of its memory (base.logical_and_(...) where the mask
     is base.view(...)) is not the one its node computes: the proof would run
-    on what the step does not use. Module tensors are checked by name
-    (read_only_tensors): their nodes carry no traced value."""
+    on what the step does not use. A module tensor the step writes (a mask
+    kept in a buffer it updates) is not what it was at compile time."""
     written = written_storages(ancestors[0].graph)
     if written is None:
         return False
-    computed = [storage_of(node) for node in ancestors if node.op != "get_attr"]
-    return all(storage is not None and storage not in written for storage in computed)
+    storages = [storage_of(node) for node in ancestors]
+    return all(storage is not None and storage not in written for storage in storages)
 
 
 def _ancestors(node: Any) -> list[Any]:
@@ -133,15 +132,19 @@ def _allows_up_to_position(mask: Any, ancestors: list[Any], position: Any, targe
 
 def _allows_exactly(values: Any, allowed: Any) -> bool:
     """Whether a bool mask keeps just the allowed positions, or an additive one
-    adds 0 to them and, to every other, -inf or its dtype's lowest value (which
-    leaves exp() of the score 0, as -inf does, while some position is allowed)."""
+    adds 0 to them and, to every other, -inf or, but for float16, its dtype's
+    lowest value (which leaves exp() of the score 0, as -inf does, while some
+    position is allowed)."""
     import torch
 
     if values.dtype == torch.bool:
         return bool(torch.equal(values, allowed.expand_as(values)))
     if not values.dtype.is_floating_point:
         return False
-    lowest = torch.finfo(values.dtype).min
     kept = values == 0
-    dropped = (values == float("-inf")) | (values == lowest)
+    dropped = values == float("-inf")
+    if torch.finfo(values.dtype).max > 1e38:
+        # float32's, bfloat16's or float64's lowest: no score comes near it. float16's (-65504)
+        # is not taken: a masked score over 65504 above the kept ones would win in eager.
+        dropped |= values == torch.finfo(values.dtype).min
     return bool(torch.equal(kept, allowed.expand_as(values)) and torch.equal(dropped, ~allowed.expand_as(values)))

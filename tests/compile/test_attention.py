@@ -197,16 +197,15 @@ def test_a_fused_attention_that_does_not_compile_costs_the_fusion_not_the_build(
         return "/nowhere/model.so"
 
     fake_torch = SimpleNamespace(_inductor=SimpleNamespace(aot_compile=aot_compile))
-    monkeypatch.setattr(attention, "fuse_decode_attention", lambda module: setattr(module, "fused", 2) or attention.Fused(2))
+    monkeypatch.setattr(attention, "fuse_decode_attention", lambda module, written_elsewhere: setattr(module, "fused", 2) or attention.Fused(2))
     monkeypatch.setattr(attention, "pin_sdpa_layout", lambda module: 0)
     program = SimpleNamespace(module=lambda: SimpleNamespace(fused=0))
     heard: list[str] = []
     kernels = aot.OwnKernels(attention=True, matvec=False)
     path = aot._aot_compile(fake_torch, program, (), {}, {}, False, "cuda", kernels, heard.append)
-    # combo kernels, which came with it, are given up first; the fusion when the build fails without them too
+    # combo kernels, which came with it, are tried without first; the fusion goes when the build fails without them too
     assert compiled == [2, 2, 0] and kernels.fused == 0 and str(path) == "/nowhere/model.so"
-    failure = "RuntimeError: Failed to run autotuning code block: at 22:4:"
-    assert kernels.record() == {"combo_kernels_failed": failure, "fused_decode_attention_failed": failure}
+    assert kernels.record() == {"fused_decode_attention_failed": "RuntimeError: Failed to run autotuning code block: at 22:4:"}
     assert any("compiling without it" in line for line in heard)
     with pytest.raises(CompileError, match="AOTInductor compile failed: RuntimeError"):  # without the fusion, a failure is the compile's
         aot._aot_compile(fake_torch, SimpleNamespace(module=lambda: SimpleNamespace(fused=1)), (), {}, {}, False, "cuda",
@@ -277,7 +276,7 @@ def test_a_fusion_that_fails_before_the_compile_costs_the_fusion_not_the_build(m
 
     from cuda_runner.compile import aot, attention
 
-    def broken_fusion(module):
+    def broken_fusion(module, written_elsewhere):
         raise RuntimeError("triton_op: cannot register cuda_runner::decode_attention")
 
     monkeypatch.setattr(attention, "fuse_decode_attention", broken_fusion)
@@ -286,6 +285,20 @@ def test_a_fusion_that_fails_before_the_compile_costs_the_fusion_not_the_build(m
     path = aot._aot_compile(fake_torch, SimpleNamespace(module=object), (), {}, {}, False, "cuda", kernels, lambda _: None)
     assert str(path) == "/nowhere/model.so" and kernels.fused == 0
     assert kernels.failures == {"attention": "RuntimeError: triton_op: cannot register cuda_runner::decode_attention"}
+
+
+def test_the_fusion_is_told_what_the_bundles_other_methods_write(monkeypatch):
+    """What compile_sources found (a mask buffer a prefill fills) reaches the proof of each mask."""
+    from types import SimpleNamespace
+
+    from cuda_runner.compile import aot, attention
+
+    told: list[frozenset[str]] = []
+    monkeypatch.setattr(attention, "fuse_decode_attention", lambda module, written_elsewhere: told.append(written_elsewhere) or attention.Fused())
+    fake_torch = SimpleNamespace(_inductor=SimpleNamespace(aot_compile=lambda module, args, kwargs, options: "/nowhere/model.so"))
+    kernels = aot.OwnKernels(attention=True, matvec=False, written_elsewhere=frozenset({"valid"}))
+    aot._aot_compile(fake_torch, SimpleNamespace(module=object), (), {}, {}, False, "cuda", kernels, lambda _: None)
+    assert told == [{"valid"}]
 
 
 @pytest.mark.triton

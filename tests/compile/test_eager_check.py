@@ -61,7 +61,7 @@ def test_a_method_the_check_refuses_is_compiled_again_without_coordinate_descent
     program = export_module(torch.nn.Linear(3, 2), (torch.randn(1, 3),), {}, None).program
     asked: list[dict] = []
 
-    def fake_compile(program, args, kwargs, device, progress, options, cpu_target, runtime):
+    def fake_compile(program, args, kwargs, device, progress, options, cpu_target, runtime, **_):
         asked.append(dict(options))
         tuned = options.get("coordinate_descent_tuning", True)
         return CompiledLibrary(b"library", b"", DeviceSpec(type="cuda", compute_capability="9.0"), {"coordinate_descent_tuning": tuned})
@@ -86,7 +86,7 @@ def _fake_compiles(monkeypatch, problems):
 
     asked: list[dict] = []
 
-    def fake_compile(program, args, kwargs, device, progress, options, cpu_target, runtime):
+    def fake_compile(program, args, kwargs, device, progress, options, cpu_target, runtime, **_):
         asked.append(dict(options))
         recorded = {"coordinate_descent_tuning": options.get("coordinate_descent_tuning", True)}
         if options.get(OPTION, True):
@@ -124,10 +124,39 @@ def test_then_the_fused_attention_is_taken_back_too(monkeypatch):
     assert len(notes) == 2 and "the fused decode attention" in notes[1]
 
 
+@pytest.mark.parametrize("user_options, first_taken_back", [
+    ({}, {"combo_kernels": False}),  # cuda-runner's choice: taken back first, the kernels kept
+    ({"combo_kernels": True}, {"coordinate_descent_tuning": False, "combo_kernels": True}),  # the caller's: kept
+])
+def test_combo_kernels_that_came_with_the_fused_attention_are_taken_back_first(monkeypatch, user_options, first_taken_back):
+    from cuda_runner.compile.attention import OPTION
+
+    program = export_module(torch.nn.Linear(3, 2), (torch.randn(1, 3),), {}, None).program
+    asked: list[dict] = []
+
+    def fake_compile(program, args, kwargs, device, progress, options, cpu_target, runtime, **_):
+        asked.append(dict(options))
+        recorded = {"coordinate_descent_tuning": options.get("coordinate_descent_tuning", True)}
+        if options.get(OPTION, True):
+            recorded.update(fused_decode_attention=2, combo_kernels=options.get("combo_kernels", True))
+        return CompiledLibrary(b"library", b"", DeviceSpec(type="cuda", compute_capability="9.0"), recorded)
+
+    answers = iter(["9.7 from eager's", None])
+    monkeypatch.setattr(compile_package, "compile_program", fake_compile)
+    monkeypatch.setattr(compile_package, "_with_library_buffers", lambda written, library, device: written)
+    monkeypatch.setattr(compile_package, "disagreement", lambda *args: next(answers))
+    notes: list[str] = []
+    spec, _, _ = _compile_method(torch, "decode", MethodSource(program), "cpu", lambda _: None, user_options, warn=notes.append)
+    assert asked == [user_options, first_taken_back]
+    assert spec.compile_options["fused_decode_attention"] == 2
+    assert ("combo_kernels_disagreed" in spec.compile_options) == (not user_options)
+    assert ("Inductor's combo kernels" in notes[0]) == (not user_options)
+
+
 def test_coordinate_descent_the_caller_asked_for_is_not_second_guessed(monkeypatch):
     program = export_module(torch.nn.Linear(3, 2), (torch.randn(1, 3),), {}, None).program
     calls = []
-    monkeypatch.setattr(compile_package, "compile_program", lambda *args: calls.append(args) or CompiledLibrary(
+    monkeypatch.setattr(compile_package, "compile_program", lambda *args, **_: calls.append(args) or CompiledLibrary(
         b"library", b"", DeviceSpec(type="cuda", compute_capability="9.0"), {"coordinate_descent_tuning": True}))
     monkeypatch.setattr(compile_package, "_with_library_buffers", lambda written, library, device: written)
     monkeypatch.setattr(compile_package, "disagreement", lambda *args: pytest.fail("checked though the caller chose the option"))
@@ -174,7 +203,7 @@ def test_a_rebuild_that_lost_the_fused_attention_is_not_taken_back_for_it(monkey
     program = export_module(torch.nn.Linear(3, 2), (torch.randn(1, 3),), {}, None).program
     asked: list[dict] = []
 
-    def fake_compile(program, args, kwargs, device, progress, options, cpu_target, runtime):
+    def fake_compile(program, args, kwargs, device, progress, options, cpu_target, runtime, **_):
         asked.append(dict(options))
         recorded = {"coordinate_descent_tuning": options.get("coordinate_descent_tuning", True)}
         recorded.update({"fused_decode_attention": 2} if len(asked) == 1 else {"fused_decode_attention_failed": "RuntimeError: boom"})

@@ -67,6 +67,15 @@ def test_masks_that_differ_anywhere_or_need_more_than_the_position_are_kept(make
     assert position_limit(site.mask, _mask_target(site)) is None
 
 
+@pytest.mark.parametrize("dtype, taken", [(torch.float32, True), (torch.bfloat16, True), (torch.float16, False)])
+def test_an_additive_masks_lowest_value_counts_as_minus_infinity_only_where_no_score_comes_near_it(dtype, taken):
+    """float16's lowest is -65504: a masked score more than that above the kept ones wins in eager."""
+    allowed = torch.arange(LENGTH) <= 5
+    lowest = torch.where(allowed, 0.0, torch.finfo(dtype).min).to(dtype)
+    assert position_mask._allows_exactly(lowest, allowed) is taken
+    assert position_mask._allows_exactly(lowest.masked_fill(~allowed, float("-inf")), allowed)
+
+
 def test_several_query_rows_keep_their_mask():
     site = _site(lambda m, p, o: (_arange(p)[None, :] <= p[:, None]).view(1, 1, 1, LENGTH).expand(1, 1, 2, LENGTH), rows=2)
     assert position_limit(site.mask, _mask_target(site)) is None
@@ -79,12 +88,18 @@ def test_a_cache_longer_than_what_is_proven_keeps_its_mask(monkeypatch):
 
 
 def test_every_layer_of_the_llama_decoders_step_is_masked_by_its_position():
+    """In a bundle with its prefill too: the caches both methods write are not what the mask reads."""
+    from cuda_runner.compile import MethodSource, _written_by_methods
+
     config = scale_models.LLAMA_TINY
     model = scale_models.LlamaDecoder(config, torch.float32).eval()
-    graph = torch.export.export(MethodOf(model, "decode"), scale_models.llama_examples(config, 6)["decode"]).module().graph
-    sites = decode_attention_sites(graph)
+    examples = scale_models.llama_examples(config, 6)
+    programs = {method: torch.export.export(MethodOf(model, method), examples[method]) for method in ("prefill", "decode")}
+    written = _written_by_methods({method: MethodSource(program) for method, program in programs.items()})
+    assert len(written) == 2 * config.layers  # the K and V caches
+    sites = decode_attention_sites(programs["decode"].module().graph)
     assert len(sites) == config.layers
-    assert {position_limit(site.mask, _mask_target(site)).name for site in sites} == {"input_pos"}
+    assert {position_limit(site.mask, _mask_target(site), written).name for site in sites} == {"input_pos"}
 
 
 class _MaskKeptInABuffer(torch.nn.Module):
@@ -167,3 +182,60 @@ def test_a_mask_built_from_a_square_matrix_in_the_step_is_not_evaluated_at_every
 def _limit_arguments(make):
     site = _site(make)
     return site.mask, _mask_target(site)
+
+
+class _PaddedByPrefill(torch.nn.Module):
+    """prefill fills a buffer of the cache positions a prompt left valid; decode's mask reads it.
+    The methods of a bundle share the buffer, so the decode step's graph alone does not show the write."""
+
+    def __init__(self):
+        super().__init__()
+        self.register_buffer("valid", torch.ones(LENGTH, dtype=torch.bool))
+
+    def prefill(self, pad):
+        self.valid.copy_(torch.arange(LENGTH) >= pad)
+        return self.valid.sum()
+
+    def forward(self, q, k, v, input_pos):
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=(self.valid & (torch.arange(LENGTH) <= input_pos)).view(1, 1, 1, LENGTH))
+
+
+def _padded_by_prefill_sources():
+    from cuda_runner.compile import export_method
+
+    module = _PaddedByPrefill()
+    q, k, v = torch.randn(1, 4, 1, 8), torch.randn(1, 4, LENGTH, 8), torch.randn(1, 4, LENGTH, 8)
+    return module, {"prefill": export_method(module, "prefill", (torch.tensor(3),)), "decode": export_method(module, "forward", (q, k, v, torch.tensor([5])))}
+
+
+def test_a_mask_read_from_a_buffer_another_method_writes_is_kept():
+    from cuda_runner.compile import _written_by_methods
+
+    _, sources = _padded_by_prefill_sources()
+    written = _written_by_methods(sources)
+    assert written == {"valid"}
+    (site,) = decode_attention_sites(sources["decode"].program.module().graph)
+    assert position_limit(site.mask, _mask_target(site)) is not None  # decode alone: the buffer looks constant
+    assert position_limit(site.mask, _mask_target(site), written) is None
+    assert not _written_by_methods({"decode": sources["decode"]})  # a bundle of one method: nothing else writes
+
+
+def test_every_method_is_compiled_knowing_what_the_bundle_writes(monkeypatch, tmp_path):
+    import cuda_runner.compile as compile_package
+
+    _, sources = _padded_by_prefill_sources()
+    heard: dict[str, frozenset[str]] = {}
+
+    class _Stop(Exception):
+        pass
+
+    def compile_method(torch, method, source, device, progress, options, cpu_target, runtime, warn, written_by_methods):
+        heard[method] = written_by_methods
+        if len(heard) == len(sources):
+            raise _Stop
+        return None, {}, source.program
+
+    monkeypatch.setattr(compile_package, "_compile_method", compile_method)
+    with pytest.raises(_Stop):
+        compile_package.compile_sources(sources, tmp_path / "padded.bundle", device="cpu")
+    assert heard == {"prefill": {"valid"}, "decode": {"valid"}}

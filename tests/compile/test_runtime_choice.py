@@ -19,7 +19,7 @@ def compiles(monkeypatch):
     made: list[bool] = []
     state = {"refusal": None, "fails": False}
 
-    def compile_once(program, args, kwargs, device, progress, options, cpu_target, standalone):
+    def compile_once(program, args, kwargs, device, progress, options, cpu_target, standalone, **_):
         made.append(standalone)
         if standalone and state["fails"] == "cuda fault":
             try:
@@ -51,6 +51,20 @@ def test_a_cuda_compile_is_standalone_by_default(compiles):
     made, _ = compiles
     compiled = _compile()
     assert made == [True] and compiled.library == b"standalone" and compiled.options["standalone"] is True and compiled.note is None
+
+
+@pytest.mark.parametrize("device, runtime, builds", [("cuda:0", "auto", 2), ("cpu", "auto", 1), ("cuda:0", "libtorch", 1)])
+def test_every_build_is_told_what_the_bundles_other_methods_write(monkeypatch, device, runtime, builds):
+    told = []
+
+    def compile_once(*args, standalone, written_elsewhere):
+        told.append(written_elsewhere)
+        return aot.CompiledLibrary(b"standalone" if standalone else b"libtorch", b"", DeviceSpec("cpu"), {})
+
+    monkeypatch.setattr(aot, "_compile_once", compile_once)
+    monkeypatch.setattr(aot, "standalone_refusal", lambda library: "libtorch-bound")  # the standalone build falls back
+    aot.compile_program(None, (), {}, device, lambda message: None, {}, runtime=runtime, written_elsewhere=frozenset({"cache"}))
+    assert told == [{"cache"}] * builds
 
 
 def test_a_kernel_without_a_standalone_form_falls_back_to_libtorch_saying_which_and_what_it_costs(compiles):
@@ -110,8 +124,9 @@ def test_a_gpu_fault_survives_the_way_back_from_the_compile_process():
         "--option cuda_runner.fuse_decode_attention=false --option cuda_runner.matvec=false (the fused decode attention and the "
         "matrix-vector kernel were in the graph; leaving them out may avoid the fault)")
     # combo kernels, taken with the attention, are an option of Inductor's to turn off as well
-    assert "--option cuda_runner.fuse_decode_attention=false --option combo_kernels=false (the fused decode attention and Inductor's combo " \
-        "kernels were in the graph" in aot.gpu_fault_message("x", ("attention", "combo"))
+    assert "--option cuda_runner.fuse_decode_attention=false --option cuda_runner.matvec=false --option combo_kernels=false (the fused " \
+        "decode attention, the matrix-vector kernel and Inductor's combo kernels were in the graph" in \
+        aot.gpu_fault_message("x", ("attention", "matvec", "combo"))
 
 
 def test_what_counts_as_a_cuda_fault():
