@@ -23,11 +23,11 @@ weight) is taken as well.
 
 from __future__ import annotations
 
-import operator as python_operator
 from dataclasses import dataclass
 from typing import Any
 
 from . import matvec_fusion
+from .graph_memory import GraphMemory
 from .graph_values import one_floating_dtype, static_shape, strides, value
 
 # The compile option that turns the rewrite off in a standalone CUDA build ({"cuda_runner.matvec": False}); on by default.
@@ -107,66 +107,16 @@ def use_matvec(graph_module: Any, operator: Any = None, fused_operator: Any = No
 
 def read_only_tensors(graph: Any) -> frozenset[str]:
     """The names of the module tensors (get_attr) whose memory no op of `graph`
-    writes: the weights, not a KV cache written in place. An exported program
-    keeps such writes as in-place ops (index_copy_) and need not list them
-    among its mutated buffers, so the graph is read rather than the signature;
-    and a write is matched to the tensors it touches by the storage of the
-    values export traced, which a view, a piece of an unbind or split, and a
-    second name for the same memory all share. An op whose schema is unknown
-    counts as writing every tensor it takes, and a write whose storage is not
-    known leaves no tensor read-only."""
-    written = written_storages(graph)
-    if written is None:
-        return frozenset()
-    return frozenset(node.target for node in graph.nodes
-                     if node.op == "get_attr" and (storage := storage_of(node)) is not None and storage not in written)
+    writes (graph_memory.GraphMemory, through any view or second name): the
+    weights, not a KV cache written in place."""
+    memory = GraphMemory(graph)
+    return frozenset(node.target for node in graph.nodes if node.op == "get_attr" and not memory.written(node))
 
 
 def written_tensors(graph: Any) -> frozenset[str]:
     """The names of the module tensors (get_attr) that an op of `graph` may
     write: every one not read-only (read_only_tensors), a KV cache."""
     return frozenset(node.target for node in graph.nodes if node.op == "get_attr") - read_only_tensors(graph)
-
-
-def written_storages(graph: Any) -> set[Any] | None:
-    """The storages (storage_of) of every tensor an op of `graph` may write;
-    None where a write's storage is not known."""
-    written: set[Any] = set()
-    for node in graph.nodes:
-        if node.op == "call_function" and node.target is python_operator.getitem:
-            continue
-        if node.op == "call_module" and node.target == "_guards_fn":
-            continue  # the input checks ExportedProgram.module() adds: they read the inputs
-        if node.op in ("call_function", "call_module", "call_method"):
-            for operand in _written_operands(node):
-                storage = storage_of(operand)
-                if storage is None:
-                    return None
-                written.add(storage)
-    return written
-
-
-def storage_of(node: Any) -> Any:
-    """The storage of the tensor export traced for `node` (a weak reference, compared by identity), or None."""
-    import torch
-    from torch.multiprocessing.reductions import StorageWeakRef
-
-    traced = node.meta.get("val")
-    return StorageWeakRef(traced.untyped_storage()) if isinstance(traced, torch.Tensor) else None
-
-
-def _written_operands(node: Any) -> list[Any]:
-    """The graph nodes `node` may write: the arguments its schema marks written, every node argument without a schema."""
-    schema = getattr(node.target, "_schema", None) if node.op == "call_function" else None
-    if schema is None:
-        return [operand for operand in node.all_input_nodes]
-    written: list[Any] = []
-    for index, argument in enumerate(schema.arguments):
-        if argument.alias_info is None or not argument.alias_info.is_write:
-            continue
-        value = node.args[index] if index < len(node.args) else node.kwargs.get(argument.name)
-        written += value if isinstance(value, (list, tuple)) else [value]
-    return [operand for operand in written if hasattr(operand, "op")]
 
 
 def _replace_plain(graph: Any, site: ProductSite, operator: Any, replacements: dict[Any, Any]) -> None:

@@ -19,9 +19,9 @@ from __future__ import annotations
 
 from typing import Any
 
+from .graph_memory import GraphMemory
 from .graph_values import static_shape
 from .graph_values import value as recorded_value
-from .matvec import storage_of, written_storages
 
 # The longest cache whose mask is proven position by position (each one a run of
 # the mask's few ops): a longer one keeps its mask.
@@ -57,11 +57,8 @@ def _written_by_no_op(ancestors: list[Any]) -> bool:
     is base.view(...)) is not the one its node computes: the proof would run
     on what the step does not use. A module tensor the step writes (a mask
     kept in a buffer it updates) is not what it was at compile time."""
-    written = written_storages(ancestors[0].graph)
-    if written is None:
-        return False
-    storages = [storage_of(node) for node in ancestors]
-    return all(storage is not None and storage not in written for storage in storages)
+    memory = GraphMemory(ancestors[0].graph)
+    return not any(memory.written(node) for node in ancestors)
 
 
 def _ancestors(node: Any) -> list[Any]:

@@ -1,0 +1,116 @@
+"""Which values of an exported graph may share memory, and which of them an op
+of the graph may write: what cuda-runner's kernels take as read-only (a
+weight fetched before the launch before has finished, a mask proven once at
+compile time) rests on it.
+
+An exported program keeps in-place ops as they are (a KV cache's
+`index_copy_`, `mask.logical_and_(...)`) and need not list them among its
+mutated buffers, so the graph itself is read. Two nodes are taken to share
+memory where either of two things says so:
+- the graph's structure: an op whose schema says its result aliases an
+  argument (a view, a slice, an in-place op returning its input, the pieces of
+  an unbind or split, taken out by getitem), and any op without a schema (a
+  higher-order op, a Python callable), taken to alias all it is given;
+- the storage of the values export traced, which also ties a second name of
+  the same module tensor. torch.export.save and load do not keep that tie for
+  views (a slice's traced value comes back with a storage of its own), which
+  is why the structure is read too.
+An op whose schema is unknown counts as writing everything it is given.
+"""
+
+from __future__ import annotations
+
+import operator as python_operator
+from typing import Any
+
+
+class GraphMemory:
+    """The memory of one graph's values, grouped by what may share it."""
+
+    def __init__(self, graph: Any) -> None:
+        self._parent: dict[Any, Any] = {}
+        for node in graph.nodes:
+            storage = storage_of(node)
+            if storage is not None:
+                self._join(node, ("storage", storage))  # tagged: a weak reference cannot be compared with a node
+            for source in _aliased_operands(node):
+                self._join(node, source)
+        self._written = {self._root(operand) for node in graph.nodes for operand in _written_operands(node)}
+
+    def written(self, node: Any) -> bool:
+        """Whether an op of the graph may write `node`'s memory (through any view of it)."""
+        return self._root(node) in self._written
+
+    def _root(self, key: Any) -> Any:
+        parent = self._parent.setdefault(key, key)
+        while parent != key:
+            grandparent = self._parent[parent]
+            self._parent[key] = grandparent  # halve the path: later finds are shorter
+            key, parent = parent, grandparent
+        return key
+
+    def _join(self, first: Any, second: Any) -> None:
+        first_root, second_root = self._root(first), self._root(second)
+        if first_root != second_root:
+            self._parent[first_root] = second_root
+
+
+def storage_of(node: Any) -> Any:
+    """The storage of the tensor export traced for `node` (a weak reference, compared by identity), or None."""
+    import torch
+    from torch.multiprocessing.reductions import StorageWeakRef
+
+    traced = node.meta.get("val")
+    return StorageWeakRef(traced.untyped_storage()) if isinstance(traced, torch.Tensor) else None
+
+
+def _guards(node: Any) -> bool:
+    """The input checks ExportedProgram.module() adds: they read the inputs and keep nothing."""
+    return node.op == "call_module" and node.target == "_guards_fn"
+
+
+def _aliased_operands(node: Any) -> list[Any]:
+    """The nodes whose memory `node`'s value may share."""
+    if node.op not in ("call_function", "call_module", "call_method") or _guards(node):
+        return []
+    if node.op == "call_function" and node.target is python_operator.getitem:
+        return [node.args[0]] if hasattr(node.args[0], "op") else []
+    schema = getattr(node.target, "_schema", None) if node.op == "call_function" else None
+    if schema is None:
+        return list(node.all_input_nodes)
+    returned: set[str] = set()
+    for result in schema.returns:
+        if result.alias_info is not None:
+            returned |= set(result.alias_info.before_set)
+    aliased: list[Any] = []
+    for index, argument in enumerate(schema.arguments):
+        info = argument.alias_info
+        if info is None or not (set(info.before_set) & returned or "*" in info.after_set):
+            continue
+        aliased += _nodes(_argument(node, index, argument.name))
+    return aliased
+
+
+def _written_operands(node: Any) -> list[Any]:
+    """The graph nodes `node` may write: the arguments its schema marks written, every node argument without a schema."""
+    if node.op not in ("call_function", "call_module", "call_method") or _guards(node):
+        return []
+    if node.op == "call_function" and node.target is python_operator.getitem:
+        return []
+    schema = getattr(node.target, "_schema", None) if node.op == "call_function" else None
+    if schema is None:
+        return list(node.all_input_nodes)
+    written: list[Any] = []
+    for index, argument in enumerate(schema.arguments):
+        if argument.alias_info is not None and argument.alias_info.is_write:
+            written += _nodes(_argument(node, index, argument.name))
+    return written
+
+
+def _argument(node: Any, index: int, name: str) -> Any:
+    return node.args[index] if index < len(node.args) else node.kwargs.get(name)
+
+
+def _nodes(value: Any) -> list[Any]:
+    values = value if isinstance(value, (list, tuple)) else [value]
+    return [item for item in values if hasattr(item, "op")]
