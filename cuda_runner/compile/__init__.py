@@ -283,7 +283,8 @@ def compile_sources(
         problem = method_name_problem(method)
         if problem:
             raise InputError(f"method name {method!r} {problem}")
-    written_by_methods = _written_by_methods(sources)
+    # Without shared weights every method has state of its own: no other method writes it.
+    written_by_methods = _written_by_methods(sources) if share_weights else frozenset()
     for method, source in sources.items():
         with torch_talking_to_itself():
             spec, method_segments, programs[method] = _compile_method(torch, method, source, device, progress, user_options, cpu_target, runtime,
@@ -292,6 +293,9 @@ def compile_sources(
         segments.update(method_segments)
     if share_weights and len(methods) > 1:
         methods, segments = _shared(methods, segments, programs, device, progress)
+        held = {name: frozenset(program.graph_signature.buffers) for name, program in programs.items()}
+        for line in sharing.state_not_shared(methods, held, written_by_methods):
+            (warn or _warn)(line)
     features = ["samples"] if any(spec.has_samples for spec in methods.values()) else []
     if call_helper:
         methods, helper_note = with_call_helper(methods, segments, progress)
@@ -397,6 +401,25 @@ def _may_write(program: Any) -> bool:
     return False
 
 
+def _state_kept(torch: Any, options: Mapping[str, Any], written: _WrittenState | None, read_from_others: frozenset[str]) -> Mapping[str, Any]:
+    """The options that keep Inductor from taking state for constants, unless
+    the caller set them: `written` is what the method writes, `read_from_others`
+    the buffers it reads that another method of the bundle writes."""
+    chosen = dict(options)
+    if (written is not None and written.buffers) or read_from_others:
+        # Inductor's joint-graph constant folding takes buffers for constants:
+        # a buffer's new value computed from buffers alone (a step counter's
+        # add_(1)) was folded into the code, so every run wrote the same value
+        # and nothing was kept between calls (torch's own aoti_load_package too).
+        chosen.setdefault("joint_graph_constant_folding", False)
+    if read_from_others and hasattr(torch._inductor.config, "always_keep_tensor_constants"):
+        # A buffer of at most a few elements that the method does not write is
+        # put into the code as a number: what another method writes to it
+        # would never be read (a prefill's count, read by decode as 0).
+        chosen.setdefault("always_keep_tensor_constants", True)
+    return chosen
+
+
 def _written_by_methods(sources: Mapping[str, MethodSource]) -> frozenset[str]:
     """The module tensors some method of a bundle of several may write (a KV
     cache): the methods share them, so what one method's compile takes for a
@@ -422,12 +445,8 @@ def _compile_method(
     written = _written_state(program)
     args, kwargs = _example_inputs(program, device)
     progress(f"compiling method {method!r} for {device}")
-    if written is not None and written.buffers and "joint_graph_constant_folding" not in options:
-        # Inductor's joint-graph constant folding takes buffers for constants:
-        # a buffer's new value computed from buffers alone (a step counter's
-        # add_(1)) was folded into the code, so every run wrote the same value
-        # and nothing was kept between calls (torch's own aoti_load_package too).
-        options = {**options, "joint_graph_constant_folding": False}
+    own_writes = set(written.buffers) if written is not None else set()
+    options = _state_kept(torch, options, written, written_by_methods & set(program.graph_signature.buffers) - own_writes)
     build = functools.partial(_compiled, program, args, kwargs, device, progress, cpu_target=cpu_target, runtime=runtime, method=method,
                                 warn=warn, written_by_methods=written_by_methods)
     compiled, spec, segments = _checked_against_eager(torch, method, program, signature, written, args, kwargs, device, progress, options,
@@ -482,21 +501,22 @@ _COMBO = _Choice("Inductor's combo kernels", {"combo_kernels": False}, "combo_ke
 
 
 def _own_choices(compiled: CompiledLibrary, options: Mapping[str, Any]) -> list[_Choice]:
-    """What the check against eager may take back from this CUDA method: the
-    combo kernels cuda-runner turned on with the fused attention (the newest,
-    taken back first), the single-row rule's coordinate-descent tuning (each
-    where the caller did not set the option), and cuda-runner's own kernels
-    wherever they took calls over: the matrix-vector kernel and the fused
+    """What the check against eager may take back from this CUDA method,
+    likeliest first: cuda-runner's matrix-vector kernel wherever it took
+    calls over, the single-row rule's coordinate-descent tuning, the combo
+    kernels cuda-runner turned on with the fused attention (each of the two
+    where the caller did not set the option; combo kernels only launch
+    kernels together, and go with the attention anyway), and the fused
     decode attention."""
     if compiled.device.type != "cuda":
         return []
     choices = []
-    if compiled.options.get("combo_kernels") is True and "combo_kernels" not in options:
-        choices.append(_COMBO)
     if compiled.options.get("matvec_products"):
         choices.append(_MATVEC)
     if compiled.options.get("coordinate_descent_tuning") and "coordinate_descent_tuning" not in options:
         choices.append(_SINGLE_ROW)
+    if compiled.options.get("combo_kernels") is True and "combo_kernels" not in options:
+        choices.append(_COMBO)
     if compiled.options.get("fused_decode_attention"):
         choices.append(_FUSED_ATTENTION)
     return choices

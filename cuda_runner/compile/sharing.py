@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -109,10 +109,18 @@ def program_tensors(program: Any) -> dict[str, Any]:
     return tensors
 
 
-def split_blob(constants: Sequence[LibraryConstant], blob: bytes | memoryview, tensors: Mapping[str, Any], mutated: frozenset[str] = frozenset()
-               ) -> list[StoredConstant] | str:
+def lifted_constants(program: Any) -> dict[str, Any]:
+    """The exported program's lifted constants (tensors its code made, torch.tensor([...]))."""
+    return {name: value for name, value in getattr(program, "constants", {}).items() if hasattr(value, "untyped_storage")}
+
+
+def split_blob(constants: Sequence[LibraryConstant], blob: bytes | memoryview, tensors: Mapping[str, Any], mutated: frozenset[str] = frozenset(),
+               lifted: Mapping[str, Any] | None = None) -> list[StoredConstant] | str:
     """The blob cut into one storage per constant, each described by the
-    program's tensor of that FQN; or why it cannot be (the method keeps its blob)."""
+    program's tensor of that FQN; or why it cannot be (the method keeps its blob).
+    A constant the compiler renamed (Inductor calls the program's lifted
+    constants _tensor_constant0, ...) is described by the one tensor of
+    `lifted` whose bytes it holds, where exactly one has them."""
     view = memoryview(blob).cast("B")
     stored = []
     cursor = 0
@@ -121,6 +129,8 @@ def split_blob(constants: Sequence[LibraryConstant], blob: bytes | memoryview, t
         if cursor + constant.nbytes > len(view):
             return f"the library's constants run past the end of its weights blob at {name}"
         tensor = tensors.get(constant.fqn)
+        if tensor is None:
+            tensor = _holding_the_bytes(view[cursor:cursor + constant.nbytes], constant.dtype_code, (lifted or {}).values())
         if tensor is None:
             return f"the library's constant {name} is not a tensor of the exported program (renamed or made by the compiler)"
         try:
@@ -149,6 +159,22 @@ def split_blob(constants: Sequence[LibraryConstant], blob: bytes | memoryview, t
     if cursor != len(view):
         return f"the weights blob holds {len(view) - cursor} bytes past the library's constants"
     return stored
+
+
+def _holding_the_bytes(piece: memoryview, dtype_code: int, candidates: Iterable[Any]) -> Any:
+    """The one candidate tensor (plain, at the start of its storage) whose storage is `piece`'s bytes, zero-padded; None if not one."""
+    found = []
+    for tensor in candidates:
+        storage = tensor.detach().untyped_storage()
+        size = storage.nbytes()
+        try:
+            same_dtype = _DTYPES_BY_CODE.get(dtype_code) == torch_dtype_name(tensor.dtype)
+        except CudaRunnerError:
+            continue
+        if (same_dtype and not tensor.storage_offset() and 0 < size <= len(piece) and piece[size:].tobytes().count(0) == len(piece) - size
+                and bytes(_storage_bytes(tensor, storage)) == bytes(piece[:size])):
+            found.append(tensor)
+    return found[0] if len(found) == 1 else None
 
 
 def _storage_bytes(tensor: Any, storage: Any) -> memoryview:
@@ -208,6 +234,23 @@ def share_weights(methods: Mapping[str, MethodSpec], segments: Mapping[str, Any]
     return Sharing(out_methods, out_segments, shared_segments, tuple(notes))
 
 
+def state_not_shared(methods: Mapping[str, MethodSpec], held: Mapping[str, frozenset[str]], written: frozenset[str]) -> list[str]:
+    """One line for each buffer in `written` (one method writes it) that
+    several methods hold (`held`: each method's buffers) but do not name one
+    segment for: a method whose blob could not be split, or whose library
+    compiled the buffer into its code, reads its compile-time value, not what
+    the other wrote."""
+    lines = []
+    for fqn in sorted(written):
+        holders = sorted(name for name in methods if fqn in held.get(name, frozenset()))
+        segments = {name: next((constant.segment for constant in methods[name].constants or () if constant.fqn == fqn), None)
+                    for name in holders}
+        if len(holders) > 1 and (None in segments.values() or len(set(segments.values())) > 1):
+            lines.append(f"buffer {fqn!r} is state of methods {', '.join(map(repr, holders))}, but they do not share one copy of it "
+                         "(see why above): what one method writes to it, the others do not read")
+    return lines
+
+
 def required_features(methods: Mapping[str, MethodSpec]) -> tuple[str, ...]:
     return (CONSTANT_TABLE,) if any(spec.constants for spec in methods.values()) else ()
 
@@ -228,5 +271,5 @@ def constant_tables(
         except (CudaRunnerError, OSError) as error:
             tables[name] = f"its library could not be asked for its constants here ({error})"
             continue
-        tables[name] = split_blob(constants, blob, program_tensors(program), mutated_buffers(spec))
+        tables[name] = split_blob(constants, blob, program_tensors(program), mutated_buffers(spec), lifted_constants(program))
     return tables

@@ -124,11 +124,14 @@ def test_then_the_fused_attention_is_taken_back_too(monkeypatch):
     assert len(notes) == 2 and "the fused decode attention" in notes[1]
 
 
-@pytest.mark.parametrize("user_options, first_taken_back", [
-    ({}, {"combo_kernels": False}),  # cuda-runner's choice: taken back first, the kernels kept
-    ({"combo_kernels": True}, {"coordinate_descent_tuning": False, "combo_kernels": True}),  # the caller's: kept
+@pytest.mark.parametrize("user_options, taken_back", [
+    # cuda-runner's choice: taken back after coordinate descent, before the attention they came with
+    ({}, [{"coordinate_descent_tuning": False}, {"coordinate_descent_tuning": False, "combo_kernels": False}]),
+    # the caller's: kept, and the attention is next
+    ({"combo_kernels": True}, [{"coordinate_descent_tuning": False, "combo_kernels": True},
+                               {"coordinate_descent_tuning": False, "combo_kernels": True, "cuda_runner.fuse_decode_attention": False}]),
 ])
-def test_combo_kernels_that_came_with_the_fused_attention_are_taken_back_first(monkeypatch, user_options, first_taken_back):
+def test_combo_kernels_that_came_with_the_fused_attention_are_taken_back_before_it(monkeypatch, user_options, taken_back):
     from cuda_runner.compile.attention import OPTION
 
     program = export_module(torch.nn.Linear(3, 2), (torch.randn(1, 3),), {}, None).program
@@ -141,16 +144,16 @@ def test_combo_kernels_that_came_with_the_fused_attention_are_taken_back_first(m
             recorded.update(fused_decode_attention=2, combo_kernels=options.get("combo_kernels", True))
         return CompiledLibrary(b"library", b"", DeviceSpec(type="cuda", compute_capability="9.0"), recorded)
 
-    answers = iter(["9.7 from eager's", None])
+    answers = iter(["9.7 from eager's", "8.1 from eager's", None])
     monkeypatch.setattr(compile_package, "compile_program", fake_compile)
     monkeypatch.setattr(compile_package, "_with_library_buffers", lambda written, library, device: written)
     monkeypatch.setattr(compile_package, "disagreement", lambda *args: next(answers))
     notes: list[str] = []
     spec, _, _ = _compile_method(torch, "decode", MethodSource(program), "cpu", lambda _: None, user_options, warn=notes.append)
-    assert asked == [user_options, first_taken_back]
-    assert spec.compile_options["fused_decode_attention"] == 2
-    assert ("combo_kernels_disagreed" in spec.compile_options) == (not user_options)
-    assert ("Inductor's combo kernels" in notes[0]) == (not user_options)
+    assert asked == [user_options, *taken_back]
+    assert (spec.compile_options.get("fused_decode_attention") == 2) == (not user_options)
+    assert spec.compile_options.get("combo_kernels_disagreed") == ("8.1 from eager's" if not user_options else None)
+    assert ("Inductor's combo kernels" in notes[1]) == (not user_options)
 
 
 def test_coordinate_descent_the_caller_asked_for_is_not_second_guessed(monkeypatch):

@@ -5,6 +5,7 @@ test module); the rest works on forged blobs and manifests."""
 
 from __future__ import annotations
 
+import dataclasses
 import fcntl
 import json
 import zipfile
@@ -157,6 +158,34 @@ def test_a_constant_that_cannot_be_tied_to_the_program_keeps_the_blob(program, r
     assert isinstance(result, str) and reason in result
 
 
+def test_a_constant_the_compiler_renamed_is_described_by_the_one_lifted_constant_with_its_bytes():
+    made = torch.arange(8.0).reshape(2, 4)
+    blob, slots = _blob(made)
+    renamed = [LibraryConstant("_tensor_constant0", _code("float32"), slots[0])]
+    stored = split_blob(renamed, blob, {}, lifted={"lifted_tensor_0": made, "lifted_tensor_1": torch.ones(3)})
+    assert not isinstance(stored, str)
+    assert [(item.spec.fqn, item.spec.sizes) for item in stored] == [("_tensor_constant0", (2, 4))]  # bound by the library's name
+    # two with those bytes (or none) say nothing of its shape: the method keeps its blob
+    twice = split_blob(renamed, blob, {}, lifted={"a": made, "b": made.reshape(8).clone()})
+    assert isinstance(twice, str) and "not a tensor of the exported program" in twice
+
+
+def test_state_one_method_writes_and_another_holds_apart_is_told():
+    from cuda_runner.compile.sharing import state_not_shared
+
+    def spec(name, constants):
+        return dataclasses.replace(_spec(name), weights_segment=None, constants=tuple(
+            ConstantSpec(fqn, segment, "float32", "cpu", 0, (1,), (1,)) for fqn, segment in constants))
+
+    methods = {"prefill": spec("prefill", [("cache", "shared_c0"), ("count", "prefill_c1")]), "decode": spec("decode", [("cache", "shared_c0")]),
+               "other": _spec("other")}
+    held = {"prefill": frozenset({"cache", "count"}), "decode": frozenset({"cache", "count"}), "other": frozenset()}
+    lines = state_not_shared(methods, held, frozenset({"cache", "count"}))
+    # the cache is one copy; decode's library has no count of its own to bind (compiled into its code)
+    assert lines == ["buffer 'count' is state of methods 'decode', 'prefill', but they do not share one copy of it (see why above): "
+                     "what one method writes to it, the others do not read"]
+
+
 def test_bytes_past_the_constants_keep_the_blob():
     weight = torch.randn(4, 4)
     blob, slots = _blob(weight)
@@ -242,3 +271,51 @@ def test_a_module_without_the_method_is_an_input_error():
 
     with pytest.raises(InputError, match="no method 'prefil'"):
         export_method(PrefillDecode(), "prefil", EXAMPLES["decode"])
+
+
+class _FilledByPrefill(torch.nn.Module):
+    """State that only prefill writes and decode only reads: a 0-d count (Inductor
+    writes a buffer this small into the code as a number unless told to keep it)
+    and flags written through a slice (a view: saved and loaded, the program no
+    longer ties its traced value to the buffer's). Decode's weights are a
+    constant its code makes, which Inductor, told to keep small tensors, keeps
+    under a name of its own."""
+
+    def __init__(self):
+        super().__init__()
+        self.register_buffer("count", torch.zeros(()))
+        self.register_buffer("valid", torch.ones(8))
+
+    def forward(self, x):  # prefill
+        self.count.copy_(x.sum())
+        self.valid[: x.shape[0]] = 0.0
+        return x * 2
+
+    def decode(self, y):
+        return y + self.count + self.valid * torch.tensor([1.0, 2.0, 3.0, 4.0, 5.0, 6.0, 7.0, 8.0])
+
+
+@pytest.mark.heavy
+def test_what_prefill_writes_decode_reads_through_a_bundle_compiled_from_saved_programs(tmp_path):
+    from cuda_runner.compile import export_method
+
+    module = _FilledByPrefill().eval()
+    examples = {"forward": (torch.arange(3.0),), "decode": (torch.zeros(8),)}
+    paths = {}
+    for method, args in examples.items():
+        paths[method] = tmp_path / f"{method}.pt2"
+        torch.export.save(export_method(_FilledByPrefill().eval(), method, args).program, str(paths[method]))
+    bundle = tmp_path / "filled.bundle"
+    result = cli("compile", *(f"--method={method}={path}" for method, path in paths.items()), "-o", str(bundle), "--no-call-helper")
+    assert result.returncode == 0, result.stderr
+    manifest = read_manifest(bundle)
+    decode_options = manifest.methods["decode"].compile_options
+    assert decode_options["always_keep_tensor_constants"] is True and decode_options["joint_graph_constant_folding"] is False
+    assert sorted(manifest.shared_weights().values()) == [["forward", "decode"]] * 2  # the count and the flags: one copy each
+    with torch.no_grad():
+        module(*examples["forward"])
+        expected = module.decode(*examples["decode"]).numpy()
+    with cuda_runner.load(bundle, "cpu") as model:
+        model.run({"x": examples["forward"][0].numpy()}, method="forward")
+        got = model.run({"y": examples["decode"][0].numpy()}, method="decode")["output_0"]
+    np.testing.assert_allclose(got, expected)  # 3 + [0, 0, 0, 4, 5, 6, 7, 8]
