@@ -538,9 +538,9 @@ class OwnKernels:
         """Give up the newest of `in_use` (the build's, as apply() listed them)
         that may have made it fail; what to tell the user. Combo kernels are
         given up on trial: where the build fails without them too, the failure
-        was not theirs, so they come back, are not suspected again, and the
-        newest kernel goes (combo kernels are worth about 0.06 ms of the 1B
-        decoder's step, docs/benchmarks.md)."""
+        was not theirs, so they come back and the newest kernel goes; they are
+        tried without again only after that (both may fail). Combo kernels are
+        worth about 0.06 ms of the 1B decoder's step (docs/benchmarks.md)."""
         lines = []
         if self.combo_on_trial:
             self.combo, self.combo_on_trial, self.combo_cleared = True, False, True
@@ -549,6 +549,7 @@ class OwnKernels:
         suspect = [kernel for kernel in in_use if not (kernel == "combo" and self.combo_cleared)][-1]
         self.give_up(suspect, failure)
         self.combo_on_trial = suspect == "combo"
+        self.combo_cleared = self.combo_cleared and suspect == "combo"  # a kernel went: the next failure may be theirs again
         lines.append(given_up(suspect, failure, "compiling"))
         return lines
 

@@ -278,16 +278,19 @@ def _failing_compile(fails_while: set[str], compiled: list[tuple[int, int, bool]
     return SimpleNamespace(_inductor=SimpleNamespace(aot_compile=aot_compile))
 
 
-@pytest.mark.parametrize("fails_while, tries, given_up, used, heard_failed", [
+@pytest.mark.parametrize("fails_while, tries, given_up, used, heard_failed, cleared", [
     # combo kernels, taken with the attention, are the newest: given up first, on trial, both kernels kept
-    ({"combo"}, [(2, 5, True), (2, 5, False)], {"combo"}, {"attention", "matvec"}, 1),
+    ({"combo"}, [(2, 5, True), (2, 5, False)], {"combo"}, {"attention", "matvec"}, 1, 0),
     # the build fails without them too: they come back, and the matrix-vector kernel goes
-    ({"matvec"}, [(2, 5, True), (2, 5, False), (2, 0, True)], {"matvec"}, {"attention", "combo"}, 2),
-    # a failure that is none of the newer ones' costs both kernels; combo kernels are not tried again
-    ({"attention"}, [(2, 5, True), (2, 5, False), (2, 0, True), (0, 0, False)], {"matvec", "attention"}, set(), 3),
-    (set(), [(2, 5, True)], set(), {"attention", "matvec", "combo"}, 0),
+    ({"matvec"}, [(2, 5, True), (2, 5, False), (2, 0, True)], {"matvec"}, {"attention", "combo"}, 2, 1),
+    # both fail: after the matrix-vector kernel went, combo kernels are tried without again, and the attention stays
+    ({"matvec", "combo"}, [(2, 5, True), (2, 5, False), (2, 0, True), (2, 0, False)], {"matvec", "combo"}, {"attention"}, 3, 1),
+    # a failure that is none of the newer ones' costs both kernels
+    ({"attention"}, [(2, 5, True), (2, 5, False), (2, 0, True), (2, 0, False), (0, 0, False)], {"matvec", "attention"}, set(), 4, 2),
+    (set(), [(2, 5, True)], set(), {"attention", "matvec", "combo"}, 0, 0),
 ])
-def test_a_build_that_fails_with_its_own_kernels_is_compiled_again_without_them(monkeypatch, fails_while, tries, given_up, used, heard_failed):
+def test_a_build_that_fails_with_its_own_kernels_is_compiled_again_without_them(monkeypatch, fails_while, tries, given_up, used, heard_failed,
+                                                                                cleared):
     monkeypatch.setattr(attention, "fuse_decode_attention", lambda module, written_elsewhere: setattr(module, "fused", 2) or attention.Fused(2))
     monkeypatch.setattr(matvec, "use_matvec", lambda module, **_: setattr(module, "products", 5) or matvec.MatvecUse(products=5, launches=3))
     compiled: list[tuple[int, int, bool]] = []
@@ -301,7 +304,9 @@ def test_a_build_that_fails_with_its_own_kernels_is_compiled_again_without_them(
         assert recorded.get(record_failed) == ("RuntimeError: C++ compile error" if kernel in given_up else None)
         assert (record_used in recorded) == (kernel in used)
     assert sum("did not compile" in line for line in heard) == heard_failed
-    assert any("failed without Inductor's combo kernels too" in line for line in heard) == (len(tries) > 2)
+    assert sum("failed without Inductor's combo kernels too" in line for line in heard) == cleared
+    named = {line.split(" did not compile")[0] for line in heard if "did not compile" in line}
+    assert {aot.OWN_KERNEL_NAMES[kernel] for kernel in given_up} <= named
 
 
 def test_combo_kernels_the_user_set_are_theirs_to_keep(monkeypatch):
