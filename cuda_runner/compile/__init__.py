@@ -292,9 +292,9 @@ def compile_sources(
         methods[method] = spec
         segments.update(method_segments)
     if share_weights and len(methods) > 1:
-        methods, segments = _shared(methods, segments, programs, device, progress)
+        methods, segments, kept_blobs = _shared(methods, segments, programs, device, progress)
         held = {name: frozenset(program.graph_signature.buffers) for name, program in programs.items()}
-        for line in sharing.state_not_shared(methods, held, written_by_methods):
+        for line in sharing.state_not_shared(methods, held, written_by_methods, kept_blobs):
             (warn or _warn)(line)
     features = ["samples"] if any(spec.has_samples for spec in methods.values()) else []
     if call_helper:
@@ -314,8 +314,9 @@ def compile_sources(
 
 
 def _shared(methods: dict[str, MethodSpec], segments: dict[str, Any], programs: Mapping[str, Any], device: str, progress: Progress,
-            ) -> tuple[dict[str, MethodSpec], dict[str, Any]]:
-    """Weights several methods hold alike, stored once (compile/sharing.py)."""
+            ) -> tuple[dict[str, MethodSpec], dict[str, Any], dict[str, str]]:
+    """Weights several methods hold alike, stored once (compile/sharing.py);
+    and why a method kept its blob, where one did."""
     blobs = {name: (programs[name], segments[spec.library_segment], segments[spec.weights_segment], spec)
              for name, spec in methods.items() if spec.weights_segment is not None}
     result = sharing.share_weights(methods, segments, sharing.constant_tables(blobs, device, progress))
@@ -326,7 +327,7 @@ def _shared(methods: dict[str, MethodSpec], segments: dict[str, Any], programs: 
         progress(f"{len(result.shared_segments)} weight storage(s), {size} bytes, stored once for several methods")
     else:
         progress("no weight is held alike by several methods: each method keeps its weights blob")
-    return result.methods, result.segments
+    return result.methods, result.segments, result.kept_blobs
 
 
 def with_call_helper(methods: Mapping[str, MethodSpec], segments: dict[str, Any], progress: Callable[[str], None]) -> tuple[dict[str, MethodSpec], str | None]:

@@ -549,7 +549,7 @@ class OwnKernels:
         suspect = [kernel for kernel in in_use if not (kernel == "combo" and self.combo_cleared)][-1]
         self.give_up(suspect, failure)
         self.combo_on_trial = suspect == "combo"
-        self.combo_cleared = self.combo_cleared and suspect == "combo"  # a kernel went: the next failure may be theirs again
+        self.combo_cleared = False  # something went: the next failure may be theirs again
         lines.append(given_up(suspect, failure, "compiling"))
         return lines
 

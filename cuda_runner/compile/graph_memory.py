@@ -14,7 +14,8 @@ memory where either of two things says so:
 - the storage of the values export traced, which also ties a second name of
   the same module tensor. torch.export.save and load do not keep that tie for
   views (a slice's traced value comes back with a storage of its own), which
-  is why the structure is read too.
+  is why the structure is read too, and module tensors are also tied by where
+  their memory is (a buffer registered as a view of another).
 An op whose schema is unknown counts as writing everything it is given.
 """
 
@@ -33,6 +34,9 @@ class GraphMemory:
             storage = storage_of(node)
             if storage is not None:
                 self._join(node, ("storage", storage))  # tagged: a weak reference cannot be compared with a node
+            address = _module_tensor_address(graph, node)
+            if address is not None:
+                self._join(node, ("address", address))
             for source in _aliased_operands(node):
                 self._join(node, source)
         self._written = {self._root(operand) for node in graph.nodes for operand in _written_operands(node)}
@@ -64,6 +68,21 @@ def storage_of(node: Any) -> Any:
     return StorageWeakRef(traced.untyped_storage()) if isinstance(traced, torch.Tensor) else None
 
 
+def _module_tensor_address(graph: Any, node: Any) -> tuple[str, int] | None:
+    """Where a module tensor's memory is (its device and the address of its
+    storage): a buffer registered as a view of another shares it, also after
+    torch.export.save and load, which keep no traced storage shared."""
+    if node.op != "get_attr" or graph.owning_module is None:
+        return None
+    value: Any = graph.owning_module
+    for part in str(node.target).split("."):
+        value = getattr(value, part, None)
+    if not hasattr(value, "untyped_storage"):
+        return None
+    storage = value.untyped_storage()
+    return (str(value.device), storage.data_ptr()) if storage.nbytes() else None
+
+
 def _guards(node: Any) -> bool:
     """The input checks ExportedProgram.module() adds: they read the inputs and keep nothing."""
     return node.op == "call_module" and node.target == "_guards_fn"
@@ -78,6 +97,7 @@ def _aliased_operands(node: Any) -> list[Any]:
     schema = getattr(node.target, "_schema", None) if node.op == "call_function" else None
     if schema is None:
         return list(node.all_input_nodes)
+    unannotated = _UNANNOTATED_ALIASES.get(schema.name, ())
     returned: set[str] = set()
     for result in schema.returns:
         if result.alias_info is not None:
@@ -85,10 +105,17 @@ def _aliased_operands(node: Any) -> list[Any]:
     aliased: list[Any] = []
     for index, argument in enumerate(schema.arguments):
         info = argument.alias_info
-        if info is None or not (set(info.before_set) & returned or "*" in info.after_set):
+        annotated = info is not None and bool(set(info.before_set) & returned or "*" in info.after_set)
+        if not annotated and argument.name not in unannotated:
             continue
         aliased += _nodes(_argument(node, index, argument.name))
     return aliased
+
+
+# ATen ops whose result may share an argument's memory though their schemas do
+# not say so, and those arguments: type_as returns self where the dtype already
+# matches, _unsafe_view is a view, and set_ makes self share its source's memory.
+_UNANNOTATED_ALIASES = {"aten::type_as": ("self",), "aten::_unsafe_view": ("self",), "aten::set_": ("self", "source")}
 
 
 def _written_operands(node: Any) -> list[Any]:

@@ -162,7 +162,10 @@ def split_blob(constants: Sequence[LibraryConstant], blob: bytes | memoryview, t
 
 
 def _holding_the_bytes(piece: memoryview, dtype_code: int, candidates: Iterable[Any]) -> Any:
-    """The one candidate tensor (plain, at the start of its storage) whose storage is `piece`'s bytes, zero-padded; None if not one."""
+    """The candidate tensor (plain, at the start of its storage) whose storage
+    is `piece`'s bytes, zero-padded; None where none is, or where those that
+    are differ in what they would describe (their shapes, say: the same
+    bytes used twice in the code are two lifted constants alike)."""
     found = []
     for tensor in candidates:
         storage = tensor.detach().untyped_storage()
@@ -174,7 +177,8 @@ def _holding_the_bytes(piece: memoryview, dtype_code: int, candidates: Iterable[
         if (same_dtype and not tensor.storage_offset() and 0 < size <= len(piece) and piece[size:].tobytes().count(0) == len(piece) - size
                 and bytes(_storage_bytes(tensor, storage)) == bytes(piece[:size])):
             found.append(tensor)
-    return found[0] if len(found) == 1 else None
+    described = {(tensor.dtype, tuple(tensor.shape), tuple(tensor.stride()), tensor.untyped_storage().nbytes()) for tensor in found}
+    return found[0] if len(described) == 1 else None
 
 
 def _storage_bytes(tensor: Any, storage: Any) -> memoryview:
@@ -193,6 +197,7 @@ class Sharing:
     segments: dict[str, Any]
     shared_segments: dict[str, tuple[str, ...]]  # segment -> the methods that name it
     notes: tuple[str, ...]  # why a method shares nothing
+    kept_blobs: dict[str, str] = dataclasses.field(default_factory=dict)  # method -> why it keeps its blob
 
 
 def share_weights(methods: Mapping[str, MethodSpec], segments: Mapping[str, Any], tables: Mapping[str, list[StoredConstant] | str]) -> Sharing:
@@ -201,7 +206,8 @@ def share_weights(methods: Mapping[str, MethodSpec], segments: Mapping[str, Any]
     A method with at least one such storage trades its weights blob for a
     constant table (its other constants get segments of their own); methods
     that share nothing keep their blobs, so older readers see what they did."""
-    notes = [f"method {name!r} keeps its weights blob: {table}" for name, table in tables.items() if isinstance(table, str)]
+    kept = {name: table for name, table in tables.items() if isinstance(table, str)}
+    notes = [f"method {name!r} keeps its weights blob: {why}" for name, why in kept.items()]
     usable = {name: table for name, table in tables.items() if not isinstance(table, str)}
     holders: dict[tuple[Any, ...], list[str]] = {}
     for name, table in usable.items():
@@ -211,7 +217,7 @@ def share_weights(methods: Mapping[str, MethodSpec], segments: Mapping[str, Any]
                 holders[stored.key].append(name)
     shared_keys = [key for key, names in holders.items() if len(names) > 1]
     if not shared_keys:
-        return Sharing(dict(methods), dict(segments), {}, tuple(notes))
+        return Sharing(dict(methods), dict(segments), {}, tuple(notes), kept)
     shared_names = {key: f"shared_c{index}" for index, key in enumerate(shared_keys)}
     converting = [name for name, table in usable.items() if any(stored.key in shared_names for stored in table)]
     out_methods = dict(methods)
@@ -231,23 +237,26 @@ def share_weights(methods: Mapping[str, MethodSpec], segments: Mapping[str, Any]
                 out_segments.setdefault(segment, stored.data)
             bound.append(dataclasses.replace(stored.spec, segment=segment))
         out_methods[name] = dataclasses.replace(spec, weights_segment=None, constants=tuple(bound))
-    return Sharing(out_methods, out_segments, shared_segments, tuple(notes))
+    return Sharing(out_methods, out_segments, shared_segments, tuple(notes), kept)
 
 
-def state_not_shared(methods: Mapping[str, MethodSpec], held: Mapping[str, frozenset[str]], written: frozenset[str]) -> list[str]:
+def state_not_shared(methods: Mapping[str, MethodSpec], held: Mapping[str, frozenset[str]], written: frozenset[str],
+                     kept_blobs: Mapping[str, str] | None = None) -> list[str]:
     """One line for each buffer in `written` (one method writes it) that
     several methods hold (`held`: each method's buffers) but do not name one
     segment for: a method whose blob could not be split, or whose library
     compiled the buffer into its code, reads its compile-time value, not what
-    the other wrote."""
+    the other wrote. `kept_blobs`: why a method kept its blob, where it did."""
     lines = []
     for fqn in sorted(written):
         holders = sorted(name for name in methods if fqn in held.get(name, frozenset()))
         segments = {name: next((constant.segment for constant in methods[name].constants or () if constant.fqn == fqn), None)
                     for name in holders}
         if len(holders) > 1 and (None in segments.values() or len(set(segments.values())) > 1):
-            lines.append(f"buffer {fqn!r} is state of methods {', '.join(map(repr, holders))}, but they do not share one copy of it "
-                         "(see why above): what one method writes to it, the others do not read")
+            reasons = [f"method {name!r} keeps its weights blob: {(kept_blobs or {})[name]}" for name in holders if name in (kept_blobs or {})]
+            why = "; ".join(reasons) if reasons else "a library compiled it into its code"
+            lines.append(f"buffer {fqn!r} is state of methods {', '.join(map(repr, holders))}, but they do not share one copy of it ({why}): "
+                         "what one method writes to it, the others do not read")
     return lines
 
 

@@ -165,7 +165,10 @@ def test_a_constant_the_compiler_renamed_is_described_by_the_one_lifted_constant
     stored = split_blob(renamed, blob, {}, lifted={"lifted_tensor_0": made, "lifted_tensor_1": torch.ones(3)})
     assert not isinstance(stored, str)
     assert [(item.spec.fqn, item.spec.sizes) for item in stored] == [("_tensor_constant0", (2, 4))]  # bound by the library's name
-    # two with those bytes (or none) say nothing of its shape: the method keeps its blob
+    # the same bytes used twice alike: either describes it
+    alike = split_blob(renamed, blob, {}, lifted={"a": made, "b": made.clone()})
+    assert not isinstance(alike, str) and alike[0].spec.sizes == (2, 4)
+    # two with those bytes but other shapes (or none) say nothing of its shape: the method keeps its blob
     twice = split_blob(renamed, blob, {}, lifted={"a": made, "b": made.reshape(8).clone()})
     assert isinstance(twice, str) and "not a tensor of the exported program" in twice
 
@@ -182,8 +185,12 @@ def test_state_one_method_writes_and_another_holds_apart_is_told():
     held = {"prefill": frozenset({"cache", "count"}), "decode": frozenset({"cache", "count"}), "other": frozenset()}
     lines = state_not_shared(methods, held, frozenset({"cache", "count"}))
     # the cache is one copy; decode's library has no count of its own to bind (compiled into its code)
-    assert lines == ["buffer 'count' is state of methods 'decode', 'prefill', but they do not share one copy of it (see why above): "
-                     "what one method writes to it, the others do not read"]
+    assert lines == ["buffer 'count' is state of methods 'decode', 'prefill', but they do not share one copy of it (a library compiled it "
+                     "into its code): what one method writes to it, the others do not read"]
+    methods["decode"] = _spec("decode")  # its blob could not be split: the cache is apart too, and the line says why
+    lines = state_not_shared(methods, held, frozenset({"cache", "count"}), {"decode": "its library could not be asked"})
+    assert [line.split(" is state")[0] for line in lines] == ["buffer 'cache'", "buffer 'count'"]
+    assert all("(method 'decode' keeps its weights blob: its library could not be asked)" in line for line in lines)
 
 
 def test_bytes_past_the_constants_keep_the_blob():
