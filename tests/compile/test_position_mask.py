@@ -102,6 +102,17 @@ def test_every_layer_of_the_llama_decoders_step_is_masked_by_its_position():
     assert {position_limit(site.mask, _mask_target(site), written).name for site in sites} == {"input_pos"}
 
 
+def _decode_tensors():
+    """q (one row), k and v over a cache of LENGTH positions."""
+    return torch.randn(1, 4, 1, 8), torch.randn(1, 4, LENGTH, 8), torch.randn(1, 4, LENGTH, 8)
+
+
+def _only_site(module, *args):
+    """The one SDPA call of `module` exported with `args`."""
+    (site,) = decode_attention_sites(torch.export.export(module, args).module().graph)
+    return site
+
+
 class _MaskKeptInABuffer(torch.nn.Module):
     """Allows exactly the positions up to the step's at compile time, but the step writes the buffer it reads."""
 
@@ -115,9 +126,7 @@ class _MaskKeptInABuffer(torch.nn.Module):
 
 
 def test_a_mask_read_from_a_buffer_the_step_writes_is_kept():
-    q, k, v = torch.randn(1, 4, 1, 8), torch.randn(1, 4, LENGTH, 8), torch.randn(1, 4, LENGTH, 8)
-    graph = torch.export.export(_MaskKeptInABuffer(), (q, k, v, torch.tensor([5]))).module().graph
-    (site,) = decode_attention_sites(graph)
+    site = _only_site(_MaskKeptInABuffer(), *_decode_tensors(), torch.tensor([5]))
     assert position_limit(site.mask, _mask_target(site)) is None
 
 
@@ -131,9 +140,7 @@ class _PositionAdvanced(torch.nn.Module):
 
 
 def test_a_position_the_step_writes_through_a_view_keeps_its_mask():
-    q, k, v = torch.randn(1, 4, 1, 8), torch.randn(1, 4, LENGTH, 8), torch.randn(1, 4, LENGTH, 8)
-    graph = torch.export.export(_PositionAdvanced(), (q, k, v, torch.tensor([5]))).module().graph
-    (site,) = decode_attention_sites(graph)
+    site = _only_site(_PositionAdvanced(), *_decode_tensors(), torch.tensor([5]))
     assert position_limit(site.mask, _mask_target(site)) is None
 
 
@@ -149,10 +156,9 @@ class _MaskNarrowedThroughItsBase(torch.nn.Module):
 
 
 def test_a_mask_written_through_another_view_before_the_attention_keeps_its_mask():
-    q, k, v = torch.randn(1, 4, 1, 8), torch.randn(1, 4, LENGTH, 8), torch.randn(1, 4, LENGTH, 8)
+    q, k, v = _decode_tensors()
     module = _MaskNarrowedThroughItsBase()
-    graph = torch.export.export(module, (q, k, v, torch.tensor([5]))).module().graph
-    (site,) = decode_attention_sites(graph)
+    site = _only_site(module, q, k, v, torch.tensor([5]))
     assert site.mask.target == torch.ops.aten.view.default  # the node read is the one before the write
     assert position_limit(site.mask, _mask_target(site)) is None
     # what it would have been proven as, had the write been missed: the window is what eager attends to
@@ -164,10 +170,8 @@ def test_a_mask_written_through_another_view_before_the_attention_keeps_its_mask
 @pytest.mark.parametrize("position", [torch.tensor(5), torch.tensor([[5]])], ids=["0-d", "1x1"])
 def test_a_position_not_shaped_one_per_row_keeps_its_mask(position):
     """The kernel takes one position per query row, [1]; a 0-d or [1, 1] one would be refused by it at build time."""
-    q, k, v = torch.randn(1, 4, 1, 8), torch.randn(1, 4, LENGTH, 8), torch.randn(1, 4, LENGTH, 8)
     module = _Masked(lambda m, p, o: (_arange(p) <= p.reshape(-1)[:, None]).view(1, 1, 1, LENGTH))
-    graph = torch.export.export(module, (q, k, v, position, torch.tensor([0]))).module().graph
-    (site,) = decode_attention_sites(graph)
+    site = _only_site(module, *_decode_tensors(), position, torch.tensor([0]))
     assert position_limit(site.mask, _mask_target(site)) is None
 
 
@@ -204,8 +208,8 @@ def _padded_by_prefill_sources():
     from cuda_runner.compile import export_method
 
     module = _PaddedByPrefill()
-    q, k, v = torch.randn(1, 4, 1, 8), torch.randn(1, 4, LENGTH, 8), torch.randn(1, 4, LENGTH, 8)
-    return module, {"prefill": export_method(module, "prefill", (torch.tensor(3),)), "decode": export_method(module, "forward", (q, k, v, torch.tensor([5])))}
+    decode_args = (*_decode_tensors(), torch.tensor([5]))
+    return module, {"prefill": export_method(module, "prefill", (torch.tensor(3),)), "decode": export_method(module, "forward", decode_args)}
 
 
 def test_a_mask_read_from_a_buffer_another_method_writes_is_kept():
