@@ -30,6 +30,8 @@ into the library like its own kernels (torch.library.triton_op).
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import triton
 import triton.language as tl
@@ -207,6 +209,25 @@ def split_plan(rows_total: int, kv_length: int, tile_rows: int) -> tuple[int, in
     return split_keys, splits, block_n
 
 
+@dataclass(frozen=True)
+class AttentionPlan:
+    """How one call is shared out: keys per program, programs per query row
+    (1: no merge launch), key tile rows, and warps of the attention kernel."""
+
+    split_keys: int
+    splits: int
+    block_n: int
+    warps: int
+
+
+def attention_plan(rows_total: int, kv_length: int, head_dim: int, value_dim: int) -> AttentionPlan:
+    """The plan decode_attention takes for a call of these sizes."""
+    widest = max(triton.next_power_of_2(head_dim), triton.next_power_of_2(value_dim), 1)
+    # A program holds a tile of keys and one of values: the wider sets the tile's rows.
+    split_keys, splits, block_n = split_plan(rows_total, kv_length, _TILE_ELEMENTS // widest)
+    return AttentionPlan(split_keys, splits, block_n, 4 if block_n * widest >= 4096 else 2)
+
+
 @triton_op(OPERATOR, mutates_args=())
 def decode_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: torch.Tensor | None,
                      scale: float, group: int, limit: torch.Tensor | None = None) -> torch.Tensor:
@@ -216,34 +237,44 @@ def decode_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor
     In place of a mask, `limit` (integers [L]) keeps, for query row l, the
     positions 0 to limit[l]."""
     batch, heads, rows, head_dim = query.shape
+    out = torch.empty((batch, heads, rows, value.shape[3]), dtype=query.dtype, device=query.device)
+    chosen = attention_plan(batch * heads * rows, key.shape[2], head_dim, value.shape[3])
+    launch_attention(query, key, value, mask, limit, out, scale, group, chosen, pdl=waits_for_inputs(query.device))
+    return out
+
+
+def launch_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: torch.Tensor | None,
+                     limit: torch.Tensor | None, out: torch.Tensor, scale: float, group: int, chosen: AttentionPlan,
+                     pdl: bool = False, launch_pdl: bool = False) -> None:
+    """Launch the attention (and, split, the merge) into `out` as chosen_plan says
+    (scripts/bench_step_plans.py sweeps it). `pdl` (Hopper and later) takes the
+    kernels that wait for the launch before them; `launch_pdl` has Triton
+    launch them as programmatic dependents (in a library, the shim does)."""
+    batch, heads, rows, head_dim = query.shape
     kv_length, value_dim = key.shape[2], value.shape[3]
-    out = torch.empty((batch, heads, rows, value_dim), dtype=query.dtype, device=query.device)
     kind, mask_view, mask_strides = _mask_operand(query, mask, limit, kv_length)
     block_d, block_dv = triton.next_power_of_2(head_dim), triton.next_power_of_2(value_dim)
     rows_total = batch * heads * rows
-    # A program holds a tile of keys and one of values: the wider sets the tile's rows.
-    split_keys, splits, block_n = split_plan(rows_total, kv_length, _TILE_ELEMENTS // max(block_d, block_dv, 1))
     # Each stretch's maximum, sum and weighted values (float32), merged by the second kernel.
     # With one stretch the first kernel writes the output itself and these are never touched.
-    slots = rows_total * splits if splits > 1 else 1
+    slots = rows_total * chosen.splits if chosen.splits > 1 else 1
     part_max = torch.empty((slots,), dtype=torch.float32, device=query.device)
     part_sum = torch.empty((slots,), dtype=torch.float32, device=query.device)
     part_acc = torch.empty((slots * block_dv,), dtype=torch.float32, device=query.device)
-    pdl = waits_for_inputs(query.device)
-    wrap_triton(cudarunner_pdl_decode_attention if pdl else _decode_attention_kernel)[(rows_total, splits)](
-        query, key, value, mask_view, out, part_max, part_sum, part_acc, scale, kv_length, group, split_keys,
+    extra = {"launch_pdl": True} if launch_pdl else {}
+    wrap_triton(cudarunner_pdl_decode_attention if pdl else _decode_attention_kernel)[(rows_total, chosen.splits)](
+        query, key, value, mask_view, out, part_max, part_sum, part_acc, scale, kv_length, group, chosen.split_keys,
         *query.stride(), *key.stride(), *value.stride(), *mask_strides, *out.stride(),
         HEADS=heads, ROWS=rows, HEAD_DIM=head_dim, VALUE_DIM=value_dim,
-        BLOCK_N=block_n, BLOCK_D=block_d, BLOCK_DV=block_dv, MASK_KIND=kind, SPLITS=splits,
-        num_warps=4 if block_n * max(block_d, block_dv) >= 4096 else 2,
+        BLOCK_N=chosen.block_n, BLOCK_D=block_d, BLOCK_DV=block_dv, MASK_KIND=kind, SPLITS=chosen.splits,
+        num_warps=chosen.warps, **extra,
     )
-    if splits > 1:
+    if chosen.splits > 1:
         wrap_triton(cudarunner_pdl_merge_splits if pdl else _merge_splits_kernel)[(rows_total,)](
             part_max, part_sum, part_acc, out, *out.stride(),
-            HEADS=heads, ROWS=rows, VALUE_DIM=value_dim, BLOCK_DV=block_dv, SPLITS=splits, BLOCK_S=triton.next_power_of_2(splits),
-            num_warps=1 if splits * block_dv <= 1024 else 4,
+            HEADS=heads, ROWS=rows, VALUE_DIM=value_dim, BLOCK_DV=block_dv, SPLITS=chosen.splits,
+            BLOCK_S=triton.next_power_of_2(chosen.splits), num_warps=1 if chosen.splits * block_dv <= 1024 else 4, **extra,
         )
-    return out
 
 
 def _mask_operand(query: torch.Tensor, mask: torch.Tensor | None, limit: torch.Tensor | None,

@@ -1,0 +1,195 @@
+#!/usr/bin/env python3
+"""Which plans make the 1B decoder's step fastest, every launch a programmatic dependent (GPU machine).
+
+The plans the kernels ship with were swept one launch kind at a time,
+without programmatic launches (scripts/bench_gemv.py --fused). In a step on
+Hopper every cuda-runner launch starts while the one before it drains, which
+changes what pays: a program's first tiles, a launch fewer. This times, from
+one CUDA graph each, a step built of the real kernels on random operands of
+the 1B decoder's shapes (16 layers and the head, bf16), all launched as
+programmatic dependents:
+
+  attention   cuda-runner's decode attention alone (16 launches, each layer a
+              cache of its own, the step's position as the mask), over plans:
+              the shipped split into stretches merged by a second kernel,
+              and one program per query row (no merge launch) with tiles of
+              64-512 keys; at positions 31, 255 and 511. Each plan's result
+              is first compared with SDPA's.
+  in a step   the 65 fused products and the attention a layer, each attention
+              plan at position 255
+  products    the same step, one launch kind's plan (q/k/v, o, gate/up, down)
+              swept while the others keep the shipped ones
+
+Medians of the replays with p10-p90, microseconds.
+
+    python3 scripts/bench_step_plans.py --output plans.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import sys
+import time
+from pathlib import Path
+
+LAYERS = 16
+POSITIONS = (31, 255, 511)
+STEP_POSITION = 255
+CACHE = 512
+
+
+def attention_plans() -> dict[str, object]:
+    """The shipped plan and the ones tried beside it, by name."""
+    from cuda_runner.compile.attention_kernel import AttentionPlan, attention_plan
+
+    plans: dict[str, object] = {"shipped": attention_plan(32, CACHE, 64, 64)}
+    for splits, block_n, warps in [(1, 64, 2), (1, 128, 4), (1, 256, 4), (1, 256, 8), (1, 512, 8), (1, 512, 16),
+                                   (2, 128, 4), (4, 64, 4), (4, 128, 4)]:
+        plans[f"splits {splits}, tile {block_n}, {warps} warps"] = AttentionPlan(CACHE // splits, splits, block_n, warps)
+    return plans
+
+
+def attention_operands(count: int) -> list[tuple]:
+    import torch
+
+    def bf16(*shape: int):
+        return torch.randn(*shape, device="cuda", dtype=torch.bfloat16)
+
+    return [(bf16(1, 32, 1, 64), bf16(1, 8, CACHE, 64), bf16(1, 8, CACHE, 64), torch.empty(1, 32, 1, 64, device="cuda", dtype=torch.bfloat16))
+            for _ in range(count)]
+
+
+def attention_launch(operands: tuple, limit, chosen):
+    from cuda_runner.compile.attention_kernel import launch_attention
+
+    query, key, value, out = operands
+    return lambda: launch_attention(query, key, value, None, limit, out, 0.125, 4, chosen, pdl=True, launch_pdl=True)
+
+
+def attention_error(chosen, position: int) -> float:
+    """Max abs difference from SDPA's math form over positions 0..position."""
+    import torch
+    import torch.nn.functional as F
+
+    operands = attention_operands(1)[0]
+    query, key, value, out = operands
+    limit = torch.tensor([position], device="cuda")
+    attention_launch(operands, limit, chosen)()
+    allowed = (torch.arange(CACHE, device="cuda") <= position).view(1, 1, 1, CACHE)
+    want = F.scaled_dot_product_attention(query.float(), key.float().repeat_interleave(4, 1), value.float().repeat_interleave(4, 1),
+                                          attn_mask=allowed, scale=0.125)
+    torch.cuda.synchronize()
+    return float((out.float() - want).abs().max())
+
+
+def fused_launch(operands: tuple, chosen: tuple):
+    from cuda_runner.compile.matvec_kernel import launch_fused
+
+    x, weights, gain, added, outputs, gated = operands
+    return lambda: launch_fused(x, weights, gain, 1e-5, added, gated, outputs, chosen, pdl=True, launch_pdl=True)
+
+
+def step(layers: list[dict], head: tuple, plans: dict[str, tuple], attention_plan, limit) -> list:
+    """A step's launches: per layer q/k/v, the attention, o, gate/up, down; the head."""
+    launches = []
+    for layer in layers:
+        launches.append(fused_launch(layer["qkv"], plans["qkv"]))
+        launches.append(attention_launch(layer["attention"], limit, attention_plan))
+        launches.extend(fused_launch(layer[name], plans[name]) for name in ("o", "gate/up", "down"))
+    launches.append(fused_launch(head, plans["head"]))
+    return launches
+
+
+CASES = {"qkv": "q/k/v + norm", "o": "o + residual", "gate/up": "gate/up + norm, gated", "down": "down + residual", "head": "head + norm"}
+
+
+def step_operands() -> tuple[list[dict], tuple]:
+    from bench_gemv import FUSED_CASES, fused_operands
+
+    layers = []
+    for _ in range(LAYERS):
+        layer = {name: fused_operands(FUSED_CASES[case], 1)[0] for name, case in CASES.items() if name != "head"}
+        layer["attention"] = attention_operands(1)[0]
+        layers.append(layer)
+    return layers, fused_operands(FUSED_CASES[CASES["head"]], 1)[0]
+
+
+def shipped_plans() -> dict[str, tuple]:
+    from bench_gemv import FUSED_CASES
+
+    from cuda_runner.compile.matvec_kernel import fused_plan
+
+    plans = {}
+    for name, case in CASES.items():
+        rows, k, _, _, gated = FUSED_CASES[case]
+        plans[name] = fused_plan(list(rows), k, gated)
+    return plans
+
+
+def candidate_plans(name: str) -> list[tuple]:
+    from bench_gemv import FUSED_CASES
+
+    _, k, _, _, gated = FUSED_CASES[CASES[name]]
+    per_program = 2 if gated else 1
+    return [chosen for chosen in itertools.product((1, 2, 4, 8), (256, 512, 1024, 2048), (4, 8))
+            if chosen[0] * chosen[1] * per_program <= 16384 and chosen[1] <= k]
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--output", type=Path, default=None)
+    parser.add_argument("--replays", type=int, default=30)
+    parser.add_argument("--no-sweep", action="store_true", help="leave out the products' plan sweep")
+    options = parser.parse_args()
+    here = Path(__file__).resolve().parent
+    sys.path[:0] = [str(here.parent), str(here)]
+    import torch
+    import triton
+    from bench_gemv import graph_time_us, summary_us
+
+    results: dict[str, object] = {"gpu": torch.cuda.get_device_name(0), "torch": torch.__version__, "triton": triton.__version__,
+                                  "date": time.strftime("%Y-%m-%d %H:%M"), "replays": options.replays}
+
+    def record(section: str, name: str, launches, replays: int = options.replays) -> float:
+        summary = summary_us(graph_time_us(launches, replays=replays))
+        results.setdefault(section, {})[name] = summary  # type: ignore[union-attr]
+        print(section, "|", name, json.dumps(summary), flush=True)
+        return summary["median_us"]
+
+    torch.manual_seed(0)
+    plans = attention_plans()
+    errors = {name: {str(p): round(attention_error(chosen, p), 5) for p in POSITIONS} for name, chosen in plans.items()}
+    results["attention max abs error vs SDPA"] = errors
+    print("errors", json.dumps(errors), flush=True)
+    operands = attention_operands(LAYERS)
+    for position in POSITIONS:
+        limit = torch.tensor([position], device="cuda")
+        for name, chosen in plans.items():
+            record(f"attention alone, 16 launches, position {position}", name, [attention_launch(o, limit, chosen) for o in operands])
+    layers, head = step_operands()
+    shipped = shipped_plans()
+    limit = torch.tensor([STEP_POSITION], device="cuda")
+    step_times = {name: record(f"step, position {STEP_POSITION}, attention plan", name, step(layers, head, shipped, chosen, limit))
+                  for name, chosen in plans.items()}
+    best_attention = min(step_times, key=lambda name: step_times[name])
+    if not options.no_sweep:
+        best = dict(shipped)
+        for case in ("qkv", "o", "gate/up", "down"):
+            tried = {}
+            for chosen in candidate_plans(case):
+                tried[chosen] = record(f"step, {case} plan swept", str(chosen),
+                                       step(layers, head, {**shipped, case: chosen}, plans["shipped"], limit), replays=10)
+            best[case] = min(tried, key=lambda plan_: tried[plan_])
+        results["best plans"] = {case: list(plan_) for case, plan_ in best.items()}
+        for name, chosen_plans, attention in (("shipped", shipped, "shipped"), ("best products", best, "shipped"),
+                                              ("best products and attention", best, best_attention), ("shipped products, best attention", shipped, best_attention)):
+            record("step, final", f"{name} ({attention})", step(layers, head, chosen_plans, plans[attention], limit), replays=100)
+    if options.output is not None:
+        options.output.write_text(json.dumps(results, indent=1, default=str))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
