@@ -84,11 +84,13 @@ BUILDS: dict[str, dict[str, Any]] = {
     "unfused": {"runtime": "auto", "options": "{'cuda_runner.fuse_decode_attention': False}"},
     "no-matvec": {"runtime": "auto", "options": "{'cuda_runner.matvec': False}"},
     "no-combo": {"runtime": "auto", "options": "{'combo_kernels': False}"},
+    "no-pdl": {"runtime": "auto", "options": "{'triton.enable_pdl': False}"},
 }
 LABELS = {"default": "default bundle", "libtorch": "--libtorch bundle", "quick": "--quick bundle", "executorch": "ExecuTorch 1.5 program",
           "unfused": "default bundle without the fused decode attention (cuda_runner.fuse_decode_attention=false)",
           "no-matvec": "default bundle without the matrix-vector kernel (cuda_runner.matvec=false)",
-          "no-combo": "default bundle without Inductor's combo kernels (combo_kernels=false)"}
+          "no-combo": "default bundle without Inductor's combo kernels (combo_kernels=false)",
+          "no-pdl": "default bundle without Inductor's kernels as programmatic dependents (triton.enable_pdl=false)"}
 COMPILE_TIMEOUT_S = float(os.environ.get("BENCH_SCALE_COMPILE_TIMEOUT", "480"))  # each side-by-side batch of compiles
 
 

@@ -28,7 +28,7 @@ from typing import Any
 from ..errors import CompileError, InputError
 from ..format.manifest import DeviceSpec
 from ..runtime.devices import checked_isa_flags
-from . import attention, convolution, matvec
+from . import attention, convolution, inductor_pdl, matvec
 from .inductor_fixes import int_arrays_declared_per_writer
 
 MIN_TORCH = (2, 10)
@@ -416,10 +416,14 @@ def own_kernels_for(own: Mapping[str, Any], possible: bool, one_row_method: bool
     Elsewhere a product of one row is a network's batch-1 head (ViT-B/16's
     classifier), a small share of its weights, where the kernel would gain
     little. =true asks for either anyway, =false turns it off. Combo kernels
-    come with the attention unless `inductor_options` set them."""
+    come with the attention unless `inductor_options` set them. Inductor's
+    kernels become programmatic dependents (compile/inductor_pdl.py) in every
+    such build whose torch allows it, unless `inductor_options` set
+    triton.enable_pdl."""
     return OwnKernels(attention=possible and bool(own.get(attention.OPTION, True)),
                       matvec=possible and bool(own.get(matvec.OPTION, one_row_method)),
-                      combo="combo_kernels" not in inductor_options)
+                      combo="combo_kernels" not in inductor_options,
+                      pdl=possible and inductor_pdl.OPTION not in inductor_options and inductor_pdl.available(import_torch()))
 
 
 def triton_ops_available() -> bool:
@@ -437,15 +441,19 @@ def triton_ops_available() -> bool:
 # given up like the kernels when a build fails, so that a failure of theirs costs
 # neither kernel.
 OWN_KERNEL_RECORDS = {"attention": ("fused_decode_attention", "fused_decode_attention_failed"), "matvec": ("matvec_products", "matvec_failed"),
-                      "combo": ("combo_kernels", "combo_kernels_failed")}
+                      "combo": ("combo_kernels", "combo_kernels_failed"),
+                      "pdl": ("programmatic_inductor_kernels", "programmatic_inductor_kernels_failed")}
 # How a user hears of each, and the option that leaves it out.
-OWN_KERNEL_NAMES = {"attention": "the fused decode attention", "matvec": "the matrix-vector kernel", "combo": "Inductor's combo kernels"}
-_OFF_OPTIONS = {**OWN_KERNEL_OPTIONS, "combo": "combo_kernels"}
+OWN_KERNEL_NAMES = {"attention": "the fused decode attention", "matvec": "the matrix-vector kernel", "combo": "Inductor's combo kernels",
+                    "pdl": "Inductor's kernels as programmatic dependents"}
+_OFF_OPTIONS = {**OWN_KERNEL_OPTIONS, "combo": "combo_kernels", "pdl": inductor_pdl.OPTION}
+# Own kernels a user hears of in the plural.
+_PLURAL = frozenset({"combo", "pdl"})
 
 
 def given_up(kernel: str, failure: str, then: str) -> str:
     """One line for a kernel (OWN_KERNEL_NAMES) whose build failed: `then` is "compiling" or "compiled"."""
-    return f"{OWN_KERNEL_NAMES[kernel]} did not compile ({failure}); {then} without {'them' if kernel == 'combo' else 'it'}"
+    return f"{OWN_KERNEL_NAMES[kernel]} did not compile ({failure}); {then} without {'them' if kernel in _PLURAL else 'it'}"
 
 
 class GpuFault(CompileError):
@@ -486,15 +494,18 @@ class OwnKernels:
     combo: bool = True  # Inductor's combo kernels with the attention (false where the user set the option)
     combo_on_trial: bool = False  # the last build left them out to see whether its failure was theirs
     combo_cleared: bool = False  # a build failed without them too: not suspected again
+    pdl: bool = False  # Inductor's kernels as programmatic dependents (compile/inductor_pdl.py)
     written_elsewhere: frozenset[str] = frozenset()  # module tensors other methods of the bundle write
     fused: int = 0  # SDPA calls the attention took
     position_limits: int = 0  # of those, the ones whose mask it replaced by the step's position
     products: int = 0  # products of one row the matvec took
     launches: int = 0  # the kernel launches they became (several share one where it fused them)
+    programmatic: int = 0  # Inductor's kernels the last build named for programmatic launches
     failures: dict[str, str] = dataclasses.field(default_factory=dict)  # "attention"/"matvec" -> why given up
 
     def record(self) -> dict[str, Any]:
-        counts = {"attention": self.fused, "matvec": self.products, "combo": "combo" in self.in_graph()}
+        counts = {"attention": self.fused, "matvec": self.products, "combo": "combo" in self.in_graph(),
+                  "pdl": self.programmatic if self.pdl else 0}
         recorded: dict[str, Any] = {}
         for kernel, (used, failed) in OWN_KERNEL_RECORDS.items():
             if counts[kernel]:
@@ -524,11 +535,14 @@ class OwnKernels:
             if not self.products:
                 in_use.pop()
         if self.fused and self.combo:
-            in_use.append("combo")  # the newest: given up first
+            in_use.append("combo")
+        if self.pdl:
+            in_use.append("pdl")  # the newest: given up first
 
     def in_graph(self) -> list[str]:
         """The kernels the last apply() put in the graph."""
-        return [kernel for kernel, count in (("attention", self.fused), ("matvec", self.products), ("combo", self.fused and self.combo)) if count]
+        return [kernel for kernel, count in (("attention", self.fused), ("matvec", self.products), ("combo", self.fused and self.combo),
+                                             ("pdl", self.pdl)) if count]
 
     def give_up(self, kernel: str, failure: str) -> None:
         setattr(self, kernel, False)
@@ -585,8 +599,11 @@ def _aot_compile(
                 convolution.as_two_dimensional(module)
             progress(_COMPILE_NOTICE["autotuned" if options.get("max_autotune") else "plain"])
             with (_math_attention(torch) if standalone else contextlib.nullcontext(), torch_talking_to_itself(),
-                  int_arrays_declared_per_writer()):
-                return Path(torch._inductor.aot_compile(module, example_args, dict(example_kwargs), options=_with_kernel_options(options, in_use)))
+                  int_arrays_declared_per_writer(),
+                  inductor_pdl.programmatic_kernels(torch) if "pdl" in in_use else contextlib.nullcontext() as named):
+                built = Path(torch._inductor.aot_compile(module, example_args, dict(example_kwargs), options=_with_kernel_options(options, in_use)))
+            kernels.programmatic = named.named if named is not None else 0
+            return built
         except Exception as error:  # inductor raises many types; report one line
             if not in_use:
                 raise CompileError(f"AOTInductor compile failed: {type(error).__name__}: {compile_failure(error)}") from error
@@ -902,6 +919,8 @@ def _with_kernel_options(options: Mapping[str, Any], in_use: Sequence[str]) -> d
         # the cache writes) depend on one product, not on each other: Inductor's
         # combo kernels launch them as one, which the step's time is mostly made of.
         chosen["combo_kernels"] = True
+    if "pdl" in in_use:
+        chosen[inductor_pdl.OPTION] = True
     return chosen
 
 

@@ -263,15 +263,17 @@ CUstream stream_for(int32_t device) { return device >= 0 && device < kMaxDevices
 
 // ---------------------------------------------------------------- kernel launches
 // A library bound to this shim launches its kernels here (runtime/providers.py
-// renames its cuLaunchKernel import). A kernel whose name starts with
-// kProgrammaticPrefix waits for the launch before it to finish before it reads
-// anything a step writes (compile/matvec_kernel.py), so it is launched as a
-// programmatic dependent: its programs may start, and load their weights,
+// renames its cuLaunchKernel import). A kernel whose name holds
+// kProgrammaticMark waits for the launch before it to finish before it reads
+// anything a step writes (cuda-runner's own kernels, compile/matvec_kernel.py,
+// whose names start with it; Inductor's, which compile/inductor_pdl.py marks
+// inside the name where every access of the kernel waits), so it is launched
+// as a programmatic dependent: its programs may start, and load their weights,
 // while that launch drains. Any other kernel is launched as cuLaunchKernel
 // would. CUDA_RUNNER_PDL=0, a driver without cuLaunchKernelEx or cuFuncGetName,
 // or a GPU that refuses the launch, launches every kernel plainly; the
 // waits are then no-ops.
-constexpr char kProgrammaticPrefix[] = "cudarunner_pdl_";
+constexpr char kProgrammaticMark[] = "cudarunner_pdl_";
 
 std::atomic<bool> programmatic_refused{false};
 std::atomic<int64_t> programmatic_launches{0};
@@ -290,8 +292,7 @@ bool programmatic_wanted() {
 // its own tables, and a CUDA graph replays its launches without asking.
 bool is_programmatic(CUfunction function) {
   const char *name = nullptr;
-  return driver.cuFuncGetName(&name, function) == 0 && name != nullptr &&
-         strncmp(name, kProgrammaticPrefix, sizeof(kProgrammaticPrefix) - 1) == 0;
+  return driver.cuFuncGetName(&name, function) == 0 && name != nullptr && strstr(name, kProgrammaticMark) != nullptr;
 }
 
 }  // namespace

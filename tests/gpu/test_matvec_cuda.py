@@ -150,6 +150,22 @@ def test_the_standalone_decoder_takes_its_products_over_and_matches_eager(tiny_d
     assert worst < 5e-2
 
 
+def test_inductor_kernels_of_the_decode_step_are_named_for_programmatic_launches(tiny_decoder):
+    """Where this torch and GPU allow it (compile/inductor_pdl.py), the step's
+    RoPE and cache-write kernels wait before every access and are named for the
+    shim's programmatic launch; the check against eager kept them."""
+    from cuda_runner.compile import inductor_pdl
+
+    if not inductor_pdl.available(torch) or torch.cuda.get_device_capability()[0] < 9:
+        pytest.skip("this torch or GPU takes no programmatic Inductor kernels")
+    path, _ = tiny_decoder
+    decode = cuda_runner.read_manifest(path).methods["decode"].compile_options
+    print(f"decode: {decode.get('programmatic_inductor_kernels')} Inductor kernels named for programmatic launches")
+    assert decode.get("programmatic_inductor_kernels", 0) >= 1
+    assert decode["triton.enable_pdl"] is True
+    assert "programmatic_inductor_kernels_disagreed" not in decode and "programmatic_inductor_kernels_failed" not in decode
+
+
 STEPS_SCRIPT = """
 import ctypes, sys
 import numpy as np
@@ -170,10 +186,10 @@ print(shim.cudarunner_shim_programmatic_launches())
 
 
 def test_programmatic_launches_change_no_bit_of_a_decode_step(tiny_decoder, tmp_path):
-    """The shim launches the fused products as programmatic dependents
-    (CUDA_RUNNER_PDL unset) or plainly (=0), with a CUDA graph and without:
-    the four give the same logits to the bit, and only the first two launch
-    any kernel that way."""
+    """The shim launches the fused products, and Inductor's kernels named for it,
+    as programmatic dependents (CUDA_RUNNER_PDL unset) or plainly (=0), with a
+    CUDA graph and without: the four give the same logits to the bit, and only
+    the first two launch any kernel that way."""
     import os
     import subprocess
     import sys

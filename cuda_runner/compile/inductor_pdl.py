@@ -1,0 +1,154 @@
+"""Inductor's own kernels as programmatic dependents, in standalone CUDA builds
+for Hopper and later GPUs (docs/standalone.md, "Inductor's kernels as
+programmatic dependents").
+
+cuda-runner's shim launches a kernel as a programmatic dependent when its
+name holds PROGRAMMATIC_MARK: its programs may then start while the launch
+before it drains, so each must wait (griddepcontrol.wait) before it reads or
+writes any memory. cuda-runner's own kernels do (compile/matvec_kernel.py);
+Inductor's kernels in a decode step (RoPE, the cache writes) did not, so each
+one cost the step a whole drain and fill, and held back the launch after it.
+
+Inductor can emit those waits itself (`triton.enable_pdl`), but it leaves one
+out where the kernel reads nothing the kernel scheduled just before it wrote,
+and a kernel that waits for nothing may finish before the one before it, so
+the launch after it could overtake that one. Here every load and store waits:
+the scheduler's record of the node before is hidden while the build
+generates code, which is how Inductor treats a kernel after one that is not
+its own. A kernel is then named for the shim only where its source shows a
+wait before every line that touches a pointer (each sub-kernel of a combo
+kernel apart); any other is launched plainly, where its waits do nothing.
+GEMM templates get no waits from Inductor, so they keep their names.
+
+All of it is Inductor's private code: where this torch lacks any part, the
+build goes on without (available() says so).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import inspect
+import re
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+# What the shim looks for in a kernel's name (native/aoti_shim.cpp, crLaunchKernel).
+PROGRAMMATIC_MARK = "cudarunner_pdl_"
+# The Inductor option; cuda-runner sets it in the builds it applies to, unless the user did.
+OPTION = "triton.enable_pdl"
+
+_WAIT = "gdc_wait()"
+# Inductor's kernels take their tensors as in_ptrN, out_ptrN, in_out_ptrN and ws_ptr (a workspace).
+_POINTER_USE = re.compile(r"\b(?:in_out_ptr|in_ptr|out_ptr|ws_ptr)\d*\b")
+# The scheduler's record of the node it generated code for last (hidden while a build generates code).
+_NODE_BEFORE = "previous_node"
+# A combo kernel's sub-kernels are branches on the program id: a program runs one of them.
+_COMBO_BRANCH = re.compile(r"^\s*(?:el)?if pid < ")
+
+
+def waits_before_every_access(source: str) -> bool:
+    """Whether a generated kernel's source waits (griddepcontrol.wait) before
+    every line of its body that uses a pointer argument, counted afresh in each
+    branch of a combo kernel."""
+    lines = source.splitlines()
+    body_start = next((index for index, line in enumerate(lines) if line.lstrip().startswith("def ")), None)
+    if body_start is None:
+        return False
+    indent = len(lines[body_start]) - len(lines[body_start].lstrip())
+    # The signature may run over several lines: the body starts after the line ending it.
+    while body_start < len(lines) and not lines[body_start].split("#", 1)[0].rstrip().endswith(":"):
+        body_start += 1
+    waited = False
+    for line in lines[body_start + 1:]:
+        code = line.split("#", 1)[0]
+        if code.strip() and len(code) - len(code.lstrip()) <= indent:
+            break  # the kernel's function has ended (a benchmark harness may follow it)
+        if _COMBO_BRANCH.match(code):
+            waited = False
+            continue
+        if _WAIT in code:
+            waited = True
+        elif _POINTER_USE.search(code) and not waited:
+            return False
+    return waited
+
+
+@dataclass
+class ProgrammaticNames:
+    """The kernels of one build named for programmatic launches, and those that were not."""
+
+    named: int = 0
+    plain: int = 0
+
+    def name(self, fused_name: str, source: str) -> str:
+        if _WAIT not in source:
+            return fused_name  # a template, or PDL code generation off for this kernel
+        if waits_before_every_access(source):
+            self.named += 1
+            return f"{PROGRAMMATIC_MARK}{fused_name}"
+        self.plain += 1
+        return fused_name
+
+
+def available(torch: Any) -> bool:
+    """Whether this torch's Inductor has every part used here: the option, the
+    kernel-name hook, and a PDL code generator that waits where the scheduler
+    records no node before."""
+    try:
+        from torch._inductor.choices import InductorChoices
+        from torch._inductor.codegen.triton import TritonKernel
+        from torch._inductor.scheduler import Scheduler  # noqa: F401
+    except ImportError:
+        return False
+    handler = getattr(TritonKernel, "_handle_pdl_before_access", None)
+    if handler is None or not hasattr(InductorChoices, "customize_fused_kernel_name"):
+        return False
+    if not hasattr(torch._inductor.config.triton, "enable_pdl"):
+        return False
+    try:
+        return _NODE_BEFORE in inspect.getsource(handler)
+    except (OSError, TypeError):  # no source to read: the behaviour relied on is not known
+        return False
+
+
+class _NoNodeBefore:
+    """Scheduler.previous_node, always None while installed: Inductor's PDL code
+    then has every load and store of a kernel wait, as after a kernel not its own."""
+
+    def __get__(self, instance: Any, owner: Any = None) -> None:
+        return None
+
+    def __set__(self, instance: Any, value: Any) -> None:
+        pass
+
+
+@contextlib.contextmanager
+def programmatic_kernels(torch: Any) -> Iterator[ProgrammaticNames]:
+    """While a build generates code: every Inductor kernel waits before each
+    memory access, and kernels whose source shows it are named for the shim.
+    Yields the count of each; takes effect where the build's options set OPTION."""
+    from torch._inductor.choices import InductorChoices
+    from torch._inductor.scheduler import Scheduler
+    from torch._inductor.virtualized import V
+
+    names = ProgrammaticNames()
+    if type(V.choices) is not InductorChoices:  # someone's own heuristics: not replaced
+        yield names
+        return
+
+    class _Naming(InductorChoices):
+        def customize_fused_kernel_name(self, fused_name: str, src_code: str) -> str:
+            return names.name(super().customize_fused_kernel_name(fused_name, src_code), src_code)
+
+    had_own = _NODE_BEFORE in Scheduler.__dict__
+    saved = Scheduler.__dict__.get(_NODE_BEFORE)
+    setattr(Scheduler, _NODE_BEFORE, _NoNodeBefore())
+    try:
+        with V.set_choices_handler(_Naming()):
+            yield names
+    finally:
+        if had_own:
+            setattr(Scheduler, _NODE_BEFORE, saved)
+        else:
+            delattr(Scheduler, _NODE_BEFORE)

@@ -1,0 +1,121 @@
+"""Inductor's kernels as programmatic dependents (compile/inductor_pdl.py): which
+generated kernels are named for the shim's programmatic launch, what the
+build changes in Inductor while it generates code and puts back after, and
+how a build takes the feature and gives it up. What runs on a GPU is in
+tests/gpu/test_matvec_cuda.py."""
+
+from __future__ import annotations
+
+import textwrap
+
+import pytest
+import torch
+
+from cuda_runner.compile import aot, inductor_pdl
+
+POINTWISE = textwrap.dedent("""
+    @triton_heuristics.pointwise(size_hints={'x': 512}, triton_meta={'signature': {'in_ptr0': '*bf16', 'out_ptr0': '*bf16'}})
+    @triton.jit
+    def triton_poi_fused_0(in_ptr0, out_ptr0, xnumel, XBLOCK : tl.constexpr):
+        xoffset = tl.program_id(0) * XBLOCK
+        xindex = xoffset + tl.arange(0, XBLOCK)[:]
+        tl.extra.cuda.gdc_wait()
+        tmp0 = tl.load(in_ptr0 + (xindex), xmask).to(tl.float32)
+        tl.extra.cuda.gdc_launch_dependents()
+        tl.store(out_ptr0 + (xindex), tmp0, xmask)
+
+    def get_args():
+        in_ptr0 = rand_strided((512, ), (1, ), device='cuda:0')
+""")
+
+
+def combo(second_waits: bool) -> str:
+    wait = "        tl.extra.cuda.gdc_wait()\n" if second_waits else ""
+    return (
+        "@triton.jit\n"
+        "def triton_poi_fused_1(in_ptr0, in_ptr1, out_ptr0, out_ptr1,\n"
+        "                       XBLOCK : tl.constexpr):\n"
+        "    pid = tl.program_id(0)\n"
+        "    if pid < num_xblocks_0:\n"
+        "        tl.extra.cuda.gdc_wait()\n"
+        "        tmp0 = tl.load(in_ptr0 + (x0), xmask)  # the key's RoPE\n"
+        "        tl.store(out_ptr0 + (x0), tmp0, xmask)\n"
+        "    elif pid < num_xblocks_1:\n"
+        f"{wait}"
+        "        tmp1 = tl.load(in_ptr1 + (x1), xmask)\n"
+        "        tl.store(out_ptr1 + (x1), tmp1, xmask)\n"
+    )
+
+
+@pytest.mark.parametrize("source, waits", [
+    (POINTWISE, True),
+    # a load before the wait: it may read what the launch before is still writing
+    (POINTWISE.replace("    tl.extra.cuda.gdc_wait()\n", "").replace("tl.extra.cuda.gdc_launch_dependents()",
+                                                                          "tl.extra.cuda.gdc_wait()"), False),
+    (combo(second_waits=True), True),
+    # a program of the second sub-kernel never passes the first one's wait
+    (combo(second_waits=False), False),
+    ("@triton.jit\ndef triton_tem_fused_mm_0(arg_A, arg_B, out_ptr0):\n    tl.store(out_ptr0, tl.load(arg_A))\n", False),  # no wait at all
+    ("no kernel here", False),
+])
+def test_a_kernel_is_taken_only_where_every_pointer_use_comes_after_a_wait(source, waits):
+    assert inductor_pdl.waits_before_every_access(source) is waits
+
+
+def test_only_kernels_that_wait_everywhere_are_named_and_both_kinds_are_counted():
+    names = inductor_pdl.ProgrammaticNames()
+    assert names.name("fused_add_0", POINTWISE) == "cudarunner_pdl_fused_add_0"
+    assert names.name("fused_1", combo(second_waits=False)) == "fused_1"  # waits somewhere, not everywhere: launched plainly
+    assert names.name("fused_mm_2", "def triton_tem_fused_mm_2(arg_A):\n    tl.load(arg_A)\n") == "fused_mm_2"  # no PDL code
+    assert (names.named, names.plain) == (1, 1)
+
+
+def test_this_torch_has_every_part_and_one_without_the_name_hook_goes_without(monkeypatch):
+    from torch._inductor.choices import InductorChoices
+
+    assert inductor_pdl.available(torch)
+    monkeypatch.delattr(InductorChoices, "customize_fused_kernel_name")
+    assert not inductor_pdl.available(torch)
+
+
+def test_while_a_build_generates_code_no_node_before_is_seen_and_kernels_are_named_then_all_is_put_back():
+    from torch._inductor.choices import InductorChoices
+    from torch._inductor.scheduler import Scheduler
+    from torch._inductor.virtualized import V
+
+    scheduler = object.__new__(Scheduler)  # the attribute, without building a graph's scheduler
+    before = V.choices
+    with pytest.raises(RuntimeError, match="the build failed"), inductor_pdl.programmatic_kernels(torch) as names:
+        scheduler.previous_node = "the kernel before"
+        assert scheduler.previous_node is None  # every load and store of the next kernel then waits
+        assert V.choices.customize_fused_kernel_name("fused_0", POINTWISE) == "cudarunner_pdl_fused_0"
+        raise RuntimeError("the build failed")
+    assert names.named == 1
+    scheduler.previous_node = "the kernel before"
+    assert scheduler.previous_node == "the kernel before"
+    assert "previous_node" not in Scheduler.__dict__
+    assert type(V.choices) is InductorChoices and V.choices is before
+    assert V.choices.customize_fused_kernel_name("fused_0", POINTWISE) == "fused_0"
+
+
+def test_a_build_takes_them_where_it_may_and_the_user_can_turn_them_off():
+    assert aot.own_kernels_for({}, True, True, {}).pdl is True
+    assert aot.own_kernels_for({}, True, True, {inductor_pdl.OPTION: False}).pdl is False
+    assert aot.own_kernels_for({}, True, True, {inductor_pdl.OPTION: True}).pdl is False  # Inductor's own waits: not named for the shim
+    assert aot.own_kernels_for({}, False, True, {}).pdl is False  # CPU, libtorch or no Triton
+    kernels = aot.OwnKernels(attention=False, matvec=False, pdl=True)
+    in_use: list[str] = []
+    kernels.apply(torch.fx.GraphModule(torch.nn.Module(), torch.fx.Graph()), in_use)
+    assert in_use == ["pdl"] and kernels.in_graph() == ["pdl"]
+    assert aot._with_kernel_options({}, in_use) == {inductor_pdl.OPTION: True}
+    kernels.programmatic = 3
+    assert kernels.record() == {"programmatic_inductor_kernels": 3}
+
+
+def test_they_are_given_up_first_when_a_build_fails_and_the_user_hears_of_it():
+    kernels = aot.OwnKernels(attention=True, matvec=True, pdl=True)
+    lines = kernels.blame(["attention", "matvec", "combo", "pdl"], "CompilationError: at 3:4")
+    assert kernels.pdl is False and kernels.combo is True and kernels.matvec is True
+    assert lines == ["Inductor's kernels as programmatic dependents did not compile (CompilationError: at 3:4); compiling without them"]
+    assert kernels.record() == {"programmatic_inductor_kernels_failed": "CompilationError: at 3:4"}
+    assert "triton.enable_pdl=false" in aot.gpu_fault_message("an illegal address", ["attention", "pdl"])
