@@ -35,6 +35,10 @@ import time
 from pathlib import Path
 
 LAYERS = 16
+# The attention's plan before one program a row took the 1B decoder's cache: 16 stretches of 32 keys, merged.
+EARLIER_ATTENTION = "split, 16 x 32 keys (the earlier plan)"
+# The products' plans before the sweep in the step (compile/matvec_kernel.py's _SWEPT_PLANS then).
+EARLIER_PRODUCTS = {"qkv": (4, 1024, 4), "o": (2, 2048, 4), "gate/up": (4, 1024, 4), "down": (1, 512, 8), "head": (2, 1024, 4)}
 POSITIONS = (31, 255, 511)
 STEP_POSITION = 255
 CACHE = 512
@@ -44,7 +48,7 @@ def attention_plans() -> dict[str, object]:
     """The shipped plan and the ones tried beside it, by name."""
     from cuda_runner.compile.attention_kernel import AttentionPlan, attention_plan
 
-    plans: dict[str, object] = {"shipped": attention_plan(32, CACHE, 64, 64)}
+    plans: dict[str, object] = {"shipped": attention_plan(32, CACHE, 64, 64), EARLIER_ATTENTION: AttentionPlan(32, 16, 32, 2)}
     for splits, block_n, warps in [(1, 64, 2), (1, 128, 4), (1, 256, 4), (1, 256, 8), (1, 512, 8), (1, 512, 16),
                                    (2, 128, 4), (4, 64, 4), (4, 128, 4)]:
         plans[f"splits {splits}, tile {block_n}, {warps} warps"] = AttentionPlan(CACHE // splits, splits, block_n, warps)
@@ -170,6 +174,12 @@ def main() -> int:
             record(f"attention alone, 16 launches, position {position}", name, [attention_launch(o, limit, chosen) for o in operands])
     layers, head = step_operands()
     shipped = shipped_plans()
+    for position in POSITIONS:
+        at = torch.tensor([position], device="cuda")
+        for products, chosen_products in (("shipped", shipped), ("earlier", EARLIER_PRODUCTS)):
+            for attention in ("shipped", EARLIER_ATTENTION):
+                record(f"step, position {position}", f"{products} products, {attention} attention",
+                       step(layers, head, chosen_products, plans[attention], at), replays=100)
     limit = torch.tensor([STEP_POSITION], device="cuda")
     step_times = {name: record(f"step, position {STEP_POSITION}, attention plan", name, step(layers, head, shipped, chosen, limit))
                   for name, chosen in plans.items()}

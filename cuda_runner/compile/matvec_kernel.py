@@ -320,18 +320,20 @@ def matvec_fused(
     return outputs
 
 
-# The best plans of a sweep on the H200 for the fused launches of Llama-shaped
-# decoders at hidden 2048 (scripts/bench_gemv.py --fused, 16 launches from a CUDA
-# graph): (rows of all its weights, columns, weights a program reads) -> plan.
-# Each beat plan()'s choice by 2-8% (the step's 65 launches: 0.631 ms against
-# 0.662); any launch of the same key gets the plan (o and a 1024+512+512 q/k/v
-# share one), which changes its speed, never its result. The gated plan holds
-# twice plan()'s tile budget (8192 elements), as the sweep found fastest.
+# The best plans of sweeps on the H200 for the fused launches of Llama-shaped
+# decoders at hidden 2048: (rows of all its weights, columns, weights a program
+# reads) -> plan. Any launch of the same key gets the plan (o and a 1024+512+512
+# q/k/v share one), which changes its speed, never its result. First swept one
+# launch kind at a time, 16 launches from a CUDA graph (scripts/bench_gemv.py
+# --fused): each beat plan()'s choice by 2-8%, and the gated plan holds twice
+# plan()'s tile budget. Then swept in the whole step, every launch a programmatic
+# dependent (scripts/bench_step_plans.py): q/k/v, o and down changed, 6-8 us a
+# step each; gate/up's best there gained less than the spread and was not taken.
 _SWEPT_PLANS = {
-    (3072, 2048, 1): (4, 1024, 4),  # q, k and v
-    (2048, 2048, 1): (2, 2048, 4),  # o, with the residual
+    (3072, 2048, 1): (2, 2048, 8),  # q, k and v
+    (2048, 2048, 1): (2, 1024, 4),  # o, with the residual
     (8192, 2048, 2): (4, 1024, 4),  # gate and up, gated
-    (2048, 8192, 1): (1, 512, 8),  # down, with the residual
+    (2048, 8192, 1): (8, 2048, 8),  # down, with the residual
     (32000, 2048, 1): (2, 1024, 4),  # the vocabulary head
 }
 

@@ -53,6 +53,26 @@ def test_the_kernel_computes_what_sdpa_does(shape, mask, dtype):
     torch.testing.assert_close(got.float(), want, atol=tolerance, rtol=tolerance)
 
 
+@pytest.mark.parametrize("plan", [(32, 16, 32, 2), (512, 1, 512, 8), (128, 4, 64, 4), (256, 2, 256, 4)],
+                         ids=lambda plan: "keys {} x {}, tile {}, {} warps".format(*plan))
+def test_every_plan_of_the_decoders_call_computes_what_sdpa_does(plan):
+    """The 1B decoder's call (32 heads over 8 K/V heads, 512 cached positions of 64)
+    shared out each way scripts/bench_step_plans.py times: split and merged, or one
+    program a row; the kernels that wait for the launch before (a plain launch)."""
+    from cuda_runner.compile.attention_kernel import AttentionPlan, launch_attention
+
+    generator = torch.Generator("cuda").manual_seed(5)
+    q, k, v = (torch.randn(size, device="cuda", dtype=torch.bfloat16, generator=generator)
+               for size in ((1, 32, 1, 64), (1, 8, 512, 64), (1, 8, 512, 64)))
+    for position in (0, 31, 255, 511, 700):
+        out = torch.full_like(q, float("nan"))
+        launch_attention(q, k, v, None, torch.tensor([position], device="cuda"), out, 0.125, 4, AttentionPlan(*plan), pdl=True)
+        allowed = torch.arange(512, device="cuda") <= position
+        want = F.scaled_dot_product_attention(q.float(), k.float().repeat_interleave(4, 1), v.float().repeat_interleave(4, 1),
+                                              attn_mask=allowed, scale=0.125)
+        torch.testing.assert_close(out.float(), want, atol=2e-2, rtol=2e-2)
+
+
 def _generate(model, eager, config, prompt, steps):
     positions = np.arange(prompt.shape[1])
     errors = []
