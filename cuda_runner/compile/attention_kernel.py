@@ -50,11 +50,6 @@ _TILE_ELEMENTS = 8192
 _TARGET_PROGRAMS = 512
 # The fewest keys a program takes: below this the merge costs more than the split saves.
 _MIN_SPLIT_KEYS = 32
-# A cache of at most this many elements a head (keys x head dim) is one tile of one
-# program a row, with no merge launch: in the 1B decoder's step on the H200 (512
-# positions of 64), a launch fewer a layer paid more than splitting the keys
-# (scripts/bench_step_plans.py: the step 0.679 ms against 0.688 at position 255).
-_ONE_PROGRAM_ELEMENTS = 32768
 
 
 @triton.jit
@@ -226,12 +221,12 @@ class AttentionPlan:
 
 
 def attention_plan(rows_total: int, kv_length: int, head_dim: int, value_dim: int) -> AttentionPlan:
-    """The plan decode_attention takes for a call of these sizes: one program a
-    row over a small cache, the keys split among programs over a larger one."""
+    """The plan decode_attention takes for a call of these sizes. The keys are
+    split wherever the rows leave the GPU idle, even over a cache as small as
+    the 1B decoder's (512 positions of 64): one program a row, with no merge
+    launch, made its step faster at position 31 and slower at 255 and 511
+    (scripts/bench_step_plans.py, docs/benchmarks.md)."""
     widest = max(triton.next_power_of_2(head_dim), triton.next_power_of_2(value_dim), 1)
-    block_n = max(16, triton.next_power_of_2(max(1, kv_length)))
-    if block_n * widest <= _ONE_PROGRAM_ELEMENTS:
-        return AttentionPlan(max(1, kv_length), 1, block_n, max(2, min(8, block_n * widest // 4096)))
     # A program holds a tile of keys and one of values: the wider sets the tile's rows.
     split_keys, splits, block_n = split_plan(rows_total, kv_length, _TILE_ELEMENTS // widest)
     return AttentionPlan(split_keys, splits, block_n, 4 if block_n * widest >= 4096 else 2)

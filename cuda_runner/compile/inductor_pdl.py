@@ -43,6 +43,9 @@ _WAIT = "gdc_wait()"
 _POINTER_USE = re.compile(r"\b(?:in_out_ptr|in_ptr|out_ptr|ws_ptr)\d*\b")
 # The scheduler's record of the node it generated code for last (hidden while a build generates code).
 _NODE_BEFORE = "previous_node"
+# What Inductor's code generator for Triton names a kernel's fused part with.
+_FUSED_NAME = "get_fused_kernel_name"
+_DEFINE = "define_kernel"
 # A combo kernel's sub-kernels are branches on the program id: a program runs one of them.
 _COMBO_BRANCH = re.compile(r"^\s*(?:el)?if pid < ")
 
@@ -92,22 +95,22 @@ class ProgrammaticNames:
 
 
 def available(torch: Any) -> bool:
-    """Whether this torch's Inductor has every part used here: the option, the
-    kernel-name hook, and a PDL code generator that waits where the scheduler
-    records no node before."""
+    """Whether this torch's Inductor has every part used here: the option, a
+    kernel-naming step that reads get_fused_kernel_name, and a PDL code
+    generator that waits where the scheduler records no node before."""
     try:
-        from torch._inductor.choices import InductorChoices
-        from torch._inductor.codegen.triton import TritonKernel
+        from torch._inductor.codegen import triton as triton_codegen
         from torch._inductor.scheduler import Scheduler  # noqa: F401
     except ImportError:
         return False
-    handler = getattr(TritonKernel, "_handle_pdl_before_access", None)
-    if handler is None or not hasattr(InductorChoices, "customize_fused_kernel_name"):
+    handler = getattr(triton_codegen.TritonKernel, "_handle_pdl_before_access", None)
+    define = getattr(getattr(triton_codegen, "TritonScheduling", None), _DEFINE, None)
+    if handler is None or define is None or not hasattr(triton_codegen, _FUSED_NAME):
         return False
     if not hasattr(torch._inductor.config.triton, "enable_pdl"):
         return False
     try:
-        return _NODE_BEFORE in inspect.getsource(handler)
+        return _NODE_BEFORE in inspect.getsource(handler) and _FUSED_NAME in inspect.getsource(define)
     except (OSError, TypeError):  # no source to read: the behaviour relied on is not known
         return False
 
@@ -127,27 +130,41 @@ class _NoNodeBefore:
 def programmatic_kernels(torch: Any) -> Iterator[ProgrammaticNames]:
     """While a build generates code: every Inductor kernel waits before each
     memory access, and kernels whose source shows it are named for the shim.
-    Yields the count of each; takes effect where the build's options set OPTION."""
-    from torch._inductor.choices import InductorChoices
+    Yields the count of each; takes effect where the build's options set OPTION.
+
+    The name is given where Inductor names a kernel (TritonScheduling.define_kernel,
+    from get_fused_kernel_name's part of it), as torch 2.11 and 2.13 both do; the
+    kernel-name hook of newer ones (InductorChoices.customize_fused_kernel_name)
+    is not in 2.11."""
+    from torch._inductor.codegen import triton as triton_codegen
     from torch._inductor.scheduler import Scheduler
-    from torch._inductor.virtualized import V
 
     names = ProgrammaticNames()
-    if type(V.choices) is not InductorChoices:  # someone's own heuristics: not replaced
-        yield names
-        return
+    defining: list[str] = []  # the source of the kernel being named, while it is
+    fused_name = getattr(triton_codegen, _FUSED_NAME)
+    define_kernel = triton_codegen.TritonScheduling.define_kernel
 
-    class _Naming(InductorChoices):
-        def customize_fused_kernel_name(self, fused_name: str, src_code: str) -> str:
-            return names.name(super().customize_fused_kernel_name(fused_name, src_code), src_code)
+    def named(node_schedule: Any, descriptive_names: Any) -> str:
+        name = fused_name(node_schedule, descriptive_names)
+        return names.name(name, defining[-1]) if defining else name
+
+    def defined(self: Any, src_code: str, node_schedule: Any, kernel: Any) -> Any:
+        defining.append(src_code)
+        try:
+            return define_kernel(self, src_code, node_schedule, kernel)
+        finally:
+            defining.pop()
 
     had_own = _NODE_BEFORE in Scheduler.__dict__
     saved = Scheduler.__dict__.get(_NODE_BEFORE)
     setattr(Scheduler, _NODE_BEFORE, _NoNodeBefore())
+    setattr(triton_codegen, _FUSED_NAME, named)
+    setattr(triton_codegen.TritonScheduling, _DEFINE, defined)
     try:
-        with V.set_choices_handler(_Naming()):
-            yield names
+        yield names
     finally:
+        setattr(triton_codegen.TritonScheduling, _DEFINE, define_kernel)
+        setattr(triton_codegen, _FUSED_NAME, fused_name)
         if had_own:
             setattr(Scheduler, _NODE_BEFORE, saved)
         else:

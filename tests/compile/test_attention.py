@@ -303,12 +303,11 @@ def test_the_fusion_is_told_what_the_bundles_other_methods_write(monkeypatch):
 
 @pytest.mark.triton
 @pytest.mark.skipif(not __import__("importlib").util.find_spec("triton"), reason="Triton is not installed (CPU torch)")
-def test_a_small_cache_is_one_program_a_row_and_a_large_one_is_split_and_merged():
+def test_the_decoders_cache_is_split_among_programs_and_merged_and_few_keys_are_not():
     from cuda_runner.compile.attention_kernel import AttentionPlan, attention_plan
 
-    assert attention_plan(32, 512, 64, 64) == AttentionPlan(512, 1, 512, 8)  # the 1B decoder's: no merge launch
-    assert attention_plan(24, 77, 80, 80) == AttentionPlan(77, 1, 128, 4)
-    assert attention_plan(12, 5, 32, 16) == AttentionPlan(5, 1, 16, 2)
+    assert attention_plan(32, 512, 64, 64) == AttentionPlan(32, 16, 32, 2)  # the 1B decoder's call
+    assert attention_plan(12, 5, 32, 16).splits == 1
     large = attention_plan(4, 4096, 128, 128)
     assert large.splits > 1 and large.split_keys * large.splits >= 4096
     assert attention_plan(4, 300, 16, 256).splits > 1  # the values' width counts

@@ -70,32 +70,44 @@ def test_only_kernels_that_wait_everywhere_are_named_and_both_kinds_are_counted(
     assert (names.named, names.plain) == (1, 1)
 
 
-def test_this_torch_has_every_part_and_one_without_the_name_hook_goes_without(monkeypatch):
-    from torch._inductor.choices import InductorChoices
+def test_this_torch_has_every_part_and_one_without_the_pdl_code_generator_goes_without(monkeypatch):
+    from torch._inductor.codegen.triton import TritonKernel
 
     assert inductor_pdl.available(torch)
-    monkeypatch.delattr(InductorChoices, "customize_fused_kernel_name")
+    monkeypatch.delattr(TritonKernel, "_handle_pdl_before_access")
     assert not inductor_pdl.available(torch)
 
 
 def test_while_a_build_generates_code_no_node_before_is_seen_and_kernels_are_named_then_all_is_put_back():
-    from torch._inductor.choices import InductorChoices
+    from torch._inductor.codegen import triton as triton_codegen
     from torch._inductor.scheduler import Scheduler
-    from torch._inductor.virtualized import V
 
     scheduler = object.__new__(Scheduler)  # the attribute, without building a graph's scheduler
-    before = V.choices
-    with pytest.raises(RuntimeError, match="the build failed"), inductor_pdl.programmatic_kernels(torch) as names:
-        scheduler.previous_node = "the kernel before"
-        assert scheduler.previous_node is None  # every load and store of the next kernel then waits
-        assert V.choices.customize_fused_kernel_name("fused_0", POINTWISE) == "cudarunner_pdl_fused_0"
-        raise RuntimeError("the build failed")
-    assert names.named == 1
+    define_kernel, fused_name = triton_codegen.TritonScheduling.define_kernel, triton_codegen.get_fused_kernel_name
+    seen: list[str] = []
+
+    def naming(self, src_code, node_schedule, kernel):  # stands in for Inductor's: names the kernel as it does
+        seen.append(triton_codegen.get_fused_kernel_name(node_schedule, "original_aten"))
+        return "kernel"
+
+    triton_codegen.TritonScheduling.define_kernel = naming
+    try:
+        with pytest.raises(RuntimeError, match="the build failed"), inductor_pdl.programmatic_kernels(torch) as names:
+            scheduler.previous_node = "the kernel before"
+            assert scheduler.previous_node is None  # every load and store of the next kernel then waits
+            scheduling = object.__new__(triton_codegen.TritonScheduling)
+            scheduling.define_kernel(POINTWISE, [], None)
+            scheduling.define_kernel(combo(second_waits=False), [], None)
+            assert triton_codegen.get_fused_kernel_name([], "original_aten") == "fused"  # outside a kernel's naming: as it was
+            raise RuntimeError("the build failed")
+        assert triton_codegen.TritonScheduling.define_kernel is naming
+    finally:
+        triton_codegen.TritonScheduling.define_kernel = define_kernel
+    assert seen == ["cudarunner_pdl_fused", "fused"] and (names.named, names.plain) == (1, 1)
+    assert triton_codegen.get_fused_kernel_name is fused_name
     scheduler.previous_node = "the kernel before"
     assert scheduler.previous_node == "the kernel before"
     assert "previous_node" not in Scheduler.__dict__
-    assert type(V.choices) is InductorChoices and V.choices is before
-    assert V.choices.customize_fused_kernel_name("fused_0", POINTWISE) == "fused_0"
 
 
 def test_a_build_takes_them_where_it_may_and_the_user_can_turn_them_off():
