@@ -29,6 +29,10 @@ and big model; later stages use what earlier ones left in WORK):
            step must read / 4.8 TB/s); a CUPTI kernel profile; and
            `cuda-runner bench --steps` through the CLI, with --cuda-graph
            also with the shim's programmatic launches off and on, alternately.
+  breakdown  where a graphed decode call of the first build goes: model.run,
+           the graph executor's part, its pieces (uploads, launch, downloads,
+           the wait, the copy into NumPy), and the GPU's time for the replay
+           alone (CUDA events).
   whisper  Whisper-base's decoder alone, built three ways (the default, --libtorch,
            no coordinate descent), each stepped against eager on eager's
            encoding of the same audio: the error of every step.
@@ -49,6 +53,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import copy
+import itertools
 import json
 import os
 import statistics
@@ -624,6 +629,59 @@ def runner_paths(work: Path, count: int) -> dict[str, Any]:
     return results
 
 
+def graph_breakdown(work: Path, count: int) -> dict[str, Any]:
+    """Where a graphed decode call's time goes, in the first build: the whole
+    model.run, the graph executor's part of it, and that part's pieces (the
+    inputs' uploads, the launch, the outputs' downloads queued, the wait, the
+    copy into NumPy), beside the GPU's time for the replay alone (CUDA events
+    around the graph launch). Reaches into the runtime's graph executor."""
+    import cupy
+
+    import cuda_runner
+    from cuda_runner.runtime.tensors import gather
+
+    path = artifact(work, SETTINGS["builds"][0])
+    token = np.array([[1]], np.int64)
+    results: dict[str, Any] = {}
+    with cuda_runner.load(path, "cuda", cuda_graph=True) as model:
+        step = lambda index: model.run(named(model, "decode", token, np.array([position(index)], np.int64)), "decode")  # noqa: E731
+        results["model.run"] = summary(time_steps(step, count))
+        executor = model.method("decode")._lanes.first  # the graph executor, its graph captured by the calls above
+        captured = next(iter(executor._graphs.values()))
+        inner = executor._executor
+        arrays = [token, np.array([position(0)], np.int64)]
+        order = [spec.name for spec in model.method("decode").spec.inputs]
+        if order != ["tokens", "input_pos"]:
+            arrays = arrays[::-1]
+        results["graph executor run"] = summary(time_steps(lambda index: executor.run(arrays), count))
+        parts: dict[str, list[float]] = {name: [] for name in ("uploads", "launch", "downloads queued", "wait", "into NumPy", "GPU replay alone")}
+        start, end = cupy.cuda.Event(), cupy.cuda.Event()
+        stream = cupy.cuda.ExternalStream(inner.stream.ptr)
+        for _ in range(count):
+            marks = [time.perf_counter()]
+            for index, (address, array) in enumerate(zip(captured.inputs, arrays)):
+                inner.upload(index, array, destination=address)
+            marks.append(time.perf_counter())
+            captured.graph.replay()
+            marks.append(time.perf_counter())
+            staged = [inner.download(index, view) for index, view in enumerate(captured.views)]
+            marks.append(time.perf_counter())
+            inner.stream.synchronize()
+            marks.append(time.perf_counter())
+            [gather(buffer, view) for buffer, view in zip(staged, captured.views)]
+            marks.append(time.perf_counter())
+            for name, (before, after) in zip(list(parts)[:5], itertools.pairwise(marks)):
+                parts[name].append(after - before)
+            start.record(stream)
+            captured.graph.replay()
+            end.record(stream)
+            end.synchronize()
+            parts["GPU replay alone"].append(cupy.cuda.get_elapsed_time(start, end) / 1e3)
+        results.update({name: summary(samples) for name, samples in parts.items()})
+    log(f"graph breakdown: {json.dumps(results)}")
+    return results
+
+
 def device_step(model):
     """A decode step on CuPy arrays (the token and position already on the GPU), synchronized."""
     import cupy
@@ -978,6 +1036,8 @@ def main() -> int:
             result = stage_weights(options.work)
         elif stage == "decode":
             result = stage_decode(options.work, options.steps)
+        elif stage == "breakdown":
+            result = graph_breakdown(options.work, options.steps)
         elif stage == "big":
             result = stage_big(options.work, options.steps)
         elif stage == "big-compile":
