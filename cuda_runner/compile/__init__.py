@@ -23,11 +23,13 @@ from ..files import check_destination, require_regular
 from ..format import Manifest, MethodSpec, write_bundle
 from ..format.manifest import CALL_HELPER, MUTATED_BUFFERS_OPTION, MUTATED_INPUTS_OPTION, READ_ONLY_BUFFERS_OPTION, method_name_problem
 from ..version import __version__
-from . import attention, inductor_pdl, matvec, sharing
+from . import attention, matvec, sharing
 from .aot import (
     DEFAULT_CPU_TARGET,
     NO_GPU,
+    OWN_KERNEL_NAMES,
     OWN_KERNEL_RECORDS,
+    PDL_UNAVAILABLE,
     RUNTIMES,
     CompiledLibrary,
     Progress,
@@ -499,24 +501,20 @@ _SINGLE_ROW = _Choice("coordinate-descent tuning (matrix-vector kernels)", {"coo
 _FUSED_ATTENTION = _Choice("the fused decode attention", {attention.OPTION: False}, "fused_decode_attention_disagreed")
 _MATVEC = _Choice("the matrix-vector kernel", {matvec.OPTION: False}, "matvec_disagreed")
 _COMBO = _Choice("Inductor's combo kernels", {"combo_kernels": False}, "combo_kernels_disagreed")
-_PDL = _Choice("Inductor's kernels as programmatic dependents", {inductor_pdl.OPTION: False}, "programmatic_inductor_kernels_disagreed")
 
 
 def _own_choices(compiled: CompiledLibrary, options: Mapping[str, Any]) -> list[_Choice]:
     """What the check against eager may take back from this CUDA method,
-    likeliest first: Inductor's kernels launched as programmatic dependents
-    (where cuda-runner named any so; a wait missing from one would let it
-    read what the launch before has not yet written), cuda-runner's
-    matrix-vector kernel wherever it took calls over, the single-row rule's
-    coordinate-descent tuning, the combo kernels cuda-runner turned on with
-    the fused attention (each of the three where the caller did not set the
-    option; combo kernels only launch kernels together, and go with the
-    attention anyway), and the fused decode attention."""
+    likeliest first: cuda-runner's matrix-vector kernel wherever it took
+    calls over, the single-row rule's coordinate-descent tuning, the combo
+    kernels cuda-runner turned on with the fused attention (each of the two
+    where the caller did not set the option; combo kernels only launch
+    kernels together, and go with the attention anyway), and the fused
+    decode attention. Inductor's kernels as programmatic dependents are
+    only ever the caller's choice, and kept."""
     if compiled.device.type != "cuda":
         return []
     choices = []
-    if compiled.options.get("programmatic_inductor_kernels") and inductor_pdl.OPTION not in options:
-        choices.append(_PDL)
     if compiled.options.get("matvec_products"):
         choices.append(_MATVEC)
     if compiled.options.get("coordinate_descent_tuning") and "coordinate_descent_tuning" not in options:
@@ -575,6 +573,9 @@ def _compiled(program: Any, args: tuple, kwargs: dict, device: str, progress: Pr
         failure = compiled.options.get(failed)
         if failure:
             warn(f"method {method!r}: {given_up(kernel, failure, 'compiled')}")
+    unavailable = compiled.options.get(PDL_UNAVAILABLE)
+    if unavailable:
+        warn(f"method {method!r}: {OWN_KERNEL_NAMES['pdl']} were asked for and not taken ({unavailable}); compiled without them")
     return compiled
 
 

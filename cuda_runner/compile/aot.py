@@ -102,7 +102,7 @@ SINGLE_ROW_OPTIONS: dict[str, Any] = {"coordinate_descent_tuning": True}
 QUICK_OPTIONS: dict[str, Any] = {"test_configs.max_mm_configs": 1}
 
 # cuda-runner's own compile options, next to Inductor's (never passed to it): the one that turns each own kernel on or off.
-OWN_KERNEL_OPTIONS = {"attention": attention.OPTION, "matvec": matvec.OPTION}
+OWN_KERNEL_OPTIONS = {"attention": attention.OPTION, "matvec": matvec.OPTION, "pdl": inductor_pdl.OWN_OPTION}
 _OWN_OPTIONS = frozenset(OWN_KERNEL_OPTIONS.values())
 
 # What the runtime relies on: a user option may not change these.
@@ -371,6 +371,9 @@ def _compile_once(
         recorded["cxx_flags"] = list(EXTRA_CXX_FLAGS)
         recorded.update(own)
         recorded.update(kernels.record())
+        if own.get(inductor_pdl.OWN_OPTION) and not kernels.pdl and "pdl" not in kernels.failures:
+            recorded[PDL_UNAVAILABLE] = (f"it needs a standalone CUDA build, Triton, {inductor_pdl.OPTION} left on, and an Inductor "
+                                         "that generates the waits, as torch 2.11 and 2.13 do")
         if cpu_build is not None:
             recorded["cpu_target"] = cpu_target
             recorded["cpu_build_flags"] = list(cpu_build.flags)
@@ -417,13 +420,14 @@ def own_kernels_for(own: Mapping[str, Any], possible: bool, one_row_method: bool
     classifier), a small share of its weights, where the kernel would gain
     little. =true asks for either anyway, =false turns it off. Combo kernels
     come with the attention unless `inductor_options` set them. Inductor's
-    kernels become programmatic dependents (compile/inductor_pdl.py) in every
-    such build whose torch allows it, unless `inductor_options` set
-    triton.enable_pdl."""
+    kernels become programmatic dependents (compile/inductor_pdl.py) where
+    =true asks for it and the torch allows it, unless `inductor_options` turn
+    triton.enable_pdl off."""
     return OwnKernels(attention=possible and bool(own.get(attention.OPTION, True)),
                       matvec=possible and bool(own.get(matvec.OPTION, one_row_method)),
                       combo="combo_kernels" not in inductor_options,
-                      pdl=possible and inductor_pdl.OPTION not in inductor_options and inductor_pdl.available(import_torch()))
+                      pdl=possible and bool(own.get(inductor_pdl.OWN_OPTION, False)) and inductor_options.get(inductor_pdl.OPTION) is not False
+                      and inductor_pdl.available(import_torch()))
 
 
 def triton_ops_available() -> bool:
@@ -443,10 +447,12 @@ def triton_ops_available() -> bool:
 OWN_KERNEL_RECORDS = {"attention": ("fused_decode_attention", "fused_decode_attention_failed"), "matvec": ("matvec_products", "matvec_failed"),
                       "combo": ("combo_kernels", "combo_kernels_failed"),
                       "pdl": ("programmatic_inductor_kernels", "programmatic_inductor_kernels_failed")}
+# Where a build asked for Inductor's kernels as programmatic dependents could not take them: why.
+PDL_UNAVAILABLE = "programmatic_inductor_kernels_unavailable"
 # How a user hears of each, and the option that leaves it out.
 OWN_KERNEL_NAMES = {"attention": "the fused decode attention", "matvec": "the matrix-vector kernel", "combo": "Inductor's combo kernels",
                     "pdl": "Inductor's kernels as programmatic dependents"}
-_OFF_OPTIONS = {**OWN_KERNEL_OPTIONS, "combo": "combo_kernels", "pdl": inductor_pdl.OPTION}
+_OFF_OPTIONS = {**OWN_KERNEL_OPTIONS, "combo": "combo_kernels"}
 # Own kernels a user hears of in the plural.
 _PLURAL = frozenset({"combo", "pdl"})
 

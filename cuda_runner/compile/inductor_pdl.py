@@ -21,7 +21,8 @@ kernel apart); any other is launched plainly, where its waits do nothing.
 GEMM templates get no waits from Inductor, so they keep their names.
 
 All of it is Inductor's private code: where this torch lacks any part, the
-build goes on without (available() says so).
+build goes on without (available() says so). A build takes it only where
+asked (OWN_OPTION=true).
 """
 
 from __future__ import annotations
@@ -35,7 +36,9 @@ from typing import Any
 
 # What the shim looks for in a kernel's name (native/aoti_shim.cpp, crLaunchKernel).
 PROGRAMMATIC_MARK = "cudarunner_pdl_"
-# The Inductor option; cuda-runner sets it in the builds it applies to, unless the user did.
+# cuda-runner's option that asks for it (off by default: its gain on the 1B decoder is not yet
+# established, docs/benchmarks.md), and Inductor's, which cuda-runner then sets.
+OWN_OPTION = "cuda_runner.programmatic_inductor_kernels"
 OPTION = "triton.enable_pdl"
 
 _WAIT = "gdc_wait()"

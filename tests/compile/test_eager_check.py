@@ -156,36 +156,6 @@ def test_combo_kernels_that_came_with_the_fused_attention_are_taken_back_before_
     assert ("Inductor's combo kernels" in notes[1]) == (not user_options)
 
 
-@pytest.mark.parametrize("user_options", [{}, {"triton.enable_pdl": True}])
-def test_inductor_kernels_named_for_programmatic_launches_are_taken_back_first(monkeypatch, user_options):
-    """A wait missing from one of them would let it read what the launch before has
-    not written yet: the likeliest cause of a disagreement, and the cheapest to
-    take back. Where the caller set the option, it is theirs."""
-    program = export_module(torch.nn.Linear(3, 2), (torch.randn(1, 3),), {}, None).program
-    asked: list[dict] = []
-
-    def fake_compile(program, args, kwargs, device, progress, options, cpu_target, runtime, **_):
-        asked.append(dict(options))
-        recorded = {"matvec_products": 1}
-        if "triton.enable_pdl" not in options:
-            recorded["programmatic_inductor_kernels"] = 3
-        return CompiledLibrary(b"library", b"", DeviceSpec(type="cuda", compute_capability="9.0"), recorded)
-
-    answers = iter(["9.7 from eager's", None])
-    monkeypatch.setattr(compile_package, "compile_program", fake_compile)
-    monkeypatch.setattr(compile_package, "_with_library_buffers", lambda written, library, device: written)
-    monkeypatch.setattr(compile_package, "disagreement", lambda *args: next(answers))
-    notes: list[str] = []
-    spec, _, _ = _compile_method(torch, "decode", MethodSource(program), "cpu", lambda _: None, user_options, warn=notes.append)
-    if user_options:
-        assert asked[1] == {"triton.enable_pdl": True, "cuda_runner.matvec": False}
-        assert "programmatic_inductor_kernels_disagreed" not in spec.compile_options
-    else:
-        assert asked[1] == {"triton.enable_pdl": False}
-        assert spec.compile_options["programmatic_inductor_kernels_disagreed"] == "9.7 from eager's"
-        assert "Inductor's kernels as programmatic dependents" in notes[0]
-
-
 def test_coordinate_descent_the_caller_asked_for_is_not_second_guessed(monkeypatch):
     program = export_module(torch.nn.Linear(3, 2), (torch.randn(1, 3),), {}, None).program
     calls = []

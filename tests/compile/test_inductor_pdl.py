@@ -110,11 +110,12 @@ def test_while_a_build_generates_code_no_node_before_is_seen_and_kernels_are_nam
     assert "previous_node" not in Scheduler.__dict__
 
 
-def test_a_build_takes_them_where_it_may_and_the_user_can_turn_them_off():
-    assert aot.own_kernels_for({}, True, True, {}).pdl is True
-    assert aot.own_kernels_for({}, True, True, {inductor_pdl.OPTION: False}).pdl is False
-    assert aot.own_kernels_for({}, True, True, {inductor_pdl.OPTION: True}).pdl is False  # Inductor's own waits: not named for the shim
-    assert aot.own_kernels_for({}, False, True, {}).pdl is False  # CPU, libtorch or no Triton
+def test_a_build_takes_them_only_where_asked_and_where_it_may():
+    asked = {inductor_pdl.OWN_OPTION: True}
+    assert aot.own_kernels_for({}, True, True, {}).pdl is False  # off by default: the gain is not established
+    assert aot.own_kernels_for(asked, True, True, {}).pdl is True
+    assert aot.own_kernels_for(asked, True, True, {inductor_pdl.OPTION: False}).pdl is False
+    assert aot.own_kernels_for(asked, False, True, {}).pdl is False  # CPU, libtorch or no Triton
     kernels = aot.OwnKernels(attention=False, matvec=False, pdl=True)
     in_use: list[str] = []
     kernels.apply(torch.fx.GraphModule(torch.nn.Module(), torch.fx.Graph()), in_use)
@@ -124,10 +125,37 @@ def test_a_build_takes_them_where_it_may_and_the_user_can_turn_them_off():
     assert kernels.record() == {"programmatic_inductor_kernels": 3}
 
 
+def test_the_option_takes_true_or_false():
+    from cuda_runner.errors import InputError
+
+    assert aot.check_options(torch, {inductor_pdl.OWN_OPTION: True}) == {inductor_pdl.OWN_OPTION: True}
+    with pytest.raises(InputError, match="takes true or false"):
+        aot.check_options(torch, {inductor_pdl.OWN_OPTION: "yes"})
+
+
 def test_they_are_given_up_first_when_a_build_fails_and_the_user_hears_of_it():
     kernels = aot.OwnKernels(attention=True, matvec=True, pdl=True)
     lines = kernels.blame(["attention", "matvec", "combo", "pdl"], "CompilationError: at 3:4")
     assert kernels.pdl is False and kernels.combo is True and kernels.matvec is True
     assert lines == ["Inductor's kernels as programmatic dependents did not compile (CompilationError: at 3:4); compiling without them"]
     assert kernels.record() == {"programmatic_inductor_kernels_failed": "CompilationError: at 3:4"}
-    assert "triton.enable_pdl=false" in aot.gpu_fault_message("an illegal address", ["attention", "pdl"])
+    assert f"{inductor_pdl.OWN_OPTION}=false" in aot.gpu_fault_message("an illegal address", ["attention", "pdl"])
+
+
+def test_through_the_cli_a_cpu_build_asked_for_them_says_it_cannot_and_records_the_ask(tmp_path):
+    from helpers import run_cli
+
+    import cuda_runner
+
+    program = torch.export.export(torch.nn.Linear(4, 2).eval(), (torch.randn(3, 4),))
+    torch.export.save(program, tmp_path / "linear.pt2")
+    bundle = tmp_path / "linear.bundle"
+    done = run_cli("compile", str(tmp_path / "linear.pt2"), "-o", str(bundle), "--option", f"{inductor_pdl.OWN_OPTION}=true")
+    assert done.returncode == 0, done.stderr
+    assert "Inductor's kernels as programmatic dependents were asked for and not taken (it needs a standalone CUDA build" in done.stderr
+    options = cuda_runner.read_manifest(bundle).methods["forward"].compile_options
+    assert options[inductor_pdl.OWN_OPTION] is True and "programmatic_inductor_kernels" not in options
+    assert options["programmatic_inductor_kernels_unavailable"].startswith("it needs a standalone CUDA build")
+    refused = run_cli("compile", str(tmp_path / "linear.pt2"), "-o", str(tmp_path / "other.bundle"), "--option", f"{inductor_pdl.OWN_OPTION}=maybe")
+    assert refused.returncode == 2 and "takes true or false" in refused.stderr and len(refused.stderr.strip().splitlines()) == 1
+    assert not (tmp_path / "other.bundle").exists()

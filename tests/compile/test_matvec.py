@@ -314,7 +314,7 @@ def test_combo_kernels_the_user_set_are_theirs_to_keep(monkeypatch):
     monkeypatch.setattr(attention, "fuse_decode_attention", lambda module, written_elsewhere: setattr(module, "fused", 2) or attention.Fused(2))
     monkeypatch.setattr(matvec, "use_matvec", lambda module, **_: setattr(module, "products", 5) or matvec.MatvecUse(products=5, launches=3))
     compiled: list[tuple[int, int, bool]] = []
-    kernels = aot.own_kernels_for({}, True, True, {"combo_kernels": True, "triton.enable_pdl": False})
+    kernels = aot.own_kernels_for({}, True, True, {"combo_kernels": True})
     program = SimpleNamespace(module=lambda: SimpleNamespace(fused=0, products=0))
     aot._aot_compile(_failing_compile({"attention"}, compiled), program, (), {}, {"combo_kernels": True}, False, "cuda", kernels, print)
     assert compiled == [(2, 5, True), (2, 0, True), (0, 0, True)] and set(kernels.failures) == {"matvec", "attention"}
@@ -391,7 +391,7 @@ def test_a_standalone_cuda_build_takes_its_options_and_kernels_by_the_single_row
     program = torch.export.export(network.eval(), (x,))
     with pytest.raises(Stop):
         aot._compile_once(program, (x,), {}, "cuda", lambda _: None, None, aot.DEFAULT_CPU_TARGET, standalone=True)
-    assert seen["kernels"] == aot.OwnKernels(attention=True, matvec=one_row_method, pdl=True)
+    assert seen["kernels"] == aot.OwnKernels(attention=True, matvec=one_row_method)
     assert seen["options"]["benchmark_epilogue_fusion"] is False and seen["options"]["max_autotune"] is True
     assert seen["options"]["prologue_fusion"] is False and seen["options"]["max_autotune_prune_choices_based_on_shared_mem"] is True
     assert seen["options"].get("coordinate_descent_tuning", False) is one_row_method

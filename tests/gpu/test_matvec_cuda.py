@@ -150,22 +150,6 @@ def test_the_standalone_decoder_takes_its_products_over_and_matches_eager(tiny_d
     assert worst < 5e-2
 
 
-def test_inductor_kernels_of_the_decode_step_are_named_for_programmatic_launches(tiny_decoder):
-    """Where this torch and GPU allow it (compile/inductor_pdl.py), the step's
-    RoPE and cache-write kernels wait before every access and are named for the
-    shim's programmatic launch; the check against eager kept them."""
-    from cuda_runner.compile import inductor_pdl
-
-    if not inductor_pdl.available(torch) or torch.cuda.get_device_capability()[0] < 9:
-        pytest.skip("this torch or GPU takes no programmatic Inductor kernels")
-    path, _ = tiny_decoder
-    decode = cuda_runner.read_manifest(path).methods["decode"].compile_options
-    print(f"decode: {decode.get('programmatic_inductor_kernels')} Inductor kernels named for programmatic launches")
-    assert decode.get("programmatic_inductor_kernels", 0) >= 1
-    assert decode["triton.enable_pdl"] is True
-    assert "programmatic_inductor_kernels_disagreed" not in decode and "programmatic_inductor_kernels_failed" not in decode
-
-
 STEPS_SCRIPT = """
 import ctypes, sys
 import numpy as np
@@ -185,16 +169,14 @@ print(shim.cudarunner_shim_programmatic_launches())
 """
 
 
-def test_programmatic_launches_change_no_bit_of_a_decode_step(tiny_decoder, tmp_path):
-    """The shim launches the fused products, and Inductor's kernels named for it,
-    as programmatic dependents (CUDA_RUNNER_PDL unset) or plainly (=0), with a
-    CUDA graph and without: the four give the same logits to the bit, and only
-    the first two launch any kernel that way."""
+def _steps_with_and_without_programmatic_launches(path, tmp_path) -> dict:
+    """Ten decode steps after a prefill, with the shim's programmatic launches on
+    (CUDA_RUNNER_PDL unset) and off (=0), each with a CUDA graph and without:
+    (programmatic launches made, logits) by (setting, mode)."""
     import os
     import subprocess
     import sys
 
-    path, _ = tiny_decoder
     runs = {}
     for setting in ("1", "0"):
         for mode in ("graph", "calls"):
@@ -204,10 +186,40 @@ def test_programmatic_launches_change_no_bit_of_a_decode_step(tiny_decoder, tmp_
             assert done.returncode == 0, done.stderr[-2000:]
             runs[setting, mode] = (int(done.stdout.split()[-1]), np.load(out))
     print({key: launches for key, (launches, _) in runs.items()})
+    return runs
+
+
+def _same_bits_and_launches_only_when_on(runs: dict) -> None:
     assert runs["1", "calls"][0] > 0 and runs["1", "graph"][0] > 0
     assert runs["0", "calls"][0] == 0 and runs["0", "graph"][0] == 0
     first = runs["0", "calls"][1]
     assert all(np.array_equal(logits, first) for _, logits in runs.values())
+
+
+def test_programmatic_launches_change_no_bit_of_a_decode_step(tiny_decoder, tmp_path):
+    """The shim launches the fused products as programmatic dependents or plainly,
+    with a CUDA graph and without: the four give the same logits to the bit, and
+    only the first two launch any kernel that way."""
+    path, _ = tiny_decoder
+    _same_bits_and_launches_only_when_on(_steps_with_and_without_programmatic_launches(path, tmp_path))
+
+
+def test_inductor_kernels_asked_to_be_programmatic_dependents_change_no_bit_either(tmp_path):
+    """cuda_runner.programmatic_inductor_kernels=true (compile/inductor_pdl.py): the
+    step's RoPE and cache-write kernels wait before every access and are named
+    for the shim, and the logits stay the same to the bit with the shim's
+    programmatic launches on and off, graphed or not."""
+    from cuda_runner.compile import inductor_pdl
+
+    if not inductor_pdl.available(torch) or torch.cuda.get_device_capability()[0] < 9:
+        pytest.skip("this torch or GPU takes no programmatic Inductor kernels")
+    path = tmp_path / "llama.bundle"
+    compile_tiny_llama(path, {inductor_pdl.OWN_OPTION: True})
+    decode = cuda_runner.read_manifest(path).methods["decode"].compile_options
+    print(f"decode: {decode.get('programmatic_inductor_kernels')} Inductor kernels named for programmatic launches")
+    assert decode.get("programmatic_inductor_kernels", 0) >= 1 and decode[inductor_pdl.OPTION] is True
+    assert "programmatic_inductor_kernels_failed" not in decode
+    _same_bits_and_launches_only_when_on(_steps_with_and_without_programmatic_launches(path, tmp_path))
 
 
 def test_a_chain_of_programmatic_launches_reads_what_each_launch_before_wrote():
