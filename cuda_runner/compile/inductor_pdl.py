@@ -30,6 +30,7 @@ from __future__ import annotations
 import contextlib
 import inspect
 import re
+import threading
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -49,6 +50,8 @@ _NODE_BEFORE = "previous_node"
 # What Inductor's code generator for Triton names a kernel's fused part with.
 _FUSED_NAME = "get_fused_kernel_name"
 _DEFINE = "define_kernel"
+# One build at a time in a process patches Inductor (each patch saves and puts back what it found).
+_PATCHING = threading.Lock()
 # A combo kernel's sub-kernels are branches on the program id: a program runs one of them.
 _COMBO_BRANCH = re.compile(r"^\s*(?:el)?if pid < ")
 
@@ -134,6 +137,9 @@ def programmatic_kernels(torch: Any) -> Iterator[ProgrammaticNames]:
     """While a build generates code: every Inductor kernel waits before each
     memory access, and kernels whose source shows it are named for the shim.
     Yields the count of each; takes effect where the build's options set OPTION.
+    Inductor's classes are patched for the process: one such build runs at a
+    time, and a build on another thread meanwhile is named as usual (it still
+    sees no node before, which only adds waits where its options ask for them).
 
     The name is given where Inductor names a kernel (TritonScheduling.define_kernel,
     from get_fused_kernel_name's part of it), as torch 2.11 and 2.13 both do; the
@@ -144,31 +150,46 @@ def programmatic_kernels(torch: Any) -> Iterator[ProgrammaticNames]:
 
     names = ProgrammaticNames()
     defining: list[str] = []  # the source of the kernel being named, while it is
+    building = threading.get_ident()
+
+    with _PATCHING:
+        fused_name = getattr(triton_codegen, _FUSED_NAME)
+        define_kernel = triton_codegen.TritonScheduling.define_kernel
+
+        def named(node_schedule: Any, descriptive_names: Any) -> str:
+            name = fused_name(node_schedule, descriptive_names)
+            return names.name(name, defining[-1]) if defining and threading.get_ident() == building else name
+
+        def defined(self: Any, src_code: str, node_schedule: Any, kernel: Any) -> Any:
+            if threading.get_ident() != building:
+                return define_kernel(self, src_code, node_schedule, kernel)
+            defining.append(src_code)
+            try:
+                return define_kernel(self, src_code, node_schedule, kernel)
+            finally:
+                defining.pop()
+
+        with _patched(Scheduler, triton_codegen, named, defined):
+            yield names
+
+
+@contextlib.contextmanager
+def _patched(scheduler: Any, triton_codegen: Any, named: Any, defined: Any) -> Iterator[None]:
+    """Inductor with no node before seen by `scheduler` (the Scheduler class), and
+    kernels named by `named` as `defined` defines them; put back after."""
     fused_name = getattr(triton_codegen, _FUSED_NAME)
     define_kernel = triton_codegen.TritonScheduling.define_kernel
-
-    def named(node_schedule: Any, descriptive_names: Any) -> str:
-        name = fused_name(node_schedule, descriptive_names)
-        return names.name(name, defining[-1]) if defining else name
-
-    def defined(self: Any, src_code: str, node_schedule: Any, kernel: Any) -> Any:
-        defining.append(src_code)
-        try:
-            return define_kernel(self, src_code, node_schedule, kernel)
-        finally:
-            defining.pop()
-
-    had_own = _NODE_BEFORE in Scheduler.__dict__
-    saved = Scheduler.__dict__.get(_NODE_BEFORE)
-    setattr(Scheduler, _NODE_BEFORE, _NoNodeBefore())
+    had_own = _NODE_BEFORE in scheduler.__dict__
+    saved = scheduler.__dict__.get(_NODE_BEFORE)
+    setattr(scheduler, _NODE_BEFORE, _NoNodeBefore())
     setattr(triton_codegen, _FUSED_NAME, named)
     setattr(triton_codegen.TritonScheduling, _DEFINE, defined)
     try:
-        yield names
+        yield
     finally:
         setattr(triton_codegen.TritonScheduling, _DEFINE, define_kernel)
         setattr(triton_codegen, _FUSED_NAME, fused_name)
         if had_own:
-            setattr(Scheduler, _NODE_BEFORE, saved)
+            setattr(scheduler, _NODE_BEFORE, saved)
         else:
-            delattr(Scheduler, _NODE_BEFORE)
+            delattr(scheduler, _NODE_BEFORE)

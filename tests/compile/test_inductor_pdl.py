@@ -7,6 +7,7 @@ tests/gpu/test_matvec_cuda.py."""
 from __future__ import annotations
 
 import textwrap
+import threading
 
 import pytest
 import torch
@@ -98,12 +99,15 @@ def test_while_a_build_generates_code_no_node_before_is_seen_and_kernels_are_nam
             scheduling = object.__new__(triton_codegen.TritonScheduling)
             scheduling.define_kernel(POINTWISE, [], None)
             scheduling.define_kernel(combo(second_waits=False), [], None)
+            other = threading.Thread(target=scheduling.define_kernel, args=(POINTWISE, [], None))
+            other.start()
+            other.join()  # another thread's build, meanwhile: named as usual
             assert triton_codegen.get_fused_kernel_name([], "original_aten") == "fused"  # outside a kernel's naming: as it was
             raise RuntimeError("the build failed")
         assert triton_codegen.TritonScheduling.define_kernel is naming
     finally:
         triton_codegen.TritonScheduling.define_kernel = define_kernel
-    assert seen == ["cudarunner_pdl_fused", "fused"] and (names.named, names.plain) == (1, 1)
+    assert seen == ["cudarunner_pdl_fused", "fused", "fused"] and (names.named, names.plain) == (1, 1)
     assert triton_codegen.get_fused_kernel_name is fused_name
     scheduler.previous_node = "the kernel before"
     assert scheduler.previous_node == "the kernel before"
