@@ -156,6 +156,11 @@ def check_options(torch: Any, options: Mapping[str, Any]) -> dict[str, Any]:
             raise InputError(f"option {key!r} is set by cuda-runner (the bundle depends on it) and cannot be changed", subject="option")
         if key not in known:
             raise InputError(f"{key!r} is not an Inductor option (see torch._inductor.config)", subject="option")
+        if isinstance(value, str) and inductor_pdl.PROGRAMMATIC_MARK in value:
+            # Such a value can end up in kernel names (aot_inductor.model_name_for_generated_files), where the
+            # shim would take a kernel without waits for one launched as a programmatic dependent.
+            raise InputError(f"option {key!r}: {value!r} holds {inductor_pdl.PROGRAMMATIC_MARK!r}, which cuda-runner keeps for the names of "
+                             "kernels it launches as programmatic dependents", subject="option")
         default = known[key]
         if isinstance(default, bool) and not isinstance(value, bool):
             raise InputError(f"option {key!r} takes true or false, not {value!r}", subject="option")

@@ -43,44 +43,62 @@ OWN_OPTION = "cuda_runner.programmatic_inductor_kernels"
 OPTION = "triton.enable_pdl"
 
 _WAIT = "gdc_wait()"
-# Inductor's kernels take their tensors as in_ptrN, out_ptrN, in_out_ptrN and ws_ptr (a workspace).
-_POINTER_USE = re.compile(r"\b(?:in_out_ptr|in_ptr|out_ptr|ws_ptr)\d*\b")
+# Inductor's kernels take their tensors as in_ptrN, out_ptrN, in_out_ptrN, ws_ptr and sem_ptr (a
+# workspace and its semaphores) and seedN, and make block_ptrN and tma_descriptorN from them.
+_POINTER_USE = re.compile(r"\b(?:in_out_ptr|in_ptr|out_ptr|ws_ptr|sem_ptr|seed|block_ptr|tma_descriptor)\d*\b")
+# A string literal on one line: what it holds is no code (a # in it starts no comment).
+_STRING = re.compile(r"'[^'\n]*'|\"[^\"\n]*\"")
+# Where a function's source ends and the next top-level thing (a benchmark harness) begins.
+_TOP_LEVEL = ("def ", "@", "class ", "if __name__")
 # The scheduler's record of the node it generated code for last (hidden while a build generates code).
 _NODE_BEFORE = "previous_node"
 # What Inductor's code generator for Triton names a kernel's fused part with.
 _FUSED_NAME = "get_fused_kernel_name"
 _DEFINE = "define_kernel"
 # One build at a time in a process patches Inductor (each patch saves and puts back what it found).
-_PATCHING = threading.Lock()
-# A combo kernel's sub-kernels are branches on the program id: a program runs one of them.
-_COMBO_BRANCH = re.compile(r"^\s*(?:el)?if pid < ")
+_PATCHING = threading.RLock()
 
 
 def waits_before_every_access(source: str) -> bool:
     """Whether a generated kernel's source waits (griddepcontrol.wait) before
-    every line of its body that uses a pointer argument, counted afresh in each
-    branch of a combo kernel."""
+    every line of its body that uses a pointer, on every path: a wait counts
+    for the lines after it in its own block and the blocks inside that, not
+    after the block ends (a combo kernel's next branch on the program id, an
+    else, the code after a loop whose body waited)."""
     lines = source.splitlines()
-    body_start = next((index for index, line in enumerate(lines) if line.lstrip().startswith("def ")), None)
-    if body_start is None:
+    start = next((index for index, line in enumerate(lines) if line.lstrip().startswith("def ")), None)
+    if start is None:
         return False
-    indent = len(lines[body_start]) - len(lines[body_start].lstrip())
+    indent = _indent(lines[start])
     # The signature may run over several lines: the body starts after the line ending it.
-    while body_start < len(lines) and not lines[body_start].split("#", 1)[0].rstrip().endswith(":"):
-        body_start += 1
-    waited = False
-    for line in lines[body_start + 1:]:
-        code = line.split("#", 1)[0]
-        if code.strip() and len(code) - len(code.lstrip()) <= indent:
-            break  # the kernel's function has ended (a benchmark harness may follow it)
-        if _COMBO_BRANCH.match(code):
-            waited = False
+    while start < len(lines) and not _code(lines[start]).rstrip().endswith(":"):
+        start += 1
+    waits: list[int] = []  # the indentation of each wait still in scope
+    touched = False
+    for line in lines[start + 1:]:
+        code = _code(line)
+        if not code.strip():
             continue
+        depth = _indent(code)
+        if depth <= indent and code.lstrip().startswith(_TOP_LEVEL):
+            break  # the kernel's function has ended (a benchmark harness may follow it)
+        waits = [wait for wait in waits if wait <= depth]
         if _WAIT in code:
-            waited = True
-        elif _POINTER_USE.search(code) and not waited:
-            return False
-    return waited
+            waits.append(depth)
+        elif _POINTER_USE.search(code):
+            if not waits:
+                return False
+            touched = True
+    return touched
+
+
+def _code(line: str) -> str:
+    """A line without its comment or what its string literals hold."""
+    return _STRING.sub("''", line).split("#", 1)[0]
+
+
+def _indent(line: str) -> int:
+    return len(line) - len(line.lstrip())
 
 
 @dataclass
@@ -91,13 +109,15 @@ class ProgrammaticNames:
     plain: int = 0
 
     def name(self, fused_name: str, source: str) -> str:
+        # A fused name that starts with the mark by itself (a custom op so named) is put off it.
+        plain = f"x{fused_name}" if fused_name.startswith(PROGRAMMATIC_MARK) else fused_name
         if _WAIT not in source:
-            return fused_name  # a template, or PDL code generation off for this kernel
+            return plain  # a template, or PDL code generation off for this kernel
         if waits_before_every_access(source):
             self.named += 1
             return f"{PROGRAMMATIC_MARK}{fused_name}"
         self.plain += 1
-        return fused_name
+        return plain
 
 
 def available(torch: Any) -> bool:
@@ -129,7 +149,8 @@ class _NoNodeBefore:
         return None
 
     def __set__(self, instance: Any, value: Any) -> None:
-        pass
+        # Kept where the class would keep it: a scheduler made meanwhile has it once the class is put back.
+        instance.__dict__[_NODE_BEFORE] = value
 
 
 @contextlib.contextmanager

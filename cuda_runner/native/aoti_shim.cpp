@@ -264,7 +264,7 @@ CUstream stream_for(int32_t device) { return device >= 0 && device < kMaxDevices
 // ---------------------------------------------------------------- kernel launches
 // A library bound to this shim launches its kernels here (runtime/providers.py
 // renames its cuLaunchKernel import). A kernel whose name holds
-// kProgrammaticMark waits for the launch before it to finish before it reads
+// kProgrammaticMark where programmatic_name looks for it waits for the launch before it to finish before it reads
 // anything a step writes (cuda-runner's own kernels, compile/matvec_kernel.py,
 // whose names start with it; Inductor's, which compile/inductor_pdl.py marks
 // inside the name where every access of the kernel waits), so it is launched
@@ -287,12 +287,23 @@ bool programmatic_wanted() {
          driver.cuFuncGetName != nullptr;
 }
 
+// cuda-runner's own kernels start with the mark; Inductor's, where compile/inductor_pdl.py
+// marked them, carry it right after Inductor's "triton_" and three-letter kind
+// ("triton_poi_cudarunner_pdl_fused_..."). Nowhere else: a name the user chose
+// (a custom op's, a model's) holding the mark must not make a kernel without waits
+// a programmatic dependent.
+bool programmatic_name(const char *name) {
+  const size_t mark = sizeof(kProgrammaticMark) - 1;
+  if (strncmp(name, kProgrammaticMark, mark) == 0) return true;
+  return strncmp(name, "triton_", 7) == 0 && strlen(name) > 11 && name[10] == '_' && strncmp(name + 11, kProgrammaticMark, mark) == 0;
+}
+
 // Asked at every launch, not kept: a module unloaded and another loaded may
 // give a function of another name the same handle. The driver answers from
 // its own tables, and a CUDA graph replays its launches without asking.
 bool is_programmatic(CUfunction function) {
   const char *name = nullptr;
-  return driver.cuFuncGetName(&name, function) == 0 && name != nullptr && strstr(name, kProgrammaticMark) != nullptr;
+  return driver.cuFuncGetName(&name, function) == 0 && name != nullptr && programmatic_name(name);
 }
 
 }  // namespace
@@ -846,6 +857,8 @@ EXPORT int32_t cudarunner_shim_abi_version() { return SHIM_ABI_VERSION; }
 EXPORT const char *cudarunner_shim_last_error() { return last_error.c_str(); }
 // Kernels launched as programmatic dependents so far in the process (crLaunchKernel).
 EXPORT int64_t cudarunner_shim_programmatic_launches() { return programmatic_launches.load(); }
+// Whether a kernel of this name is launched as a programmatic dependent (where the GPU and driver allow).
+EXPORT int32_t cudarunner_shim_programmatic_name(const char *name) { return name != nullptr && programmatic_name(name); }
 
 // A capture (see Group): begin returns it, end stops adding to it on this
 // thread, release deletes every tensor of it still alive, and the group.

@@ -58,6 +58,19 @@ def combo(second_waits: bool) -> str:
     (combo(second_waits=False), False),
     ("@triton.jit\ndef triton_tem_fused_mm_0(arg_A, arg_B, out_ptr0):\n    tl.store(out_ptr0, tl.load(arg_A))\n", False),  # no wait at all
     ("no kernel here", False),
+    # combo kernels that deal their programs round-robin: each branch needs its own wait
+    (combo(second_waits=False).replace("if pid < num_xblocks_0:", "if pid % 2 == 0:").replace("elif pid < num_xblocks_1:",
+                                                                                         "elif pid % 2 == 1:"), False),
+    (combo(second_waits=True).replace("elif pid < num_xblocks_1:", "else:"), True),
+    # a wait inside a loop's body is no wait for the code after the loop (the loop may not run)
+    ("def k(in_ptr0, ws_ptr):\n    for r in range(n):\n        tl.extra.cuda.gdc_wait()\n        a = tl.load(in_ptr0 + r)\n"
+     "    tl.store(ws_ptr, a)\n", False),
+    # a pointer after a # inside a string is still code
+    ("def k(in_ptr0):\n    x = tl.where(c, '#', 0) + tl.load(in_ptr0)\n    tl.extra.cuda.gdc_wait()\n", False),
+    # a wait written in a comment is no wait
+    ("def k(in_ptr0):\n    # tl.extra.cuda.gdc_wait()\n    tmp0 = tl.load(in_ptr0)\n", False),
+    # the seed a random op reads is memory too
+    ("def k(seed0, out_ptr0):\n    s = tl.load(seed0)\n    tl.extra.cuda.gdc_wait()\n    tl.store(out_ptr0, s)\n", False),
 ])
 def test_a_kernel_is_taken_only_where_every_pointer_use_comes_after_a_wait(source, waits):
     assert inductor_pdl.waits_before_every_access(source) is waits
@@ -69,6 +82,8 @@ def test_only_kernels_that_wait_everywhere_are_named_and_both_kinds_are_counted(
     assert names.name("fused_1", combo(second_waits=False)) == "fused_1"  # waits somewhere, not everywhere: launched plainly
     assert names.name("fused_mm_2", "def triton_tem_fused_mm_2(arg_A):\n    tl.load(arg_A)\n") == "fused_mm_2"  # no PDL code
     assert (names.named, names.plain) == (1, 1)
+    # a fused name that starts with the mark itself is put off it unless the kernel waits
+    assert names.name("cudarunner_pdl_op_3", "def k(in_ptr0):\n    tl.load(in_ptr0)\n") == "xcudarunner_pdl_op_3"
 
 
 def test_this_torch_has_every_part_and_one_without_the_pdl_code_generator_goes_without(monkeypatch):
@@ -114,6 +129,24 @@ def test_while_a_build_generates_code_no_node_before_is_seen_and_kernels_are_nam
     assert "previous_node" not in Scheduler.__dict__
 
 
+def test_a_scheduler_made_while_the_class_was_patched_keeps_its_record_after():
+    from torch._inductor.scheduler import Scheduler
+
+    with inductor_pdl.programmatic_kernels(torch):
+        made_meanwhile = object.__new__(Scheduler)
+        made_meanwhile.previous_node = None  # as Scheduler.__init__ sets it
+    assert made_meanwhile.previous_node is None  # an AttributeError had Inductor's own assert fail
+
+
+def test_a_build_inside_another_on_one_thread_neither_hangs_nor_leaves_inductor_patched():
+    from torch._inductor.codegen import triton as triton_codegen
+
+    original = triton_codegen.get_fused_kernel_name
+    with inductor_pdl.programmatic_kernels(torch), inductor_pdl.programmatic_kernels(torch):
+        assert triton_codegen.get_fused_kernel_name is not original
+    assert triton_codegen.get_fused_kernel_name is original
+
+
 def test_a_build_takes_them_only_where_asked_and_where_it_may():
     asked = {inductor_pdl.OWN_OPTION: True}
     assert aot.own_kernels_for({}, True, True, {}).pdl is False  # off by default: the gain is not established
@@ -135,6 +168,9 @@ def test_the_option_takes_true_or_false():
     assert aot.check_options(torch, {inductor_pdl.OWN_OPTION: True}) == {inductor_pdl.OWN_OPTION: True}
     with pytest.raises(InputError, match="takes true or false"):
         aot.check_options(torch, {inductor_pdl.OWN_OPTION: "yes"})
+    # Inductor would put this before every kernel's name, and the shim look there for its mark
+    with pytest.raises(InputError, match="holds 'cudarunner_pdl_'"):
+        aot.check_options(torch, {"aot_inductor.model_name_for_generated_files": "cudarunner_pdl_model"})
 
 
 def test_they_are_given_up_first_when_a_build_fails_and_the_user_hears_of_it():

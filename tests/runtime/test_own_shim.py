@@ -573,3 +573,18 @@ def test_auto_leaves_a_libtorch_that_lacks_an_import_for_the_shim(monkeypatch, c
     assert providers.bind_library(library, "cpu")[0].name == providers.SHIM_NAME
     monkeypatch.undo()
     assert providers.bind_library(library, "cpu")[0].name == providers.LIBTORCH_NAME
+
+
+@pytest.mark.parametrize("name, programmatic", [
+    ("cudarunner_pdl_matvec_fused_3", True),  # cuda-runner's own kernels
+    ("triton_poi_cudarunner_pdl_fused_1", True),  # Inductor's, where the build marked them (compile/inductor_pdl.py)
+    ("triton_red_cudarunner_pdl_fused_embedding_0", True),
+    ("triton_poi_fused_cudarunner_pdl_op_1", False),  # a custom op so named: its kernel has no waits
+    ("model_triton_poi_cudarunner_pdl_fused_1", False),  # aot_inductor.model_name_for_generated_files before it
+    ("my_cudarunner_pdl_kernel", False),
+    ("triton_poi_fused_1", False),
+    ("triton_", False),
+    ("", False),
+])
+def test_only_a_kernel_named_with_the_mark_where_cuda_runner_puts_it_is_launched_as_a_programmatic_dependent(lib, name, programmatic):
+    assert lib.cudarunner_shim_programmatic_name(name.encode()) == int(programmatic)
