@@ -74,14 +74,19 @@ def test_compile_standalone_for_cpu_writes_a_bundle_that_runs_without_torch(tmp_
     program = tmp_path / "m.pt2"
     torch.export.save(torch.export.export(module, (torch.randn(2, 8),)), program)
     bundle = tmp_path / "m.bundle"
-    compiled = run_cli("compile", str(program), "--standalone", "--quick", "-o", str(bundle))
+    # Inductor's kernels as programmatic dependents asked for too: a CPU build cannot take them, and says so.
+    compiled = run_cli("compile", str(program), "--standalone", "--quick", "-o", str(bundle), "--option",
+                       "cuda_runner.programmatic_inductor_kernels=true")
     assert compiled.returncode == 0, compiled.stderr
+    assert "Inductor's kernels as programmatic dependents were asked for and not taken (it needs a standalone CUDA build" in compiled.stderr
     result = run_cli("run", str(bundle), "--random-inputs", "--provider", "shim", "--json", env=no_torch_env)
     assert result.returncode == 0, result.stderr
     assert json.loads(result.stdout)["outputs"]
     # --quick's preset is what the library was built with, and the manifest says so.
     options = read_manifest(bundle).methods["forward"].compile_options
     assert options["test_configs.max_mm_configs"] == 1 and options["standalone"] is True
+    assert options["cuda_runner.programmatic_inductor_kernels"] is True and "programmatic_inductor_kernels" not in options
+    assert options["programmatic_inductor_kernels_unavailable"].startswith("it needs a standalone CUDA build")
 
 
 def test_quick_and_autotune_are_refused_together(tmp_path):
