@@ -30,9 +30,9 @@ and big model; later stages use what earlier ones left in WORK):
            `cuda-runner bench --steps` through the CLI, with --cuda-graph
            also with the shim's programmatic launches off and on, alternately.
   breakdown  where a graphed decode call of the first build goes: model.run,
-           the graph executor's part, its pieces (uploads, launch, downloads,
-           the wait, the copy into NumPy), and the GPU's time for the replay
-           alone (CUDA events).
+           the graph executor's part, its pieces (the inputs' bytes staged,
+           the launch, the wait, the copy into NumPy), and the GPU's time for
+           the replay alone (CUDA events).
   whisper  Whisper-base's decoder alone, built three ways (the default, --libtorch,
            no coordinate descent), each stepped against eager on eager's
            encoding of the same audio: the error of every step.
@@ -90,12 +90,14 @@ BUILDS: dict[str, dict[str, Any]] = {
     "no-matvec": {"runtime": "auto", "options": "{'cuda_runner.matvec': False}"},
     "no-combo": {"runtime": "auto", "options": "{'combo_kernels': False}"},
     "no-pdl": {"runtime": "auto", "options": "{'triton.enable_pdl': False}"},
+    "pdl-inductor": {"runtime": "auto", "options": "{'cuda_runner.programmatic_inductor_kernels': True}"},
 }
 LABELS = {"default": "default bundle", "libtorch": "--libtorch bundle", "quick": "--quick bundle", "executorch": "ExecuTorch 1.5 program",
           "unfused": "default bundle without the fused decode attention (cuda_runner.fuse_decode_attention=false)",
           "no-matvec": "default bundle without the matrix-vector kernel (cuda_runner.matvec=false)",
           "no-combo": "default bundle without Inductor's combo kernels (combo_kernels=false)",
-          "no-pdl": "default bundle without Inductor's kernels as programmatic dependents (triton.enable_pdl=false)"}
+          "no-pdl": "default bundle without Inductor's kernels as programmatic dependents (triton.enable_pdl=false)",
+          "pdl-inductor": "default bundle with Inductor's kernels as programmatic dependents (cuda_runner.programmatic_inductor_kernels=true)"}
 COMPILE_TIMEOUT_S = float(os.environ.get("BENCH_SCALE_COMPILE_TIMEOUT", "480"))  # each side-by-side batch of compiles
 
 
@@ -632,13 +634,12 @@ def runner_paths(work: Path, count: int) -> dict[str, Any]:
 def graph_breakdown(work: Path, count: int) -> dict[str, Any]:
     """Where a graphed decode call's time goes, in the first build: the whole
     model.run, the graph executor's part of it, and that part's pieces (the
-    inputs' uploads, the launch, the outputs' downloads queued, the wait, the
-    copy into NumPy), beside the GPU's time for the replay alone (CUDA events
-    around the graph launch). Reaches into the runtime's graph executor."""
+    inputs' bytes written where the graph copies them from, the launch, the
+    wait, the copy into NumPy), beside the GPU's time for the replay alone
+    (CUDA events around the graph launch). Reaches into the runtime's graph executor."""
     import cupy
 
     import cuda_runner
-    from cuda_runner.runtime.tensors import gather
 
     path = artifact(work, SETTINGS["builds"][0])
     token = np.array([[1]], np.int64)
@@ -654,23 +655,20 @@ def graph_breakdown(work: Path, count: int) -> dict[str, Any]:
         if order != ["tokens", "input_pos"]:
             arrays = arrays[::-1]
         results["graph executor run"] = summary(time_steps(lambda index: executor.run(arrays), count))
-        parts: dict[str, list[float]] = {name: [] for name in ("uploads", "launch", "downloads queued", "wait", "into NumPy", "GPU replay alone")}
+        parts: dict[str, list[float]] = {name: [] for name in ("inputs staged", "launch", "wait", "into NumPy", "GPU replay alone")}
         start, end = cupy.cuda.Event(), cupy.cuda.Event()
         stream = cupy.cuda.ExternalStream(inner.stream.ptr)
         for _ in range(count):
             marks = [time.perf_counter()]
-            for index, (address, array) in enumerate(zip(captured.inputs, arrays)):
-                inner.upload(index, array, destination=address)
+            executor.stage_inputs(captured, arrays)
             marks.append(time.perf_counter())
             captured.graph.replay()
             marks.append(time.perf_counter())
-            staged = [inner.download(index, view) for index, view in enumerate(captured.views)]
-            marks.append(time.perf_counter())
             inner.stream.synchronize()
             marks.append(time.perf_counter())
-            [gather(buffer, view) for buffer, view in zip(staged, captured.views)]
+            executor.collect_outputs(captured)
             marks.append(time.perf_counter())
-            for name, (before, after) in zip(list(parts)[:5], itertools.pairwise(marks)):
+            for name, (before, after) in zip(list(parts)[:4], itertools.pairwise(marks)):
                 parts[name].append(after - before)
             start.record(stream)
             captured.graph.replay()

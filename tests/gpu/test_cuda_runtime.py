@@ -177,6 +177,26 @@ def test_cuda_graph_of_a_dynamic_method_captures_one_graph_per_shape(cuda_dict_m
         assert executor.graphs == 2  # batch 7 came after the bound: it ran without a graph
 
 
+def test_cuda_graph_copies_small_inputs_itself_and_uploads_large_ones_beside_it(cuda_dict_mlp, monkeypatch):
+    """The graph holds the copies of small inputs and of the outputs; an input at
+    the pipelining size is uploaded before the launch. Both kinds in one graph,
+    fed new values every call, give what plain calls give."""
+    from cuda_runner.runtime import graphs
+
+    monkeypatch.setattr(graphs, "PIPELINE_MIN_BYTES", 64)  # x (384 bytes) is uploaded, bias (32) copied by the graph
+    rng = np.random.default_rng(11)
+    with cuda_runner.load(cuda_dict_mlp.path) as plain, cuda_runner.load(cuda_dict_mlp.path, cuda_graph=True) as graphed:
+        executor = graphed.method()._lanes.first
+        for _ in range(graphs.WARMUP_CALLS + 3):
+            x = rng.standard_normal((6, 16), dtype=np.float32)
+            bias = rng.standard_normal(8).astype(">f4")  # big-endian, as a .npy may hold it: the graph's copy takes native bytes
+            expected, got = plain.run({"x": x, "bias": bias}), graphed.run({"x": x, "bias": bias})
+            for name in expected:
+                np.testing.assert_allclose(got[name], expected[name], rtol=1e-6, atol=1e-6)
+        (captured,) = executor._graphs.values()
+        assert [staging is None for staging in captured.staged_inputs] == [True, False]
+
+
 def test_pinned_input_skips_the_staging_copy_and_gives_the_same_result(cuda_dict_mlp, monkeypatch):
     from cuda_runner.runtime.cuda import PinnedBuffers
 
