@@ -9,10 +9,12 @@ outputs into fresh arrays: no copy is queued call by call (on the H200 the
 1B decoder's two 8-byte inputs cost 0.028 ms to queue, and its logits'
 download 0.011). Inputs of PIPELINE_MIN_BYTES or more are still uploaded
 before the launch, through the chunked staging that overlaps the host's
-copy with the transfer. The first calls of each shape
-run as ordinary calls (they load kernels and set up what the library does
-lazily); the next one is captured, which executes nothing, and its graph is
-then launched once for that call. Every call therefore runs on the real
+copy with the transfer. (libtorch's graphs, captured through torch, hold
+the inputs' copies only: their outputs are downloaded after the launch.)
+
+The first calls of each shape run as ordinary calls (they load kernels and
+set up what the library does lazily); the next one is captured, which
+executes nothing, and its graph is then launched once for that call. Every call therefore runs on the real
 inputs in order, so state a method keeps (a KV cache in its buffers) carries
 from call to call, graphed or not, as ExecuTorch's enable_cuda_graph_for_method
 does. A method with dynamic dimensions gets one graph per shape seen, up to
@@ -61,9 +63,10 @@ class _Captured:
     inputs: list[int]  # static input buffers: the captured kernels read these addresses on every replay
     outputs: OwnedHandles
     views: list[TensorView]
-    # Pinned bytes the graph copies each input from (None: uploaded before the launch) and each output's span into.
+    # Pinned bytes the graph copies each input from (None: uploaded before the launch), and each output's span
+    # into (None: libtorch's graphs, whose outputs are downloaded after the launch).
     staged_inputs: list[np.ndarray | None]
-    staged_outputs: list[np.ndarray]
+    staged_outputs: list[np.ndarray] | None
 
 
 class CudaGraphExecutor(Executor):
@@ -115,7 +118,9 @@ class CudaGraphExecutor(Executor):
         stream.synchronize()
         wait_for_releases()  # a load's registrations let go during a capture could end it (libtorch's captures refuse other threads' calls)
         views: list[TensorView] = []
-        staged_outputs: list[np.ndarray] = []
+        # Only a driver capture (relaxed mode) may allocate the outputs' pinned buffers while it runs:
+        # libtorch's captures refuse such calls, and its outputs are downloaded after each launch instead.
+        staged_outputs: list[np.ndarray] | None = [] if isinstance(graph, _DriverGraph) else None
 
         def run() -> list[int]:
             for address, staging in zip(inputs, staged_inputs):
@@ -127,11 +132,12 @@ class CudaGraphExecutor(Executor):
             try:
                 for index, handle in enumerate(outputs):
                     view = self._describe(handle)
-                    staging = executor.pinned.get(("graph out", key, index), span_nbytes(view))
-                    if staging.nbytes:
-                        executor.runtime.memcpyAsync(staging.ctypes.data, view.address, staging.nbytes, DEVICE_TO_HOST, stream.ptr)
                     views.append(view)
-                    staged_outputs.append(staging)
+                    if staged_outputs is not None:
+                        staging = executor.pinned.get(("graph out", key, index), span_nbytes(view))
+                        if staging.nbytes:
+                            executor.runtime.memcpyAsync(staging.ctypes.data, view.address, staging.nbytes, DEVICE_TO_HOST, stream.ptr)
+                        staged_outputs.append(staging)
             except BaseException:
                 OwnedHandles(shim, list(outputs)).release()
                 raise
@@ -141,11 +147,15 @@ class CudaGraphExecutor(Executor):
         return _Captured(graph, inputs, outputs, views, staged_inputs, staged_outputs)
 
     def _replay(self, captured: _Captured, arrays: list[np.ndarray]) -> list[np.ndarray]:
-        self._executor.use_device()
+        executor = self._executor
+        executor.use_device()
         self.stage_inputs(captured, arrays)
         captured.graph.replay()
-        self._executor.stream.synchronize()
-        return self.collect_outputs(captured)
+        staged = captured.staged_outputs
+        if staged is None:
+            staged = [executor.download(index, view) for index, view in enumerate(captured.views)]
+        executor.stream.synchronize()
+        return [gather(buffer, view) for buffer, view in zip(staged, captured.views)]
 
     def stage_inputs(self, captured: _Captured, arrays: list[np.ndarray]) -> None:
         """Put the inputs where the graph copies them from: the bytes of small
@@ -157,11 +167,6 @@ class CudaGraphExecutor(Executor):
                 if not (array.dtype.isnative and array.flags.c_contiguous):  # the device reads native, row-major bytes
                     array = np.ascontiguousarray(array, dtype=array.dtype.newbyteorder("="))
                 np.copyto(staging, array.reshape(-1).view(np.uint8))
-
-    @staticmethod
-    def collect_outputs(captured: _Captured) -> list[np.ndarray]:
-        """Fresh arrays of the outputs the finished replay copied into pinned memory."""
-        return [gather(staging, view) for staging, view in zip(captured.staged_outputs, captured.views)]
 
     @property
     def stream(self) -> Any:
@@ -216,9 +221,12 @@ class _DriverGraph:
         self._stream = ctypes.c_void_p(stream)
         self._graph = ctypes.c_void_p()
         self._exec = ctypes.c_void_p()
+        self._launch = self._driver.cuGraphLaunch  # looked up once: it is called every replay
 
     def _call(self, name: str, *arguments: Any) -> None:
-        status = getattr(self._driver, name)(*arguments)
+        self._check(name, getattr(self._driver, name)(*arguments))
+
+    def _check(self, name: str, status: int) -> None:
         if status != 0:
             message = ctypes.c_char_p()
             self._driver.cuGetErrorString(status, ctypes.byref(message))
@@ -239,7 +247,7 @@ class _DriverGraph:
         return handles
 
     def replay(self) -> None:
-        self._call("cuGraphLaunch", self._exec, self._stream)
+        self._check("cuGraphLaunch", self._launch(self._exec, self._stream))
 
     def reset(self) -> None:
         if self._exec.value:

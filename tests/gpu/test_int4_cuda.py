@@ -54,3 +54,15 @@ def test_an_int4_linear_runs_on_libtorch_and_matches_eager(tmp_path):
     error = float(np.abs(output.astype(np.float32) - eager).max())
     print(f"int4 weight-only linear: max abs error {error:.3g} (outputs up to {float(np.abs(eager).max()):.3g})")
     assert error <= 2e-2 * max(1.0, float(np.abs(eager).max()))
+    # A CUDA graph of a libtorch method (captured through torch): the graph copies the input
+    # in, and the output is downloaded after each launch; every replay gives the plain result.
+    from cuda_runner.runtime.graphs import WARMUP_CALLS
+
+    host = x.float().cpu().numpy().astype(ml_dtypes.bfloat16)
+    with cuda_runner.load(path, cuda_graph=True) as graphed:
+        replies = [graphed.run([host * (1 + call)])["output_0"] for call in range(WARMUP_CALLS + 3)]
+        (captured,) = graphed.method()._lanes.first._graphs.values()
+        assert captured.staged_outputs is None and captured.staged_inputs[0] is not None
+    with cuda_runner.load(path) as model:
+        for call, reply in enumerate(replies):
+            np.testing.assert_array_equal(reply.view(np.uint16), model.run([host * (1 + call)])["output_0"].view(np.uint16))
