@@ -53,6 +53,9 @@ from .upload import wait_for_releases
 WARMUP_CALLS = 3
 #: Graphs kept per method: one per input shape; calls of further shapes are not graphed.
 MAX_GRAPHS = 8
+#: Whether graphs captured from now on hold their copies (False: each replay queues them, the earlier way;
+#: scripts/bench_graph_copies.py times both).
+COPIES_IN_GRAPH = True
 
 Shapes = tuple[tuple[int, ...], ...]
 
@@ -110,7 +113,7 @@ class CudaGraphExecutor(Executor):
         nbytes = [int(np.prod(shape, dtype=np.int64)) * numpy_dtype(dtype).itemsize for dtype, shape in zip(self._dtypes, shapes)]
         inputs = [executor.device_buffers.get(("graph", key, index), size) for index, size in enumerate(nbytes)]
         # Slots of this graph's own: a buffer the capture named must never be regrown for another call.
-        staged_inputs = [executor.pinned.get(("graph in", key, index), size) if size < PIPELINE_MIN_BYTES else None
+        staged_inputs = [executor.pinned.get(("graph in", key, index), size) if size < PIPELINE_MIN_BYTES and COPIES_IN_GRAPH else None
                          for index, size in enumerate(nbytes)]
         graph: _TorchGraph | _DriverGraph = (
             _TorchGraph(executor.stream.ptr, executor.device_index) if executor.shim.label == "libtorch" else _DriverGraph(executor.stream.ptr))
@@ -120,7 +123,7 @@ class CudaGraphExecutor(Executor):
         views: list[TensorView] = []
         # Only a driver capture (relaxed mode) may allocate the outputs' pinned buffers while it runs:
         # libtorch's captures refuse such calls, and its outputs are downloaded after each launch instead.
-        staged_outputs: list[np.ndarray] | None = [] if isinstance(graph, _DriverGraph) else None
+        staged_outputs: list[np.ndarray] | None = [] if isinstance(graph, _DriverGraph) and COPIES_IN_GRAPH else None
 
         def run() -> list[int]:
             for address, staging in zip(inputs, staged_inputs):
