@@ -5,11 +5,11 @@ copies in and out: the capture queues, around the Run, the copies from
 pinned host buffers of the graph's own into its static input buffers and
 from the outputs into more such buffers. A replay then only writes the
 inputs' bytes into pinned memory, launches the graph, waits, and copies the
-outputs into fresh arrays: no copy is queued call by call (on the H200 the
-1B decoder's two 8-byte inputs cost 0.028 ms to queue, and its logits'
-download 0.011). Inputs of PIPELINE_MIN_BYTES or more are still uploaded
-before the launch, through the chunked staging that overlaps the host's
-copy with the transfer. (libtorch's graphs, captured through torch, hold
+outputs into fresh arrays: no copy is queued call by call (on the H200 a
+small decoder's graphed call took 51 us against 63-71 in two of three
+rounds of scripts/bench_graph_copies.py). Inputs of PIPELINE_MIN_BYTES or
+more are still uploaded before the launch, through the chunked staging
+that overlaps the host's copy with the transfer. (libtorch's graphs, captured through torch, hold
 the inputs' copies only: their outputs are downloaded after the launch.)
 
 The first calls of each shape run as ordinary calls (they load kernels and
