@@ -7,18 +7,23 @@ from the outputs into more such buffers. A replay then only writes the
 inputs' bytes into pinned memory, launches the graph, waits, and copies the
 outputs into fresh arrays: no copy is queued call by call (on the H200 a
 small decoder's graphed call took 51 us against 63-71 in two of three
-rounds of scripts/bench_graph_copies.py). Inputs of PIPELINE_MIN_BYTES or
-more are still uploaded before the launch, through the chunked staging
-that overlaps the host's copy with the transfer. (libtorch's graphs, captured through torch, hold
-the inputs' copies only: their outputs are downloaded after the launch.)
+rounds of scripts/bench_graph_copies.py, 61 against 58 in the first; on
+the 1B decoder the call did not change within the spread of its runs).
+Inputs of PIPELINE_MIN_BYTES or more are still uploaded before the launch,
+through the chunked staging that overlaps the host's copy with the
+transfer, and outputs of POOLED_MIN_BYTES or more are downloaded after the
+launch into the executor's own buffer (a graph keeps its pinned buffers
+for its life, one graph per shape). libtorch's graphs, captured through
+torch, hold the inputs' copies only.
 
 The first calls of each shape run as ordinary calls (they load kernels and
 set up what the library does lazily); the next one is captured, which
-executes nothing, and its graph is then launched once for that call. Every call therefore runs on the real
-inputs in order, so state a method keeps (a KV cache in its buffers) carries
-from call to call, graphed or not, as ExecuTorch's enable_cuda_graph_for_method
-does. A method with dynamic dimensions gets one graph per shape seen, up to
-`MAX_GRAPHS`; further shapes run as ordinary calls.
+executes nothing, and its graph is then launched once for that call. Every
+call therefore runs on the real inputs in order, so state a method keeps
+(a KV cache in its buffers) carries from call to call, graphed or not, as
+ExecuTorch's enable_cuda_graph_for_method does. A method with dynamic
+dimensions gets one graph per shape seen, up to `MAX_GRAPHS`; further
+shapes run as ordinary calls.
 
 Who allocates the Run's tensors decides how to capture:
 - libtorch: its caching allocator must switch to a private graph pool while
@@ -33,6 +38,7 @@ Who allocates the Run's tensors decides how to capture:
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import time
 from dataclasses import dataclass
@@ -41,11 +47,11 @@ from typing import Any
 import numpy as np
 
 from ..arrays import numpy_dtype
-from ..errors import ModelRuntimeError
+from ..errors import InputError, ModelRuntimeError
 from ..format.manifest import MethodSpec
 from .cuda import DEVICE_TO_HOST, HOST_TO_DEVICE, CudaExecutor
 from .executor import Executor
-from .pinned import PIPELINE_MIN_BYTES
+from .pinned import PIPELINE_MIN_BYTES, POOLED_MIN_BYTES
 from .tensors import Describer, OwnedHandles, TensorView, contiguous_strides, gather, span_nbytes, wrap_memory
 from .upload import wait_for_releases
 
@@ -67,9 +73,9 @@ class _Captured:
     outputs: OwnedHandles
     views: list[TensorView]
     # Pinned bytes the graph copies each input from (None: uploaded before the launch), and each output's span
-    # into (None: libtorch's graphs, whose outputs are downloaded after the launch).
+    # into (None: downloaded after the launch, as libtorch's graphs and large outputs are).
     staged_inputs: list[np.ndarray | None]
-    staged_outputs: list[np.ndarray] | None
+    staged_outputs: list[np.ndarray | None]
 
 
 class CudaGraphExecutor(Executor):
@@ -121,9 +127,11 @@ class CudaGraphExecutor(Executor):
         stream.synchronize()
         wait_for_releases()  # a load's registrations let go during a capture could end it (libtorch's captures refuse other threads' calls)
         views: list[TensorView] = []
+        staged_outputs: list[np.ndarray | None] = []
         # Only a driver capture (relaxed mode) may allocate the outputs' pinned buffers while it runs:
         # libtorch's captures refuse such calls, and its outputs are downloaded after each launch instead.
-        staged_outputs: list[np.ndarray] | None = [] if isinstance(graph, _DriverGraph) and COPIES_IN_GRAPH else None
+        outputs_in_graph = isinstance(graph, _DriverGraph) and COPIES_IN_GRAPH
+        produced: list[int] = []
 
         def run() -> list[int]:
             for address, staging in zip(inputs, staged_inputs):
@@ -136,17 +144,27 @@ class CudaGraphExecutor(Executor):
                 for index, handle in enumerate(outputs):
                     view = self._describe(handle)
                     views.append(view)
-                    if staged_outputs is not None:
-                        staging = executor.pinned.get(("graph out", key, index), span_nbytes(view))
-                        if staging.nbytes:
-                            executor.runtime.memcpyAsync(staging.ctypes.data, view.address, staging.nbytes, DEVICE_TO_HOST, stream.ptr)
-                        staged_outputs.append(staging)
+                    size = span_nbytes(view)
+                    staging = None
+                    # A large output shares the executor's download slot: pinned memory a graph keeps for
+                    # itself would grow with every graph (one per shape) by the output's whole span.
+                    if outputs_in_graph and size < POOLED_MIN_BYTES:
+                        staging = executor.pinned.get(("graph out", key, index), size)
+                        if size:
+                            executor.runtime.memcpyAsync(staging.ctypes.data, view.address, size, DEVICE_TO_HOST, stream.ptr)
+                    staged_outputs.append(staging)
             except BaseException:
                 OwnedHandles(shim, list(outputs)).release()
                 raise
+            produced[:] = outputs
             return list(outputs)
 
-        outputs = OwnedHandles(shim, graph.capture(run))
+        try:
+            outputs = OwnedHandles(shim, graph.capture(run))
+        except BaseException:
+            if produced:  # the Run went through and the capture failed after it: its outputs are still ours to free
+                OwnedHandles(shim, produced).release()
+            raise
         return _Captured(graph, inputs, outputs, views, staged_inputs, staged_outputs)
 
     def _replay(self, captured: _Captured, arrays: list[np.ndarray]) -> list[np.ndarray]:
@@ -154,10 +172,14 @@ class CudaGraphExecutor(Executor):
         executor.use_device()
         self.stage_inputs(captured, arrays)
         captured.graph.replay()
-        staged = captured.staged_outputs
-        if staged is None:
-            staged = [executor.download(index, view) for index, view in enumerate(captured.views)]
-        executor.stream.synchronize()
+        try:
+            staged = [executor.download(index, view) if buffer is None else buffer
+                      for index, (buffer, view) in enumerate(zip(captured.staged_outputs, captured.views))]
+            executor.stream.synchronize()
+        except BaseException:
+            with contextlib.suppress(Exception):
+                executor.stream.synchronize()  # the next call must not rewrite inputs this launch may still copy
+            raise
         return [gather(buffer, view) for buffer, view in zip(staged, captured.views)]
 
     def stage_inputs(self, captured: _Captured, arrays: list[np.ndarray]) -> None:
@@ -166,6 +188,8 @@ class CudaGraphExecutor(Executor):
         for index, (array, staging) in enumerate(zip(arrays, captured.staged_inputs)):
             if staging is None:
                 self._executor.upload(index, array, destination=captured.inputs[index])
+            elif array.nbytes != staging.nbytes:
+                raise InputError(f"input {index} holds {array.nbytes} bytes; its graph was captured for {staging.nbytes}")
             elif staging.nbytes:
                 if not (array.dtype.isnative and array.flags.c_contiguous):  # the device reads native, row-major bytes
                     array = np.ascontiguousarray(array, dtype=array.dtype.newbyteorder("="))

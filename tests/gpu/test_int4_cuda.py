@@ -62,7 +62,7 @@ def test_an_int4_linear_runs_on_libtorch_and_matches_eager(tmp_path):
     with cuda_runner.load(path, cuda_graph=True) as graphed:
         replies = [graphed.run([host * (1 + call)])["output_0"] for call in range(WARMUP_CALLS + 3)]
         (captured,) = graphed.method()._lanes.first._graphs.values()
-        assert captured.staged_outputs is None and captured.staged_inputs[0] is not None
+        assert captured.staged_outputs == [None] and captured.staged_inputs[0] is not None
     with cuda_runner.load(path) as model:
         for call, reply in enumerate(replies):
             np.testing.assert_array_equal(reply.view(np.uint16), model.run([host * (1 + call)])["output_0"].view(np.uint16))

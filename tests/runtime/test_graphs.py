@@ -64,9 +64,9 @@ def test_a_capture_starts_once_the_loads_registrations_are_let_go(monkeypatch):
     assert events == ["use_device", "synchronize", "wait_for_releases", "capture"]
 
 
-def _captured(staged: list[np.ndarray | None]) -> graphs._Captured:
-    return graphs._Captured(graph=None, inputs=[100 + index for index in range(len(staged))], outputs=None,  # type: ignore[arg-type]
-                            views=[], staged_inputs=staged, staged_outputs=[])
+def _captured(staged: list[np.ndarray | None], graph: object = None, views: list | None = None) -> graphs._Captured:
+    return graphs._Captured(graph=graph, inputs=[100 + index for index in range(len(staged))], outputs=None,  # type: ignore[arg-type]
+                            views=views or [], staged_inputs=staged, staged_outputs=[None] * len(views or []))
 
 
 def test_a_replay_writes_the_native_row_major_bytes_of_each_small_input_where_the_graph_copies_them_from():
@@ -88,3 +88,68 @@ def test_a_replay_uploads_the_inputs_the_graph_does_not_copy_into_their_static_b
     executor.stage_inputs(_captured([small, None]), [np.full(8, 3, np.uint8), np.zeros(4, np.uint8)])
     assert inner.uploads == [(1, 101)]
     assert small.tolist() == [3] * 8
+
+
+def test_a_replay_refuses_an_input_of_another_size_than_its_graph_was_captured_for():
+    """np.copyto would broadcast one byte over an int64's eight."""
+    from cuda_runner.errors import InputError
+
+    executor = graphs.CudaGraphExecutor.__new__(graphs.CudaGraphExecutor)
+    executor._executor = Executor([])
+    with pytest.raises(InputError, match="holds 1 bytes; its graph was captured for 8"):
+        executor.stage_inputs(_captured([np.zeros(8, np.uint8)]), [np.array(1, np.uint8)])
+
+
+def test_a_replay_interrupted_before_its_wait_still_waits_for_the_launch():
+    """The next call rewrites the pinned inputs this launch's copies may not have read yet."""
+    events: list[str] = []
+
+    class Graph:
+        def replay(self) -> None:
+            events.append("replay")
+
+    inner = Executor(events)
+
+    def interrupted(index: int, view: object) -> np.ndarray:
+        raise KeyboardInterrupt
+
+    inner.download = interrupted  # type: ignore[method-assign]
+    executor = graphs.CudaGraphExecutor.__new__(graphs.CudaGraphExecutor)
+    executor._executor = inner
+    with pytest.raises(KeyboardInterrupt):
+        executor._replay(_captured([], graph=Graph(), views=["an output downloaded after the launch"]), [])
+    assert events == ["use_device", "replay", "synchronize"]
+
+
+def test_outputs_of_a_run_whose_capture_then_failed_are_released(monkeypatch):
+    released: list[list[int]] = []
+
+    class Handles:
+        def __init__(self, shim: object, handles: list[int]):
+            self.handles = handles
+
+        def release(self) -> None:
+            released.append(self.handles)
+
+    class DriverGraph:
+        def __init__(self, stream: int):
+            pass
+
+        def capture(self, run):
+            run()
+            raise graphs.ModelRuntimeError("CUDA graph: cuStreamEndCapture failed")
+
+    inner = Executor([])
+    inner.runtime = type("Runtime", (), {"memcpyAsync": lambda *args: None})()
+    inner.shim.device_cuda = 1
+    monkeypatch.setattr(graphs, "_DriverGraph", DriverGraph)
+    monkeypatch.setattr(graphs, "OwnedHandles", Handles)
+    monkeypatch.setattr(graphs, "wait_for_releases", lambda: None)
+    monkeypatch.setattr(graphs, "wrap_memory", lambda *args: 0)
+    executor = graphs.CudaGraphExecutor.__new__(graphs.CudaGraphExecutor)
+    executor._executor, executor._dtypes, executor._graphs = inner, ["float32"], {}
+    executor._container = type("Container", (), {"run": lambda self, handles, stream, single_threaded: [41, 42]})()
+    executor._describe = lambda handle: graphs.TensorView.of(4096, "float32", (2,), (1,))
+    with pytest.raises(graphs.ModelRuntimeError, match="EndCapture"):
+        executor._capture(((2,),))
+    assert released == [[41, 42]]
