@@ -29,21 +29,13 @@ import numpy as np
 def compile_decoder(path: Path) -> None:
     import scale_models
     import torch
+    from bench_scale import method_of
 
     import cuda_runner
 
     config = scale_models.LLAMA_TINY
     model = scale_models.LlamaDecoder(config, torch.bfloat16).eval().cuda()
-
-    class Decode(torch.nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.model = model
-
-        def forward(self, tokens, input_pos):
-            return self.model.decode(tokens, input_pos)
-
-    cuda_runner.compile_module(Decode(), scale_models.llama_examples(config, 6, "cuda")["decode"], path, device="cuda")
+    cuda_runner.compile_module(method_of(model, "decode"), scale_models.llama_examples(config, 6, "cuda")["decode"], path, device="cuda")
 
 
 def time_calls(path: Path, in_graph: bool, count: int) -> list[float]:

@@ -89,14 +89,12 @@ BUILDS: dict[str, dict[str, Any]] = {
     "unfused": {"runtime": "auto", "options": "{'cuda_runner.fuse_decode_attention': False}"},
     "no-matvec": {"runtime": "auto", "options": "{'cuda_runner.matvec': False}"},
     "no-combo": {"runtime": "auto", "options": "{'combo_kernels': False}"},
-    "no-pdl": {"runtime": "auto", "options": "{'triton.enable_pdl': False}"},
     "pdl-inductor": {"runtime": "auto", "options": "{'cuda_runner.programmatic_inductor_kernels': True}"},
 }
 LABELS = {"default": "default bundle", "libtorch": "--libtorch bundle", "quick": "--quick bundle", "executorch": "ExecuTorch 1.5 program",
           "unfused": "default bundle without the fused decode attention (cuda_runner.fuse_decode_attention=false)",
           "no-matvec": "default bundle without the matrix-vector kernel (cuda_runner.matvec=false)",
           "no-combo": "default bundle without Inductor's combo kernels (combo_kernels=false)",
-          "no-pdl": "default bundle without Inductor's kernels as programmatic dependents (triton.enable_pdl=false)",
           "pdl-inductor": "default bundle with Inductor's kernels as programmatic dependents (cuda_runner.programmatic_inductor_kernels=true)"}
 COMPILE_TIMEOUT_S = float(os.environ.get("BENCH_SCALE_COMPILE_TIMEOUT", "480"))  # each side-by-side batch of compiles
 
@@ -666,8 +664,7 @@ def graph_breakdown(work: Path, count: int) -> dict[str, Any]:
             marks.append(time.perf_counter())
             captured.graph.replay()
             marks.append(time.perf_counter())
-            staged = [inner.download(index, view) if buffer is None else buffer  # outputs the graph does not copy out itself
-                      for index, (buffer, view) in enumerate(zip(captured.staged_outputs, captured.views))]
+            staged = executor.queue_downloads(captured)
             inner.stream.synchronize()
             marks.append(time.perf_counter())
             [gather(buffer, view) for buffer, view in zip(staged, captured.views)]

@@ -173,14 +173,19 @@ class CudaGraphExecutor(Executor):
         self.stage_inputs(captured, arrays)
         captured.graph.replay()
         try:
-            staged = [executor.download(index, view) if buffer is None else buffer
-                      for index, (buffer, view) in enumerate(zip(captured.staged_outputs, captured.views))]
+            staged = self.queue_downloads(captured)
             executor.stream.synchronize()
         except BaseException:
             with contextlib.suppress(Exception):
                 executor.stream.synchronize()  # the next call must not rewrite inputs this launch may still copy
             raise
         return [gather(buffer, view) for buffer, view in zip(staged, captured.views)]
+
+    def queue_downloads(self, captured: _Captured) -> list[np.ndarray]:
+        """After a launch: the pinned buffer each output lands in, queuing the
+        downloads of those the graph does not copy out itself."""
+        return [self._executor.download(index, view) if buffer is None else buffer
+                for index, (buffer, view) in enumerate(zip(captured.staged_outputs, captured.views))]
 
     def stage_inputs(self, captured: _Captured, arrays: list[np.ndarray]) -> None:
         """Put the inputs where the graph copies them from: the bytes of small
