@@ -51,3 +51,16 @@ def may_write(node: Any) -> bool:
     import torch
 
     return not isinstance(node.target, torch._ops.OpOverload) or bool(node.target._schema.is_mutable)
+
+
+def pure_op(node: Any) -> bool:
+    """Whether an FX node is an ATen op whose value depends on its operands
+    alone: it writes nothing and draws no random numbers."""
+    if node.op != "call_function":
+        return False
+    import torch
+
+    target = node.target
+    if not isinstance(target, torch._ops.OpOverload) or target._schema.is_mutable:
+        return False
+    return torch.Tag.nondeterministic_seeded not in target.tags

@@ -20,7 +20,7 @@ from __future__ import annotations
 from typing import Any
 
 from .graph_memory import GraphMemory
-from .graph_values import static_shape
+from .graph_values import pure_op, static_shape
 from .graph_values import value as recorded_value
 
 # The longest cache whose mask is proven position by position (each one a run of
@@ -39,7 +39,7 @@ def position_limit(mask: Any, target: tuple[int, int, int, int], written_elsewhe
         return None
     ancestors = _ancestors(mask)
     inputs = [node for node in ancestors if node.op == "placeholder"]
-    if len(inputs) != 1 or not _one_integer(inputs[0]) or not all(_pure(node) and _small(node, length) for node in ancestors):
+    if len(inputs) != 1 or not one_integer(inputs[0]) or not all(_pure(node) and _small(node, length) for node in ancestors):
         return None
     position = inputs[0]
     if not _written_by_no_op(ancestors) or any(node.op == "get_attr" and node.target in written_elsewhere for node in ancestors):
@@ -73,7 +73,7 @@ def _ancestors(node: Any) -> list[Any]:
     return [candidate for candidate in node.graph.nodes if candidate in seen]
 
 
-def _one_integer(node: Any) -> bool:
+def one_integer(node: Any) -> bool:
     """A tensor of shape [1] (one per query row, as the kernel takes it) of int32 or int64."""
     return static_shape(node) == (1,) and str(getattr(recorded_value(node), "dtype", "")) in ("torch.int32", "torch.int64")
 
@@ -81,16 +81,7 @@ def _one_integer(node: Any) -> bool:
 def _pure(node: Any) -> bool:
     """A node whose value depends on its inputs alone: an input, a constant, or
     an ATen op that writes nothing and draws no random numbers."""
-    if node.op in ("placeholder", "get_attr"):
-        return True
-    if node.op != "call_function":
-        return False
-    import torch
-
-    target = node.target
-    if not isinstance(target, torch._ops.OpOverload) or target._schema.is_mutable:
-        return False
-    return torch.Tag.nondeterministic_seeded not in target.tags
+    return node.op in ("placeholder", "get_attr") or pure_op(node)
 
 
 def _small(node: Any, length: int) -> bool:

@@ -1,0 +1,287 @@
+"""Rotary position embeddings (RoPE) the fused decode attention can apply
+itself (compile/attention.py): a query or key that is a rotation of another
+tensor by the step's position.
+
+Models write RoPE in several forms: pairs of neighbouring elements (Meta's
+Llama, ExecuTorch's exports), or the two halves of each head (Hugging Face's
+rotate_half), with cos and sin read from a table, computed from the position
+each step, in float32 or in the model's dtype. So the ops are not matched. The
+rotation is proven by its values instead, as position masks are
+(compile/position_mask.py): a value computed from one tensor X and otherwise
+only from the position (a single integer) and constants is evaluated at every
+position the cache has, and is taken only where, at each position p,
+
+    result[..., d] = X[..., d] * cos[p, d] + X[..., partner(d)] * sin[p, d]
+
+with partner(d) = d ^ 1 (neighbours) or (d + D/2) mod D (halves), and cos and
+sin the same for every head and batch element. The ops on X's side are
+evaluated in float64, so that the coefficients come out as the model's
+position side computed them (float32, or bfloat16 where the model rounds its
+cos and sin first), with no rounding of X's side in the way; the kernel then
+computes the rotation in float32 and rounds once to the result's dtype.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from .graph_memory import GraphMemory
+from .graph_values import FLOATING_DTYPES, dtype_name, pure_op, static_shape
+from .graph_values import value as recorded_value
+
+# How the kernel pairs the elements of a head (its PAIRS constant): none (no rotation), neighbours, halves.
+NO_ROTATION, NEIGHBOURS, HALVES = 0, 1, 2
+# The longest cache whose rotation is proven position by position (as masks are).
+MAX_PROVEN_POSITIONS = 8192
+# Two random probes per position, the second far larger: a map that is not linear in X fails one.
+_PROBE_SCALES = (1.0, 1000.0)
+# The most elements the position side's ops may compute, all together (each is computed at every position proven).
+_MAX_POSITION_SIDE_ELEMENTS = 1 << 16
+# How far X's side, evaluated in float64, may stray from the formula (relative to the terms' size).
+_TOLERANCE = 1e-9
+
+
+@dataclass(frozen=True)
+class Rotation:
+    """`result` (a node) as a rotation of `source` by the position: the tables
+    hold, for each cache position (rows) and element of a head (columns), the
+    coefficients of X[d] (cos) and X[partner(d)] (sin, with its sign)."""
+
+    source: Any
+    pairs: int  # NEIGHBOURS or HALVES
+    cos: Any  # torch.Tensor [positions, head dim], float32
+    sin: Any
+
+
+def rotation(result: Any, position: Any, positions: int, written_elsewhere: frozenset[str] = frozenset(),
+             proven: dict[Any, _Proven | None] | None = None) -> Rotation | None:
+    """`result` ([B, H, 1, D]) as a rotation of one of the tensors it is computed
+    from by `position` (a graph input of one integer), proven at positions
+    0..`positions`-1; None where none is. The earliest such tensor is taken (the
+    projection's view, not a cast of it). `proven` caches proofs by the
+    structure of what was evaluated: the layers of a decoder rotate alike."""
+    shape = static_shape(result)
+    if shape is None or len(shape) != 4 or shape[3] % 2 or positions > MAX_PROVEN_POSITIONS or dtype_name(result) not in FLOATING_DTYPES:
+        return None
+    position_side = _PositionSide(position)
+    memory: GraphMemory | None = None
+    for source in _candidates(result, shape, position_side):
+        between = _computed_between(result, source, position_side)
+        if between is None:
+            continue
+        memory = memory or GraphMemory(result.graph)
+        position_nodes = position_side.ancestors(between)
+        if sum(_elements(node) for node in position_nodes if node.op == "call_function") > _MAX_POSITION_SIDE_ELEMENTS:
+            continue  # computed again at every position proven: a table built each step over every position would take minutes
+        constants = [node for node in position_nodes if node.op == "get_attr"]
+        if any(memory.written(node) for node in (source, *between, *position_nodes)):
+            continue  # a value changed in place: the proof would run on what the step does not use
+        if any(node.target in written_elsewhere for node in constants):
+            continue  # a table another method fills is not what it was at compile time
+        key = _structure(result, source, between, position_side)
+        if proven is not None and key in proven:
+            found = proven[key]
+        else:
+            try:
+                found = _proof(result, source, between, position_side, positions)
+            except Exception:  # a value that does not evaluate on its own is not taken
+                found = None
+            if proven is not None:
+                proven[key] = found
+        if found is not None:
+            return Rotation(source, found.pairs, found.cos, found.sin)
+    return None
+
+
+class _PositionSide:
+    """Which nodes are computed from the position and constants alone (their
+    values the same at every step with the same position), and the graph's order."""
+
+    def __init__(self, position: Any) -> None:
+        self.position = position
+        self.order: dict[Any, int] = {}
+        self._holds: set[Any] = set()
+        for index, node in enumerate(position.graph.nodes):  # inputs come first: one pass decides every node
+            self.order[node] = index
+            if node is position or node.op == "get_attr" or (
+                    node.op == "call_function" and pure_op(node) and all(source in self._holds for source in node.all_input_nodes)):
+                self._holds.add(node)
+
+    def holds(self, node: Any) -> bool:
+        return node in self._holds
+
+    def ancestors(self, between: list[Any]) -> list[Any]:
+        """The position-side nodes the nodes `between` read, and what those are computed from, in graph order."""
+        seen: set[Any] = set()
+        pending = [source for node in between for source in node.all_input_nodes if self.holds(source)]
+        while pending:
+            node = pending.pop()
+            if node not in seen:
+                seen.add(node)
+                pending.extend(node.all_input_nodes)
+        return sorted(seen, key=self.order.__getitem__)
+
+
+def _candidates(result: Any, shape: tuple[int, ...], position_side: _PositionSide) -> list[Any]:
+    """Tensors `result` is computed from that have its shape and a floating
+    dtype of its own, earliest first (not `result` itself: that is no rotation)."""
+    seen = {result}
+    pending = [result]
+    while pending:
+        for source in pending.pop().all_input_nodes:
+            if source not in seen and not position_side.holds(source):
+                seen.add(source)
+                pending.append(source)
+    return [node for node in result.graph.nodes
+            if node in seen and node is not result and static_shape(node) == shape and dtype_name(node) == dtype_name(result)]
+
+
+def _computed_between(result: Any, source: Any, position_side: _PositionSide) -> list[Any] | None:
+    """The ops that compute `result` from `source` and the position side, in
+    graph order; None where it reads anything else (another input, an op that
+    writes or draws random numbers, a call without a schema)."""
+    seen = {result}
+    pending = [result]
+    earliest = position_side.order[source]
+    while pending:
+        node = pending.pop()
+        # Each op between is computed from X (else from another input): none comes before it.
+        if node.op != "call_function" or not pure_op(node) or position_side.order[node] < earliest:
+            return None
+        for source_node in node.all_input_nodes:
+            if source_node is source or position_side.holds(source_node) or source_node in seen:
+                continue
+            seen.add(source_node)
+            pending.append(source_node)
+    return sorted(seen, key=position_side.order.__getitem__)
+
+
+def _elements(node: Any) -> int:
+    """The elements of a node's value (a great many where its shape is not static)."""
+    shape = static_shape(node)
+    if shape is None:
+        return 1 << 62
+    count = 1
+    for size in shape:
+        count *= size
+    return count
+
+
+def _structure(result: Any, source: Any, between: list[Any], position_side: _PositionSide) -> tuple[Any, ...]:
+    """What the proof evaluates, with the nodes of X's side named by their
+    place: two layers' rotations have one structure where they read the same
+    position-side nodes through the same ops."""
+    places = {source: ("source",), **{node: ("op", index) for index, node in enumerate(between)}}
+
+    def named(argument: Any) -> Any:
+        if isinstance(argument, (list, tuple)):
+            return tuple(named(item) for item in argument)
+        if hasattr(argument, "op") and hasattr(argument, "graph"):
+            return places.get(argument, ("position side", id(argument)))
+        return repr(argument)
+
+    ops = tuple((str(node.target), named(node.args), tuple(sorted((key, named(value)) for key, value in node.kwargs.items())))
+                for node in between)
+    return (static_shape(source), dtype_name(source), static_shape(result), dtype_name(result), ops)
+
+
+@dataclass(frozen=True)
+class _Proven:
+    pairs: int
+    cos: Any
+    sin: Any
+
+
+def _proof(result: Any, source: Any, between: list[Any], position_side: _PositionSide, positions: int) -> _Proven | None:
+    import torch
+
+    evaluate = _evaluator(result, source, between, position_side)
+    shape = static_shape(result) or ()
+    head_dim = shape[3]
+    example = recorded_value(position_side.position)
+    device = getattr(recorded_value(source), "device", None)
+    generator = torch.Generator().manual_seed(0)
+    for pairs in (NEIGHBOURS, HALVES):
+        first = _first_of_pairs(pairs, head_dim)
+        partner = _partners(pairs, head_dim)
+        probe = first.to(torch.float64).expand(shape).to(device)
+        cos = torch.empty(positions, head_dim, dtype=torch.float64)
+        sin = torch.empty(positions, head_dim, dtype=torch.float64)
+        with torch.no_grad():
+            for step in range(positions):
+                given = torch.full(tuple(example.shape), step, dtype=example.dtype, device=example.device)
+                on_first, on_second = evaluate(probe, given).cpu(), evaluate(1.0 - probe, given).cpu()
+                step_cos = torch.where(first, on_first, on_second).reshape(-1, head_dim)
+                step_sin = torch.where(first, on_second, on_first).reshape(-1, head_dim)
+                if not (torch.equal(step_cos, step_cos[:1].expand_as(step_cos)) and torch.equal(step_sin, step_sin[:1].expand_as(step_sin))):
+                    break  # not the same for every head: no rotation the kernel computes
+                cos[step], sin[step] = step_cos[0], step_sin[0]
+                if not all(_agrees(evaluate, given, cos[step], sin[step], partner, shape, scale, generator, device) for scale in _PROBE_SCALES):
+                    break
+            else:
+                if not sin.any():
+                    return None  # a scale (a cast, say), not a rotation: the model's ops before it stay anyway
+                return _Proven(pairs, cos.to(torch.float32), sin.to(torch.float32))
+    return None
+
+
+def _agrees(evaluate: Any, given: Any, cos: Any, sin: Any, partner: Any, shape: tuple[int, ...], scale: float, generator: Any,
+            device: Any) -> bool:
+    """Whether a random X, rotated by the graph, is what the formula gives."""
+    import torch
+
+    probe = torch.randn(shape, dtype=torch.float64, generator=generator) * scale
+    rotated = evaluate(probe.to(device), given).cpu().to(torch.float64)
+    expected = probe * cos + probe[..., partner] * sin
+    size = probe.abs() * cos.abs() + probe[..., partner].abs() * sin.abs()
+    return rotated.shape == expected.shape and bool(((rotated - expected).abs() <= _TOLERANCE * size + 1e-300).all())
+
+
+def _first_of_pairs(pairs: int, head_dim: int) -> Any:
+    """Which elements of a head come first in their pair (even ones, or the first half)."""
+    import torch
+
+    dims = torch.arange(head_dim)
+    return dims % 2 == 0 if pairs == NEIGHBOURS else dims < head_dim // 2
+
+
+def _partners(pairs: int, head_dim: int) -> Any:
+    import torch
+
+    dims = torch.arange(head_dim)
+    return dims ^ 1 if pairs == NEIGHBOURS else (dims + head_dim // 2) % head_dim
+
+
+def _evaluator(result: Any, source: Any, between: list[Any], position_side: _PositionSide) -> Any:
+    """The graph from (X, position) to `result`, with X's side computed in float64."""
+    from torch import fx
+
+    graph = fx.Graph()
+    copies: dict[Any, Any] = {source: graph.placeholder("source")}
+    copies[position_side.position] = graph.placeholder("position")
+    for node in position_side.ancestors(between):
+        if node is not position_side.position:
+            copies[node] = graph.node_copy(node, lambda other: copies[other])
+    for node in between:
+        copied = graph.node_copy(node, lambda other: copies[other])
+        copied.args, copied.kwargs = _in_float64(copied.args), _in_float64(copied.kwargs)
+        copies[node] = copied
+    graph.output(copies[result])
+    module = fx.GraphModule(result.graph.owning_module, graph)
+    return lambda probe, given: module(probe, given)
+
+
+def _in_float64(argument: Any) -> Any:
+    """An op's arguments with every floating dtype it names made float64 (a cast of X's side to float32, or back to bfloat16)."""
+    import torch
+
+    if isinstance(argument, torch.dtype):
+        return torch.float64 if argument.is_floating_point else argument
+    if isinstance(argument, tuple):
+        return tuple(_in_float64(item) for item in argument)
+    if isinstance(argument, list):
+        return [_in_float64(item) for item in argument]
+    if isinstance(argument, dict):
+        return {key: _in_float64(item) for key, item in argument.items()}
+    return argument
