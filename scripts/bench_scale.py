@@ -89,12 +89,14 @@ BUILDS: dict[str, dict[str, Any]] = {
     "unfused": {"runtime": "auto", "options": "{'cuda_runner.fuse_decode_attention': False}"},
     "no-matvec": {"runtime": "auto", "options": "{'cuda_runner.matvec': False}"},
     "no-combo": {"runtime": "auto", "options": "{'combo_kernels': False}"},
+    "no-update": {"runtime": "auto", "options": "{'cuda_runner.fuse_cache_update': False}"},
     "pdl-inductor": {"runtime": "auto", "options": "{'cuda_runner.programmatic_inductor_kernels': True}"},
 }
 LABELS = {"default": "default bundle", "libtorch": "--libtorch bundle", "quick": "--quick bundle", "executorch": "ExecuTorch 1.5 program",
           "unfused": "default bundle without the fused decode attention (cuda_runner.fuse_decode_attention=false)",
           "no-matvec": "default bundle without the matrix-vector kernel (cuda_runner.matvec=false)",
           "no-combo": "default bundle without Inductor's combo kernels (combo_kernels=false)",
+          "no-update": "default bundle with the cache writes and rotations left to Inductor (cuda_runner.fuse_cache_update=false)",
           "pdl-inductor": "default bundle with Inductor's kernels as programmatic dependents (cuda_runner.programmatic_inductor_kernels=true)"}
 COMPILE_TIMEOUT_S = float(os.environ.get("BENCH_SCALE_COMPILE_TIMEOUT", "480"))  # each side-by-side batch of compiles
 
@@ -196,7 +198,9 @@ def how_built(manifest) -> dict[str, dict[str, Any]]:
     return {name: {key: spec.compile_options.get(key) for key in
                    ("standalone", "libtorch_because", "coordinate_descent_tuning", "coordinate_descent_disagreed",
                     "fused_decode_attention", "fused_decode_attention_position_limits", "fused_decode_attention_disagreed",
-                    "fused_decode_attention_failed", "combo_kernels", "combo_kernels_failed", "matvec_products", "matvec_launches", "matvec_disagreed", "matvec_failed")}
+                    "fused_decode_attention_failed", "fused_cache_updates", "fused_rotations", "fused_cache_updates_failed",
+                    "fused_cache_updates_disagreed", "combo_kernels", "combo_kernels_failed", "matvec_products", "matvec_launches", "matvec_disagreed",
+                    "matvec_failed")}
             for name, spec in manifest.methods.items()}
 
 

@@ -281,6 +281,7 @@ def compile_sources(
     methods: dict[str, MethodSpec] = {}
     segments: dict[str, Any] = {}
     programs: dict[str, Any] = {}
+    added: dict[str, dict[str, Any]] = {}  # method -> the constants its build added to the program (rotation tables)
     for method in sources:
         problem = method_name_problem(method)
         if problem:
@@ -289,12 +290,12 @@ def compile_sources(
     written_by_methods = _written_by_methods(sources) if share_weights else frozenset()
     for method, source in sources.items():
         with torch_talking_to_itself():
-            spec, method_segments, programs[method] = _compile_method(torch, method, source, device, progress, user_options, cpu_target, runtime,
-                                                                      warn or _warn, written_by_methods)
+            spec, method_segments, programs[method], added[method] = _compile_method(
+                torch, method, source, device, progress, user_options, cpu_target, runtime, warn or _warn, written_by_methods)
         methods[method] = spec
         segments.update(method_segments)
     if share_weights and len(methods) > 1:
-        methods, segments, kept_blobs = _shared(methods, segments, programs, device, progress)
+        methods, segments, kept_blobs = _shared(methods, segments, programs, added, device, progress)
         held = {name: frozenset(program.graph_signature.buffers) for name, program in programs.items()}
         for line in sharing.state_not_shared(methods, held, written_by_methods, kept_blobs):
             (warn or _warn)(line)
@@ -315,11 +316,12 @@ def compile_sources(
     return manifest
 
 
-def _shared(methods: dict[str, MethodSpec], segments: dict[str, Any], programs: Mapping[str, Any], device: str, progress: Progress,
-            ) -> tuple[dict[str, MethodSpec], dict[str, Any], dict[str, str]]:
+def _shared(methods: dict[str, MethodSpec], segments: dict[str, Any], programs: Mapping[str, Any], added: Mapping[str, Mapping[str, Any]],
+            device: str, progress: Progress) -> tuple[dict[str, MethodSpec], dict[str, Any], dict[str, str]]:
     """Weights several methods hold alike, stored once (compile/sharing.py);
-    and why a method kept its blob, where one did."""
-    blobs = {name: (programs[name], segments[spec.library_segment], segments[spec.weights_segment], spec)
+    and why a method kept its blob, where one did. `added`: constants each
+    method's build added to its program (they are its own)."""
+    blobs = {name: (programs[name], segments[spec.library_segment], segments[spec.weights_segment], spec, added.get(name, {}))
              for name, spec in methods.items() if spec.weights_segment is not None}
     result = sharing.share_weights(methods, segments, sharing.constant_tables(blobs, device, progress))
     for note in result.notes:
@@ -436,8 +438,9 @@ def _compile_method(
     torch: Any, method: str, source: MethodSource, device: str, progress: Progress, options: Mapping[str, Any],
     cpu_target: str = DEFAULT_CPU_TARGET, runtime: str = "auto", warn: Warn = lambda note: None,
     written_by_methods: frozenset[str] = frozenset(),
-) -> tuple[MethodSpec, dict[str, Any], Any]:
-    """The method's spec and segments, and its program (on `device`).
+) -> tuple[MethodSpec, dict[str, Any], Any, dict[str, Any]]:
+    """The method's spec and segments, its program (on `device`), and the
+    constants its build added to the program by name (rotation tables).
     `written_by_methods`: module tensors the bundle's methods write (_written_by_methods)."""
     program = source.program
     if device != "cpu":
@@ -462,7 +465,7 @@ def _compile_method(
         progress(f"computing eager reference outputs for {method!r}'s samples")
         spec, sample_data = sample_segments(torch, program, spec, source.sample_inputs, device)
         segments.update(sample_data)
-    return spec, segments, program
+    return spec, segments, program, dict(compiled.added_constants)
 
 
 def _method_spec(torch: Any, method: str, signature: Any, compiled: CompiledLibrary, written: _WrittenState | None, device: str,
@@ -499,6 +502,7 @@ class _Choice:
 
 _SINGLE_ROW = _Choice("coordinate-descent tuning (matrix-vector kernels)", {"coordinate_descent_tuning": False}, "coordinate_descent_disagreed")
 _FUSED_ATTENTION = _Choice("the fused decode attention", {attention.OPTION: False}, "fused_decode_attention_disagreed")
+_CACHE_UPDATE = _Choice("the cache writes and rotations in the fused attention", {attention.UPDATE_OPTION: False}, "fused_cache_updates_disagreed")
 _MATVEC = _Choice("the matrix-vector kernel", {matvec.OPTION: False}, "matvec_disagreed")
 _COMBO = _Choice("Inductor's combo kernels", {"combo_kernels": False}, "combo_kernels_disagreed")
 
@@ -506,7 +510,8 @@ _COMBO = _Choice("Inductor's combo kernels", {"combo_kernels": False}, "combo_ke
 def _own_choices(compiled: CompiledLibrary, options: Mapping[str, Any]) -> list[_Choice]:
     """What the check against eager may take back from this CUDA method,
     likeliest first: cuda-runner's matrix-vector kernel wherever it took
-    calls over, the single-row rule's coordinate-descent tuning, the combo
+    calls over, the cache writes and rotations the fused attention took over
+    (where the caller did not set the option), the single-row rule's coordinate-descent tuning, the combo
     kernels cuda-runner turned on with the fused attention (each of the two
     where the caller did not set the option; combo kernels only launch
     kernels together, and go with the attention anyway), and the fused
@@ -517,6 +522,8 @@ def _own_choices(compiled: CompiledLibrary, options: Mapping[str, Any]) -> list[
     choices = []
     if compiled.options.get("matvec_products"):
         choices.append(_MATVEC)
+    if compiled.options.get("fused_cache_updates") and attention.UPDATE_OPTION not in options:
+        choices.append(_CACHE_UPDATE)
     if compiled.options.get("coordinate_descent_tuning") and "coordinate_descent_tuning" not in options:
         choices.append(_SINGLE_ROW)
     if compiled.options.get("combo_kernels") is True and "combo_kernels" not in options:

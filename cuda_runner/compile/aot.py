@@ -102,7 +102,7 @@ SINGLE_ROW_OPTIONS: dict[str, Any] = {"coordinate_descent_tuning": True}
 QUICK_OPTIONS: dict[str, Any] = {"test_configs.max_mm_configs": 1}
 
 # cuda-runner's own compile options, next to Inductor's (never passed to it): the one that turns each own kernel on or off.
-OWN_KERNEL_OPTIONS = {"attention": attention.OPTION, "matvec": matvec.OPTION, "pdl": inductor_pdl.OWN_OPTION}
+OWN_KERNEL_OPTIONS = {"attention": attention.OPTION, "update": attention.UPDATE_OPTION, "matvec": matvec.OPTION, "pdl": inductor_pdl.OWN_OPTION}
 _OWN_OPTIONS = frozenset(OWN_KERNEL_OPTIONS.values())
 
 # What the runtime relies on: a user option may not change these.
@@ -177,6 +177,7 @@ class CompiledLibrary:
     device: DeviceSpec
     options: dict[str, Any]
     note: str | None = None  # what the user should hear of this compile (a fallback to libtorch)
+    added_constants: Mapping[str, Any] = dataclasses.field(default_factory=dict)  # tensors the build added to the program, by name
 
 
 # What a compiled library may need at run time (compile_module's `runtime`).
@@ -390,6 +391,7 @@ def _compile_once(
             weights=weights_path.read_bytes() if weights_path.exists() else b"",
             device=_device_spec(torch, device, metadata, cpu_build),
             options=recorded,
+            added_constants=dict(kernels.added_constants),
         )
     finally:
         isa_pin.close()  # the one place the pin is released, however the compile ended
@@ -429,6 +431,7 @@ def own_kernels_for(own: Mapping[str, Any], possible: bool, one_row_method: bool
     =true asks for it and the torch allows it, unless `inductor_options` turn
     triton.enable_pdl off."""
     return OwnKernels(attention=possible and bool(own.get(attention.OPTION, True)),
+                      update=possible and bool(own.get(attention.OPTION, True)) and bool(own.get(attention.UPDATE_OPTION, True)),
                       matvec=possible and bool(own.get(matvec.OPTION, one_row_method)),
                       combo="combo_kernels" not in inductor_options,
                       pdl=possible and bool(own.get(inductor_pdl.OWN_OPTION, False)) and inductor_options.get(inductor_pdl.OPTION) is not False
@@ -449,17 +452,19 @@ def triton_ops_available() -> bool:
 # Combo kernels are Inductor's, taken with the fused attention (_with_kernel_options):
 # given up like the kernels when a build fails, so that a failure of theirs costs
 # neither kernel.
-OWN_KERNEL_RECORDS = {"attention": ("fused_decode_attention", "fused_decode_attention_failed"), "matvec": ("matvec_products", "matvec_failed"),
+OWN_KERNEL_RECORDS = {"attention": ("fused_decode_attention", "fused_decode_attention_failed"),
+                      "update": ("fused_cache_updates", "fused_cache_updates_failed"), "matvec": ("matvec_products", "matvec_failed"),
                       "combo": ("combo_kernels", "combo_kernels_failed"),
                       "pdl": ("programmatic_inductor_kernels", "programmatic_inductor_kernels_failed")}
 # Where a build asked for Inductor's kernels as programmatic dependents could not take them: why.
 PDL_UNAVAILABLE = "programmatic_inductor_kernels_unavailable"
 # How a user hears of each, and the option that leaves it out.
-OWN_KERNEL_NAMES = {"attention": "the fused decode attention", "matvec": "the matrix-vector kernel", "combo": "Inductor's combo kernels",
+OWN_KERNEL_NAMES = {"attention": "the fused decode attention", "update": "the cache writes and rotations in the fused attention",
+                    "matvec": "the matrix-vector kernel", "combo": "Inductor's combo kernels",
                     "pdl": "Inductor's kernels as programmatic dependents"}
 _OFF_OPTIONS = {**OWN_KERNEL_OPTIONS, "combo": "combo_kernels"}
 # Own kernels a user hears of in the plural.
-_PLURAL = frozenset({"combo", "pdl"})
+_PLURAL = frozenset({"update", "combo", "pdl"})
 
 
 def given_up(kernel: str, failure: str, then: str) -> str:
@@ -502,6 +507,7 @@ class OwnKernels:
 
     attention: bool  # the fused decode attention (compile/attention.py)
     matvec: bool  # the matrix-vector kernel (compile/matvec.py)
+    update: bool = False  # the attention writes the step's key and value, and rotates them (attention.UPDATE_OPTION)
     combo: bool = True  # Inductor's combo kernels with the attention (false where the user set the option)
     combo_on_trial: bool = False  # the last build left them out to see whether its failure was theirs
     combo_cleared: bool = False  # a build failed without them too: not suspected again
@@ -509,13 +515,16 @@ class OwnKernels:
     written_elsewhere: frozenset[str] = frozenset()  # module tensors other methods of the bundle write
     fused: int = 0  # SDPA calls the attention took
     position_limits: int = 0  # of those, the ones whose mask it replaced by the step's position
+    cache_updates: int = 0  # of those, the ones that write the step's key and value into the caches
+    rotations: int = 0  # the queries and keys they rotate
+    added_constants: dict[str, Any] = dataclasses.field(default_factory=dict)  # the rotation tables the last apply() added, by name
     products: int = 0  # products of one row the matvec took
     launches: int = 0  # the kernel launches they became (several share one where it fused them)
     programmatic: int = 0  # Inductor's kernels the last build named for programmatic launches
     failures: dict[str, str] = dataclasses.field(default_factory=dict)  # "attention"/"matvec" -> why given up
 
     def record(self) -> dict[str, Any]:
-        counts = {"attention": self.fused, "matvec": self.products, "combo": "combo" in self.in_graph(),
+        counts = {"attention": self.fused, "update": self.cache_updates, "matvec": self.products, "combo": "combo" in self.in_graph(),
                   "pdl": self.programmatic if self.pdl else 0}
         recorded: dict[str, Any] = {}
         for kernel, (used, failed) in OWN_KERNEL_RECORDS.items():
@@ -527,16 +536,21 @@ class OwnKernels:
             recorded["matvec_launches"] = self.launches
         if self.position_limits:
             recorded["fused_decode_attention_position_limits"] = self.position_limits
+        if self.rotations:
+            recorded["fused_rotations"] = self.rotations
         return recorded
 
     def apply(self, module: Any, in_use: list[str]) -> None:
         """Put the kernels in `module`'s graph, each named in `in_use` (newest last)
         before its rewrite starts: a failure from then on may be the kernel's."""
-        self.fused = self.products = self.launches = self.position_limits = 0
+        self.fused = self.products = self.launches = self.position_limits = self.cache_updates = self.rotations = 0
+        self.added_constants = {}
         if self.attention:
             in_use.append("attention")
-            fused = attention.fuse_decode_attention(module, self.written_elsewhere)
+            fused = attention.fuse_decode_attention(module, self.written_elsewhere, update_caches=self.update)
             self.fused, self.position_limits = fused.calls, fused.position_limits
+            self.cache_updates, self.rotations = fused.cache_updates, fused.rotations
+            self.added_constants = dict(fused.tables)
             if not self.fused:
                 in_use.pop()
         if self.matvec:
@@ -545,6 +559,8 @@ class OwnKernels:
             self.products, self.launches = used.products, used.launches
             if not self.products:
                 in_use.pop()
+        if self.cache_updates:
+            in_use.append("update")  # newer than the attention and the products: given up before them
         if self.fused and self.combo:
             in_use.append("combo")
         if self.pdl:
@@ -552,8 +568,8 @@ class OwnKernels:
 
     def in_graph(self) -> list[str]:
         """The kernels the last apply() put in the graph."""
-        return [kernel for kernel, count in (("attention", self.fused), ("matvec", self.products), ("combo", self.fused and self.combo),
-                                             ("pdl", self.pdl)) if count]
+        return [kernel for kernel, count in (("attention", self.fused), ("matvec", self.products), ("update", self.cache_updates),
+                                             ("combo", self.fused and self.combo), ("pdl", self.pdl)) if count]
 
     def give_up(self, kernel: str, failure: str) -> None:
         setattr(self, kernel, False)

@@ -12,6 +12,15 @@ unsqueeze-expand-reshape) are read from the unrepeated tensor, so
 grouped-query attention copies nothing. A mask proven to allow just the cache
 positions up to the step's (compile/position_mask.py) is replaced by that
 position.
+
+A decode step also writes its key and value into the caches it then reads
+(index_copy_ at its position), and rotates its query and key first (RoPE):
+in a standalone build of the 1B decoder that was one more launch a layer,
+Inductor's kernel for the rotations and the two writes. Where the caches are
+module buffers that nothing else in the step touches, the fused kernel takes
+the writes over (cuda_runner::decode_attention_update), and where the query
+or key is proven a rotation of the projection by the position
+(compile/rotary.py) it rotates them itself, from tables made at compile time.
 """
 
 from __future__ import annotations
@@ -20,17 +29,27 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
-from .graph_values import FLOATING_DTYPES, dtype_name, one_floating_dtype, static_shape
+from . import rotary
+from .graph_memory import GraphMemory
+from .graph_values import FLOATING_DTYPES, dtype_name, one_floating_dtype, pure_op, static_shape
 from .graph_values import value as recorded_value
-from .position_mask import position_limit
+from .position_mask import one_integer, position_limit
 
 # The kernel runs one program per query row and reads every key for each:
 # beyond a few rows (a prefill, an encoder) SDPA's own lowering does better.
 MAX_QUERY_ROWS = 16
 # The compile option that turns the fusion off ({"cuda_runner.fuse_decode_attention": False}); it is on by default.
 OPTION = "cuda_runner.fuse_decode_attention"
+# The one that leaves a step's cache writes and rotations to Inductor (the attention stays fused); on by default.
+UPDATE_OPTION = "cuda_runner.fuse_cache_update"
 # SDPA, and the fused kernel that took its place (which writes [B, H, L, D] contiguous, as the math form does).
-_ATTENTION_CALLS = frozenset({"aten.scaled_dot_product_attention.default", "cuda_runner.decode_attention.default"})
+_ATTENTION_CALLS = frozenset({"aten.scaled_dot_product_attention.default", "cuda_runner.decode_attention.default",
+                              "cuda_runner.decode_attention_update.default"})
+_CACHE_WRITE = "aten.index_copy_.default"
+# What export puts after a cast to check its result: nothing reads it, so it keeps no value alive once that is not used.
+_METADATA_CHECK = "aten._assert_tensor_metadata.default"
+# The names of the rotation tables a build adds to the module (one pair per distinct table).
+TABLE_PREFIX = "cuda_runner_rotary_"
 _SDPA_PARAMETERS = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale", "enable_gqa")
 _SDPA_DEFAULTS: dict[str, Any] = {"attn_mask": None, "dropout_p": 0.0, "is_causal": False, "scale": None, "enable_gqa": False}
 
@@ -62,29 +81,48 @@ def decode_attention_sites(graph: Any) -> list[AttentionSite]:
 
 @dataclass(frozen=True)
 class Fused:
-    """What fuse_decode_attention replaced: SDPA calls, and of those the ones
-    whose mask became the step's position."""
+    """What fuse_decode_attention replaced: SDPA calls; of those the ones whose
+    mask became the step's position, and the ones that write the step's key
+    and value into the caches themselves; and the queries and keys they rotate."""
 
     calls: int = 0
     position_limits: int = 0
+    cache_updates: int = 0
+    rotations: int = 0
+    tables: tuple[tuple[str, Any], ...] = ()  # the rotation tables added to the module: (buffer name, tensor)
 
 
-def fuse_decode_attention(graph_module: Any, written_elsewhere: frozenset[str] = frozenset()) -> Fused:
+@dataclass(frozen=True)
+class CacheWrite:
+    """A decode step's key and value written into the caches its attention
+    reads: key_cache.index_copy_(2, position, key), the same for the value."""
+
+    key_cache: Any  # module buffers (get_attr)
+    value_cache: Any
+    key: Any  # [B, Hk, 1, D]
+    value: Any
+    position: Any  # a graph input of one integer
+    writes: tuple[Any, Any]
+
+
+def fuse_decode_attention(graph_module: Any, written_elsewhere: frozenset[str] = frozenset(), update_caches: bool = True) -> Fused:
     """Replace the qualifying SDPA calls of `graph_module` (a copy the caller
     owns: ExportedProgram.module() makes a new one) by the fused kernel.
-    `written_elsewhere`: module tensors other methods write (position_limit)."""
+    `written_elsewhere`: module tensors other methods write (position_limit).
+    `update_caches`: let the kernel write the step's key and value and rotate
+    them where it can."""
     sites = decode_attention_sites(graph_module.graph)
     if not sites:
         return Fused()
     import torch
 
-    from . import attention_kernel  # noqa: F401  (registers the operator)
+    from . import attention_kernel  # noqa: F401  (registers the operators)
 
-    operator = torch.ops.cuda_runner.decode_attention.default
     graph = graph_module.graph
     limits: dict[Any, Any] = {}  # (mask, its [B, H, L, S]) -> the position that stands for it (the layers share one mask)
     masks = set()
-    position_limits = 0
+    position_limits = cache_updates = rotations = 0
+    tables = _Tables(graph_module)
     for site in sites:
         mask, limit = site.mask, None
         if mask is not None:
@@ -95,19 +133,141 @@ def fuse_decode_attention(graph_module: Any, written_elsewhere: frozenset[str] =
             if limit is not None:
                 masks.add(mask)
                 mask, position_limits = None, position_limits + 1
+        cache_write = _cache_write(site) if update_caches else None
         with graph.inserting_before(site.node):
-            fused = graph.call_function(operator, (site.query, site.key, site.value, mask, site.scale, site.group, limit))
+            if cache_write is None:
+                fused = graph.call_function(torch.ops.cuda_runner.decode_attention.default,
+                                            (site.query, site.key, site.value, mask, site.scale, site.group, limit))
+            else:
+                fused, rotated = _updating_call(graph, site, cache_write, mask, limit, tables, written_elsewhere)
+                cache_updates, rotations = cache_updates + 1, rotations + rotated
         fused.meta.update(site.node.meta)  # its value as export saw it: pin_sdpa_layout reads the layout
         site.node.replace_all_uses_with(fused)
         graph.erase_node(site.node)
         for repeat in site.repeats:  # innermost last: each may free the one before
             if not repeat.users:
                 graph.erase_node(repeat)
+        if cache_write is not None:
+            for write in cache_write.writes:
+                graph.erase_node(write)  # the kernel writes instead (_cache_write saw that only this call read them)
+            _erase_dead([site.query, cache_write.key, cache_write.value])
     for mask in masks:
         _erase_unused(mask)
     graph.lint()
     graph_module.recompile()
-    return Fused(len(sites), position_limits)
+    return Fused(len(sites), position_limits, cache_updates, rotations, tables.added())
+
+
+def _updating_call(graph: Any, site: AttentionSite, cache_write: CacheWrite, mask: Any, limit: Any, tables: _Tables,
+                   written_elsewhere: frozenset[str]) -> tuple[Any, int]:
+    """The call of decode_attention_update that stands for `site` and its cache
+    writes, and how many of its query and key it rotates itself."""
+    import torch
+
+    positions = (static_shape(cache_write.key_cache) or (0, 0, 0))[2]
+    operands = []
+    for node in (site.query, cache_write.key):
+        found = rotary.rotation(node, cache_write.position, positions, written_elsewhere, tables.proven)
+        operands.append((node, None, None, rotary.NO_ROTATION) if found is None else
+                        (found.source, tables.node(found.cos), tables.node(found.sin), found.pairs))
+    (query, query_cos, query_sin, query_pairs), (key, key_cos, key_sin, key_pairs) = operands
+    call = graph.call_function(torch.ops.cuda_runner.decode_attention_update.default, (
+        query, key, cache_write.value, cache_write.key_cache, cache_write.value_cache, cache_write.position, mask, site.scale, site.group,
+        limit, query_cos, query_sin, key_cos, key_sin, query_pairs, key_pairs))
+    return call, (query_pairs != rotary.NO_ROTATION) + (key_pairs != rotary.NO_ROTATION)
+
+
+class _Tables:
+    """The rotation tables a rewrite adds to the module, one buffer for each
+    distinct table (the layers of a decoder share theirs), and the proofs so far."""
+
+    def __init__(self, graph_module: Any) -> None:
+        self.graph_module = graph_module
+        self.proven: dict[Any, Any] = {}
+        self._nodes: list[tuple[Any, Any]] = []
+
+    def node(self, table: Any) -> Any:
+        """A get_attr node of the module's buffer holding `table`, added where none does yet."""
+        import torch
+
+        for held, node in self._nodes:
+            if held.shape == table.shape and torch.equal(held, table):
+                return node
+        name = f"{TABLE_PREFIX}{len(self._nodes)}"
+        while hasattr(self.graph_module, name):
+            name += "_"
+        device = next((tensor.device for tensor in self.graph_module.buffers()), table.device)
+        self.graph_module.register_buffer(name, table.to(device).contiguous())
+        graph = self.graph_module.graph
+        with graph.inserting_before(next(iter(graph.nodes))):
+            node = graph.get_attr(name)
+        node.meta["val"] = getattr(self.graph_module, name)
+        self._nodes.append((table, node))
+        return node
+
+    def added(self) -> tuple[tuple[str, Any], ...]:
+        return tuple((node.target, getattr(self.graph_module, node.target)) for _, node in self._nodes)
+
+
+def _cache_write(site: AttentionSite) -> CacheWrite | None:
+    """The cache writes `site` reads the result of, where the fused kernel can
+    make them instead: one query row; keys and values each a module buffer
+    that index_copy_ writes at one integer position (the same for both) along
+    the positions, from a tensor of one position; and nothing else in the
+    graph reads or writes those buffers, or writes anything between the
+    writes and the call (the kernel writes later than the graph did)."""
+    writes = (site.key, site.value)
+    if (static_shape(site.query) or (0, 0, 0))[2] != 1 or site.key is site.value:
+        return None
+    if not all(str(getattr(write, "target", "")) == _CACHE_WRITE and len(write.args) == 4 and not write.kwargs for write in writes):
+        return None
+    (key_cache, key_dim, position, key), (value_cache, value_dim, value_position, value) = (write.args for write in writes)
+    if position is not value_position or position.op != "placeholder" or not one_integer(position) or key_dim not in (2, -2) or value_dim not in (2, -2):
+        return None
+    if _position_on_device(position, site.query) is None or key_cache.op != "get_attr" or value_cache.op != "get_attr" or key_cache is value_cache:
+        return None
+    for cache, new in ((key_cache, key), (value_cache, value)):
+        shape, new_shape = static_shape(cache), static_shape(new)
+        if shape is None or new_shape is None or len(shape) != 4 or new_shape != (shape[0], shape[1], 1, shape[3]) or dtype_name(new) != dtype_name(cache):
+            return None
+    if not all(_read_only_by(write, site) for write in writes) or _written_between(site.node, (*writes, *site.repeats)):
+        return None
+    memory = GraphMemory(site.node.graph)
+    for cache, write in ((key_cache, writes[0]), (value_cache, writes[1])):
+        allowed = {cache, write, *site.repeats}
+        if any(node not in allowed and memory.shared(node, cache) for node in site.node.graph.nodes):
+            return None  # another name for the cache's memory: something reads or writes it besides this step's write
+    return CacheWrite(key_cache, value_cache, key, value, position, writes)
+
+
+def _read_only_by(write: Any, site: AttentionSite) -> bool:
+    """Whether the cache's write is read only by the attention call, directly or through its repeats."""
+    pending, allowed = [write], {site.node, *site.repeats}
+    while pending:
+        for user in pending.pop().users:
+            if user not in allowed:
+                return False
+            if user is not site.node:
+                pending.append(user)
+    return True
+
+
+def _erase_dead(nodes: list[Any]) -> None:
+    """Erase what computed `nodes` where nothing reads it any more (export's
+    checks of a cast's result do not count), up through ops that write nothing."""
+    pending, erased = list(nodes), set()
+    while pending:
+        node = pending.pop()
+        if node in erased or node.op != "call_function" or not pure_op(node):
+            continue
+        if not all(str(user.target) == _METADATA_CHECK for user in node.users):
+            continue
+        for check in list(node.users):
+            node.graph.erase_node(check)
+        sources = node.all_input_nodes
+        node.graph.erase_node(node)
+        erased.add(node)
+        pending.extend(sources)
 
 
 def _position_on_device(position: Any, query: Any) -> Any:

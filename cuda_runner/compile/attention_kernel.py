@@ -40,6 +40,7 @@ from torch.library import triton_op, wrap_triton
 from .matvec_kernel import _await_inputs, waits_for_inputs
 
 OPERATOR = "cuda_runner::decode_attention"
+UPDATE_OPERATOR = "cuda_runner::decode_attention_update"
 
 # Mask kinds, as the kernel reads them. A limit is a tensor of positions, one per
 # query row: the row attends to cache positions 0 up to its own.
@@ -56,12 +57,15 @@ _MIN_SPLIT_KEYS = 32
 def _decode_attention_kernel(
     query, key, value, mask, out, part_max, part_sum, part_acc, scale, kv_length, group, split_keys,
     q_b, q_h, q_l, q_d, k_b, k_h, k_s, k_d, v_b, v_h, v_s, v_d, m_b, m_h, m_l, m_s, o_b, o_h, o_l, o_d,
+    new_key, new_value, position, query_cos, query_sin, key_cos, key_sin, table_rows, n_b, n_h, n_d, w_b, w_h, w_d,
     HEADS: tl.constexpr, ROWS: tl.constexpr, HEAD_DIM: tl.constexpr, VALUE_DIM: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, MASK_KIND: tl.constexpr, SPLITS: tl.constexpr,
+    UPDATE: tl.constexpr, QUERY_PAIRS: tl.constexpr, KEY_PAIRS: tl.constexpr,
 ):
     _decode_attention(query, key, value, mask, out, part_max, part_sum, part_acc, scale, kv_length, group, split_keys,
                       q_b, q_h, q_l, q_d, k_b, k_h, k_s, k_d, v_b, v_h, v_s, v_d, m_b, m_h, m_l, m_s, o_b, o_h, o_l, o_d,
-                      HEADS, ROWS, HEAD_DIM, VALUE_DIM, BLOCK_N, BLOCK_D, BLOCK_DV, MASK_KIND, SPLITS, False)
+                      new_key, new_value, position, query_cos, query_sin, key_cos, key_sin, table_rows, n_b, n_h, n_d, w_b, w_h, w_d,
+                      HEADS, ROWS, HEAD_DIM, VALUE_DIM, BLOCK_N, BLOCK_D, BLOCK_DV, MASK_KIND, SPLITS, UPDATE, QUERY_PAIRS, KEY_PAIRS, False)
 
 
 # The same, for a launch as a programmatic dependent: cuda-runner's shim launches
@@ -70,21 +74,25 @@ def _decode_attention_kernel(
 def cudarunner_pdl_decode_attention(
     query, key, value, mask, out, part_max, part_sum, part_acc, scale, kv_length, group, split_keys,
     q_b, q_h, q_l, q_d, k_b, k_h, k_s, k_d, v_b, v_h, v_s, v_d, m_b, m_h, m_l, m_s, o_b, o_h, o_l, o_d,
+    new_key, new_value, position, query_cos, query_sin, key_cos, key_sin, table_rows, n_b, n_h, n_d, w_b, w_h, w_d,
     HEADS: tl.constexpr, ROWS: tl.constexpr, HEAD_DIM: tl.constexpr, VALUE_DIM: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, MASK_KIND: tl.constexpr, SPLITS: tl.constexpr,
+    UPDATE: tl.constexpr, QUERY_PAIRS: tl.constexpr, KEY_PAIRS: tl.constexpr,
 ):
     _decode_attention(query, key, value, mask, out, part_max, part_sum, part_acc, scale, kv_length, group, split_keys,
                       q_b, q_h, q_l, q_d, k_b, k_h, k_s, k_d, v_b, v_h, v_s, v_d, m_b, m_h, m_l, m_s, o_b, o_h, o_l, o_d,
-                      HEADS, ROWS, HEAD_DIM, VALUE_DIM, BLOCK_N, BLOCK_D, BLOCK_DV, MASK_KIND, SPLITS, True)
+                      new_key, new_value, position, query_cos, query_sin, key_cos, key_sin, table_rows, n_b, n_h, n_d, w_b, w_h, w_d,
+                      HEADS, ROWS, HEAD_DIM, VALUE_DIM, BLOCK_N, BLOCK_D, BLOCK_DV, MASK_KIND, SPLITS, UPDATE, QUERY_PAIRS, KEY_PAIRS, True)
 
 
 @triton.jit
 def _decode_attention(
     query, key, value, mask, out, part_max, part_sum, part_acc, scale, kv_length, group, split_keys,
     q_b, q_h, q_l, q_d, k_b, k_h, k_s, k_d, v_b, v_h, v_s, v_d, m_b, m_h, m_l, m_s, o_b, o_h, o_l, o_d,
+    new_key, new_value, position, query_cos, query_sin, key_cos, key_sin, table_rows, n_b, n_h, n_d, w_b, w_h, w_d,
     HEADS: tl.constexpr, ROWS: tl.constexpr, HEAD_DIM: tl.constexpr, VALUE_DIM: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, MASK_KIND: tl.constexpr, SPLITS: tl.constexpr,
-    PDL: tl.constexpr,
+    UPDATE: tl.constexpr, QUERY_PAIRS: tl.constexpr, KEY_PAIRS: tl.constexpr, PDL: tl.constexpr,
 ):
     # Every tensor this touches, written ones too, is addressed through `ready`:
     # nothing is read or written before the launch before it is done.
@@ -97,15 +105,32 @@ def _decode_attention(
     kv_head = head // group
     dims = tl.arange(0, BLOCK_D)
     value_dims = tl.arange(0, BLOCK_DV)
-    q = tl.load(query + ready + batch * q_b + head * q_h + row * q_l + dims * q_d, mask=dims < HEAD_DIM, other=0.0)
+    key_base = key + ready + batch * k_b + kv_head * k_h
+    value_base = value + ready + batch * v_b + kv_head * v_h
+    if UPDATE:
+        # The step's own key and value, at its position (one row): this launch writes them into
+        # the caches, and reads them from here instead (see decode_attention_update).
+        step = tl.load(position + ready).to(tl.int64)
+        table_row = tl.minimum(tl.maximum(step, 0), table_rows - 1)  # a position out of range writes nothing below
+        fresh_key = _load_rotated(new_key + ready + batch * n_b + kv_head * n_h, n_d, key_cos + ready, key_sin + ready, table_row,
+                                  HEAD_DIM, BLOCK_D, KEY_PAIRS).to(key.dtype.element_ty)
+        fresh_value = tl.load(new_value + ready + batch * w_b + kv_head * w_h + value_dims * w_d, mask=value_dims < VALUE_DIM,
+                              other=0.0).to(value.dtype.element_ty)
+        # One program of each K/V head writes: the first query head of its group, in the stretch that holds the position.
+        writer = (head % group == 0) & (split == step // split_keys) & (step >= 0) & (step < kv_length)
+        tl.store(key_base + step * k_s + dims * k_d, fresh_key, mask=writer & (dims < HEAD_DIM))
+        tl.store(value_base + step * v_s + value_dims * v_d, fresh_value, mask=writer & (value_dims < VALUE_DIM))
+        q = _load_rotated(query + ready + batch * q_b + head * q_h + row * q_l, q_d, query_cos + ready, query_sin + ready, table_row,
+                          HEAD_DIM, BLOCK_D, QUERY_PAIRS)
+        q = q.to(query.dtype.element_ty)  # rounded as the model's rotated query was
+    else:
+        q = tl.load(query + ready + batch * q_b + head * q_h + row * q_l + dims * q_d, mask=dims < HEAD_DIM, other=0.0)
     # The product is cast, not the scale: Inductor passes the scale as fp64 to the
     # kernel it builds, and as a Python float to its analysis of what the kernel writes.
     q = (q.to(tl.float32) * scale).to(tl.float32)
     running_max = tl.full([], float("-inf"), tl.float32)
     running_sum = tl.full([], 0.0, tl.float32)
     acc = tl.zeros([BLOCK_DV], dtype=tl.float32)
-    key_base = key + ready + batch * k_b + kv_head * k_h
-    value_base = value + ready + batch * v_b + kv_head * v_h
     mask_base = mask + ready + batch * m_b + head * m_h + row * m_l
     begin = split * split_keys
     end = tl.minimum(begin + split_keys, kv_length)
@@ -116,8 +141,15 @@ def _decode_attention(
     for start in range(begin, end, BLOCK_N):
         positions = start + tl.arange(0, BLOCK_N).to(tl.int64)
         inside = positions < end
-        keys = tl.load(key_base + positions[:, None] * k_s + dims[None, :] * k_d,
-                       mask=inside[:, None] & (dims[None, :] < HEAD_DIM), other=0.0)
+        if UPDATE:
+            # The step's position is not read from the cache, which this launch writes.
+            fresh = positions == step
+            keys = tl.load(key_base + positions[:, None] * k_s + dims[None, :] * k_d,
+                           mask=(inside & ~fresh)[:, None] & (dims[None, :] < HEAD_DIM), other=0.0)
+            keys = tl.where(fresh[:, None], fresh_key[None, :], keys)
+        else:
+            keys = tl.load(key_base + positions[:, None] * k_s + dims[None, :] * k_d,
+                           mask=inside[:, None] & (dims[None, :] < HEAD_DIM), other=0.0)
         scores = tl.sum(keys.to(tl.float32) * q[None, :], axis=1)
         if MASK_KIND == 1:
             allowed = tl.load(mask_base + positions * m_s, mask=inside, other=0)
@@ -130,8 +162,13 @@ def _decode_attention(
         shift = tl.where(new_max == float("-inf"), 0.0, new_max)
         rescale = tl.exp(running_max - shift)
         weights = tl.exp(scores - shift)
-        values = tl.load(value_base + positions[:, None] * v_s + value_dims[None, :] * v_d,
-                         mask=inside[:, None] & (value_dims[None, :] < VALUE_DIM), other=0.0)
+        if UPDATE:
+            values = tl.load(value_base + positions[:, None] * v_s + value_dims[None, :] * v_d,
+                             mask=(inside & ~fresh)[:, None] & (value_dims[None, :] < VALUE_DIM), other=0.0)
+            values = tl.where(fresh[:, None], fresh_value[None, :], values)
+        else:
+            values = tl.load(value_base + positions[:, None] * v_s + value_dims[None, :] * v_d,
+                             mask=inside[:, None] & (value_dims[None, :] < VALUE_DIM), other=0.0)
         running_sum = running_sum * rescale + tl.sum(weights, axis=0)
         acc = acc * rescale + tl.sum(weights[:, None] * values.to(tl.float32), axis=0)
         running_max = new_max
@@ -146,6 +183,23 @@ def _decode_attention(
         tl.store(part_max + slot, running_max)
         tl.store(part_sum + slot, running_sum)
         tl.store(part_acc + slot * BLOCK_DV + value_dims, acc)
+
+
+@triton.jit
+def _load_rotated(base, d_stride, cos_table, sin_table, table_row, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, PAIRS: tl.constexpr):
+    """One head's vector at `base` (float32), rotated by row `table_row` of the
+    tables where PAIRS says how its elements pair (compile/rotary.py): x[d] * cos
+    + x[partner(d)] * sin, partner(d) = d ^ 1 (1) or d + D/2 mod D (2); 0: as it is."""
+    dims = tl.arange(0, BLOCK_D)
+    inside = dims < HEAD_DIM
+    x = tl.load(base + dims * d_stride, mask=inside, other=0.0).to(tl.float32)
+    if PAIRS != 0:
+        partners = dims ^ 1 if PAIRS == 1 else (dims + HEAD_DIM // 2) % HEAD_DIM
+        other = tl.load(base + partners * d_stride, mask=inside, other=0.0).to(tl.float32)
+        cos = tl.load(cos_table + table_row * HEAD_DIM + dims, mask=inside, other=0.0)
+        sin = tl.load(sin_table + table_row * HEAD_DIM + dims, mask=inside, other=0.0)
+        x = x * cos + other * sin
+    return x
 
 
 @triton.jit
@@ -247,13 +301,69 @@ def decode_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor
     return out
 
 
+@triton_op(UPDATE_OPERATOR, mutates_args=("key_cache", "value_cache"))
+def decode_attention_update(query: torch.Tensor, new_key: torch.Tensor, new_value: torch.Tensor, key_cache: torch.Tensor,
+                            value_cache: torch.Tensor, position: torch.Tensor, mask: torch.Tensor | None, scale: float, group: int,
+                            limit: torch.Tensor | None, query_cos: torch.Tensor | None, query_sin: torch.Tensor | None,
+                            key_cos: torch.Tensor | None, key_sin: torch.Tensor | None, query_pairs: int, key_pairs: int) -> torch.Tensor:
+    """A decode step's cache write and its attention in one launch:
+    key_cache.index_copy_(2, position, rotate(new_key)), the same for the
+    value (unrotated), then decode_attention of rotate(query) over the
+    caches. `position` is one integer; rotate() is the identity where the
+    pairs are 0 (rotary.NO_ROTATION), else x * cos[position] + x[partner] *
+    sin[position] with the tables [positions, D] (float32) and the pairing of
+    compile/rotary.py, computed in float32 and rounded to the tensor's dtype.
+    A position outside the cache writes nothing."""
+    batch, heads, rows, head_dim = query.shape
+    out = torch.empty((batch, heads, rows, value_cache.shape[3]), dtype=query.dtype, device=query.device)
+    chosen = attention_plan(batch * heads * rows, key_cache.shape[2], head_dim, value_cache.shape[3])
+    update = CacheUpdate(new_key, new_value, position, (query_cos, query_sin, query_pairs), (key_cos, key_sin, key_pairs))
+    launch_attention(query, key_cache, value_cache, mask, limit, out, scale, group, chosen, pdl=waits_for_inputs(query.device), update=update)
+    return out
+
+
+@dataclass(frozen=True)
+class CacheUpdate:
+    """What decode_attention_update writes into the caches before it reads them,
+    and how the query and the new key are rotated: (cos, sin, pairs) each."""
+
+    new_key: torch.Tensor  # [B, Hk, 1, D]
+    new_value: torch.Tensor  # [B, Hk, 1, Dv]
+    position: torch.Tensor  # one integer
+    query_rotation: tuple[torch.Tensor | None, torch.Tensor | None, int]
+    key_rotation: tuple[torch.Tensor | None, torch.Tensor | None, int]
+
+    def operands(self, query: torch.Tensor) -> tuple[object, ...]:
+        """The kernel's update operands; the query stands in for a table not given (never read)."""
+        query_cos, query_sin, _ = self.query_rotation
+        key_cos, key_sin, _ = self.key_rotation
+        tables = [table if table is not None else query for table in (query_cos, query_sin, key_cos, key_sin)]
+        given = [table.shape[0] for table in (query_cos, key_cos) if table is not None]
+        rows = min(given) if given else 1  # a position past the tables reads their last row (and writes nothing)
+        new_key, new_value = self.new_key.stride(), self.new_value.stride()
+        return (self.new_key, self.new_value, self.position, *tables, rows, new_key[0], new_key[1], new_key[3],
+                new_value[0], new_value[1], new_value[3])
+
+    def check(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> None:
+        batch, _, rows, head_dim = query.shape
+        if rows != 1 or self.position.numel() != 1 or self.position.dtype not in (torch.int32, torch.int64):
+            raise ValueError("a cache update takes one query row and one integer position")
+        if tuple(self.new_key.shape) != (batch, key.shape[1], 1, head_dim) or tuple(self.new_value.shape) != (batch, value.shape[1], 1, value.shape[3]):
+            raise ValueError("the new key and value are one position of the caches' heads")
+        for cos, sin, pairs in (self.query_rotation, self.key_rotation):
+            if pairs and (cos is None or sin is None or cos.dtype != torch.float32 or cos.shape != sin.shape or cos.shape[1:] != (head_dim,)
+                          or not cos.is_contiguous() or not sin.is_contiguous()):
+                raise ValueError("a rotation takes float32 tables [positions, head dim], contiguous")
+
+
 def launch_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: torch.Tensor | None,
                      limit: torch.Tensor | None, out: torch.Tensor, scale: float, group: int, chosen: AttentionPlan,
-                     pdl: bool = False, launch_pdl: bool = False) -> None:
+                     pdl: bool = False, launch_pdl: bool = False, update: CacheUpdate | None = None) -> None:
     """Launch the attention (and, split, the merge) into `out` as chosen_plan says
     (scripts/bench_step_plans.py sweeps it). `pdl` (Hopper and later) takes the
     kernels that wait for the launch before them; `launch_pdl` has Triton
-    launch them as programmatic dependents (in a library, the shim does)."""
+    launch them as programmatic dependents (in a library, the shim does).
+    `update`: the step's key and value, written into `key` and `value` first."""
     batch, heads, rows, head_dim = query.shape
     kv_length, value_dim = key.shape[2], value.shape[3]
     kind, mask_view, mask_strides = _mask_operand(query, mask, limit, kv_length)
@@ -266,12 +376,17 @@ def launch_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor
     part_sum = torch.empty((slots,), dtype=torch.float32, device=query.device)
     part_acc = torch.empty((slots * block_dv,), dtype=torch.float32, device=query.device)
     extra = {"launch_pdl": True} if launch_pdl else {}
+    if update is not None:
+        update.check(query, key, value)
+    # Without an update its operands are never read: the query stands in for each tensor.
+    update_operands = update.operands(query) if update is not None else (query,) * 7 + (1,) + (0,) * 6
     wrap_triton(cudarunner_pdl_decode_attention if pdl else _decode_attention_kernel)[(rows_total, chosen.splits)](
         query, key, value, mask_view, out, part_max, part_sum, part_acc, scale, kv_length, group, chosen.split_keys,
-        *query.stride(), *key.stride(), *value.stride(), *mask_strides, *out.stride(),
+        *query.stride(), *key.stride(), *value.stride(), *mask_strides, *out.stride(), *update_operands,
         HEADS=heads, ROWS=rows, HEAD_DIM=head_dim, VALUE_DIM=value_dim,
         BLOCK_N=chosen.block_n, BLOCK_D=block_d, BLOCK_DV=block_dv, MASK_KIND=kind, SPLITS=chosen.splits,
-        num_warps=chosen.warps, **extra,
+        UPDATE=update is not None, QUERY_PAIRS=update.query_rotation[2] if update is not None else 0,
+        KEY_PAIRS=update.key_rotation[2] if update is not None else 0, num_warps=chosen.warps, **extra,
     )
     if chosen.splits > 1:
         wrap_triton(cudarunner_pdl_merge_splits if pdl else _merge_splits_kernel)[(rows_total,)](

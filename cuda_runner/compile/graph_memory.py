@@ -45,6 +45,10 @@ class GraphMemory:
         """Whether an op of the graph may write `node`'s memory (through any view of it)."""
         return self._root(node) in self._written
 
+    def shared(self, first: Any, second: Any) -> bool:
+        """Whether two nodes' values may share memory."""
+        return self._root(first) == self._root(second)
+
     def _root(self, key: Any) -> Any:
         parent = self._parent.setdefault(key, key)
         while parent != key:

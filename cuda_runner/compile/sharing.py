@@ -269,16 +269,18 @@ def mutated_buffers(spec: MethodSpec) -> frozenset[str]:
 
 
 def constant_tables(
-    sources: Mapping[str, tuple[Any, bytes, bytes, MethodSpec]], device: str, progress: Callable[[str], None],
+    sources: Mapping[str, tuple[Any, bytes, bytes, MethodSpec, Mapping[str, Any]]], device: str, progress: Callable[[str], None],
 ) -> dict[str, list[StoredConstant] | str]:
-    """For each method (program, library, blob, spec): its blob split by FQN, or why not."""
+    """For each method (program, library, blob, spec, the constants its build
+    added to the program by name): its blob split by FQN, or why not."""
     tables: dict[str, list[StoredConstant] | str] = {}
-    for name, (program, library, blob, spec) in sources.items():
+    for name, (program, library, blob, spec, added) in sources.items():
         progress(f"reading the constants of {name!r} from its library")
         try:
             constants = library_constants(library, device)
         except (CudaRunnerError, OSError) as error:
             tables[name] = f"its library could not be asked for its constants here ({error})"
             continue
-        tables[name] = split_blob(constants, blob, program_tensors(program), mutated_buffers(spec), lifted_constants(program))
+        tensors = {**program_tensors(program), **added}
+        tables[name] = split_blob(constants, blob, tensors, mutated_buffers(spec), lifted_constants(program))
     return tables

@@ -197,7 +197,7 @@ def test_a_fused_attention_that_does_not_compile_costs_the_fusion_not_the_build(
         return "/nowhere/model.so"
 
     fake_torch = SimpleNamespace(_inductor=SimpleNamespace(aot_compile=aot_compile))
-    monkeypatch.setattr(attention, "fuse_decode_attention", lambda module, written_elsewhere: setattr(module, "fused", 2) or attention.Fused(2))
+    monkeypatch.setattr(attention, "fuse_decode_attention", lambda module, written_elsewhere, update_caches: setattr(module, "fused", 2) or attention.Fused(2))
     monkeypatch.setattr(attention, "pin_sdpa_layout", lambda module: 0)
     program = SimpleNamespace(module=lambda: SimpleNamespace(fused=0))
     heard: list[str] = []
@@ -230,7 +230,7 @@ def test_the_kernel_builds_for_sm90_as_inductor_passes_its_scale(scale_type):
     pointers = {"query": "*bf16", "key": "*bf16", "value": "*bf16", "out": "*bf16", "mask": "*i1",
                 "part_max": "*fp32", "part_sum": "*fp32", "part_acc": "*fp32"}
     shapes = {"HEADS": 32, "ROWS": 1, "HEAD_DIM": 64, "VALUE_DIM": 64, "BLOCK_N": 32, "BLOCK_D": 64, "BLOCK_DV": 64, "MASK_KIND": 1,
-              "BLOCK_S": 16}
+              "BLOCK_S": 16, "UPDATE": False, "QUERY_PAIRS": 0, "KEY_PAIRS": 0}
     for kernel, splits in ((_decode_attention_kernel, 1), (_decode_attention_kernel, 16), (_merge_splits_kernel, 16)):
         parameters = list(inspect.signature(kernel.fn).parameters)
         signature = {name: pointers.get(name, scale_type if name == "scale" else "constexpr" if name.isupper() else "i32") for name in parameters}
@@ -276,7 +276,7 @@ def test_a_fusion_that_fails_before_the_compile_costs_the_fusion_not_the_build(m
 
     from cuda_runner.compile import aot, attention
 
-    def broken_fusion(module, written_elsewhere):
+    def broken_fusion(module, written_elsewhere, update_caches):
         raise RuntimeError("triton_op: cannot register cuda_runner::decode_attention")
 
     monkeypatch.setattr(attention, "fuse_decode_attention", broken_fusion)
@@ -294,7 +294,7 @@ def test_the_fusion_is_told_what_the_bundles_other_methods_write(monkeypatch):
     from cuda_runner.compile import aot, attention
 
     told: list[frozenset[str]] = []
-    monkeypatch.setattr(attention, "fuse_decode_attention", lambda module, written_elsewhere: told.append(written_elsewhere) or attention.Fused())
+    monkeypatch.setattr(attention, "fuse_decode_attention", lambda module, written_elsewhere, update_caches: told.append(written_elsewhere) or attention.Fused())
     fake_torch = SimpleNamespace(_inductor=SimpleNamespace(aot_compile=lambda module, args, kwargs, options: "/nowhere/model.so"))
     kernels = aot.OwnKernels(attention=True, matvec=False, written_elsewhere=frozenset({"valid"}))
     aot._aot_compile(fake_torch, SimpleNamespace(module=object), (), {}, {}, False, "cuda", kernels, lambda _: None)
@@ -315,8 +315,9 @@ def test_the_decoders_cache_is_split_among_programs_and_merged_and_few_keys_are_
 
 @pytest.mark.triton
 @pytest.mark.skipif(not __import__("importlib").util.find_spec("triton"), reason="Triton is not installed (CPU torch)")
-@pytest.mark.parametrize("mask_kind, splits", [(0, 16), (1, 16), (2, 1), (3, 16), (3, 1)])
-def test_the_programmatic_attention_kernels_touch_memory_only_after_their_wait(mask_kind, splits):
+@pytest.mark.parametrize("mask_kind, splits, pairs", [(0, 16, None), (1, 16, None), (2, 1, None), (3, 16, None), (3, 1, None),
+                                                      (3, 16, 1), (2, 1, 2), (3, 16, 0)])
+def test_the_programmatic_attention_kernels_touch_memory_only_after_their_wait(mask_kind, splits, pairs):
     """Built for sm90 on the CPU: on every path through the PTX of the
     attention kernel and of the merge, no load and no store comes before
     griddepcontrol.wait (the launch before may still be writing what they
@@ -331,10 +332,14 @@ def test_the_programmatic_attention_kernels_touch_memory_only_after_their_wait(m
     from cuda_runner.compile.attention_kernel import cudarunner_pdl_decode_attention, cudarunner_pdl_merge_splits
 
     mask_type = {0: "*bf16", 1: "*i1", 2: "*bf16", 3: "*i64"}[mask_kind]
+    # pairs None: no cache update; else the update, with the query and key rotated so (0: not at all)
+    update = {"UPDATE": pairs is not None, "QUERY_PAIRS": pairs or 0, "KEY_PAIRS": pairs or 0}
+    update_pointers = {"new_key": "*bf16", "new_value": "*bf16", "position": "*i64", "query_cos": "*fp32", "query_sin": "*fp32",
+                       "key_cos": "*fp32", "key_sin": "*fp32"} if pairs is not None else {}
     builds = [
         (cudarunner_pdl_decode_attention, dict(HEADS=32, ROWS=1, HEAD_DIM=64, VALUE_DIM=64, BLOCK_N=32, BLOCK_D=64, BLOCK_DV=64,
-                                               MASK_KIND=mask_kind, SPLITS=splits),
-         {"mask": mask_type, "part_max": "*fp32", "part_sum": "*fp32", "part_acc": "*fp32", "scale": "fp32"}),
+                                               MASK_KIND=mask_kind, SPLITS=splits, **update),
+         {"mask": mask_type, "part_max": "*fp32", "part_sum": "*fp32", "part_acc": "*fp32", "scale": "fp32", **update_pointers}),
         (cudarunner_pdl_merge_splits, dict(HEADS=32, ROWS=1, VALUE_DIM=64, BLOCK_DV=64, SPLITS=16, BLOCK_S=16),
          {"part_max": "*fp32", "part_sum": "*fp32", "part_acc": "*fp32"}),
     ]
@@ -366,7 +371,7 @@ def test_the_decoders_masks_become_its_position_and_are_no_longer_computed():
     config = scale_models.LLAMA_TINY
     model = scale_models.LlamaDecoder(config, torch.float32).eval()
     module = torch.export.export(MethodOf(model, "decode"), scale_models.llama_examples(config, 6)["decode"]).module()
-    assert fuse_decode_attention(module) == attention.Fused(calls=config.layers, position_limits=config.layers)
+    assert fuse_decode_attention(module, update_caches=False) == attention.Fused(calls=config.layers, position_limits=config.layers)
     fused = [node for node in module.graph.nodes if str(node.target) == "cuda_runner.decode_attention.default"]
     assert [(node.args[3], node.args[6].name) for node in fused] == [(None, "input_pos")] * config.layers
     assert not any(str(node.target) in ("aten.le.Tensor", "aten.arange.default") for node in module.graph.nodes)
@@ -400,8 +405,10 @@ def test_every_access_of_the_attention_kernels_is_addressed_through_the_wait():
 
     source = (Path(__file__).resolve().parents[2] / "cuda_runner" / "compile" / "attention_kernel.py").read_text()
     bodies = {node.name: node for node in ast.walk(ast.parse(source)) if isinstance(node, ast.FunctionDef)}
-    for name in ("_decode_attention", "_merge_splits"):
-        derived = {"ready"}
+    for name, given in (("_decode_attention", {"ready"}), ("_merge_splits", {"ready"}),
+                        # called by _decode_attention with its pointers derived from ready (checked below with its own loads)
+                        ("_load_rotated", {"base", "cos_table", "sin_table"})):
+        derived = set(given)
         assignments = [node for node in ast.walk(bodies[name]) if isinstance(node, ast.Assign)]
         changed = True
         while changed:  # names computed from ready, however indirectly
@@ -417,3 +424,156 @@ def test_every_access_of_the_attention_kernels_is_addressed_through_the_wait():
         for access in accesses:
             names = {node.id for node in ast.walk(access.args[0]) if isinstance(node, ast.Name)}
             assert names & derived, f"{name}: {ast.unparse(access)}"
+        rotations = [node for node in ast.walk(bodies[name]) if isinstance(node, ast.Call) and ast.unparse(node.func) == "_load_rotated"]
+        for call in rotations:  # the pointers the helper reads through: base, cos_table, sin_table
+            for pointer in (call.args[0], call.args[2], call.args[3]):
+                assert {node.id for node in ast.walk(pointer) if isinstance(node, ast.Name)} & derived, f"{name}: {ast.unparse(call)}"
+        assert name != "_decode_attention" or len(rotations) == 2
+
+
+def _fused_update_calls(module):
+    return [node for node in module.graph.nodes if str(node.target) == "cuda_runner.decode_attention_update.default"]
+
+
+@pytest.mark.triton
+@pytest.mark.skipif(not __import__("importlib").util.find_spec("triton"), reason="Triton is not installed (CPU torch)")
+def test_the_decoders_cache_writes_and_rotations_move_into_the_fused_call():
+    """Each layer's index_copy_ pair and the RoPE ops on q and k go: the kernel writes and rotates,
+    from one pair of tables the layers share, added to the module as buffers."""
+    from cuda_runner.compile.attention import TABLE_PREFIX, fuse_decode_attention
+
+    config = scale_models.LLAMA_TINY
+    model = scale_models.LlamaDecoder(config, torch.float32).eval()
+    module = torch.export.export(MethodOf(model, "decode"), scale_models.llama_examples(config, 6)["decode"]).module()
+    fused = fuse_decode_attention(module)
+    assert (fused.calls, fused.position_limits, fused.cache_updates, fused.rotations) == (config.layers, config.layers, config.layers, 2 * config.layers)
+    assert [name for name, _ in fused.tables] == [f"{TABLE_PREFIX}0", f"{TABLE_PREFIX}1"]
+    assert all(torch.equal(getattr(module, name), table) for name, table in fused.tables)
+    targets = [str(node.target) for node in module.graph.nodes]
+    assert "aten.index_copy_.default" not in targets and "aten.stack.default" not in targets and "aten.index.Tensor" not in targets
+    for call in _fused_update_calls(module):
+        query, key, _, key_cache, value_cache, position = call.args[:6]
+        assert (query.target, key.target) == (torch.ops.aten.transpose.int, torch.ops.aten.transpose.int)  # the projections, unrotated
+        assert key_cache.target.endswith("k_cache") and value_cache.target.endswith("v_cache") and position.name == "input_pos"
+        assert call.args[-2:] == (1, 1)  # both rotated in neighbouring pairs
+
+
+class _CachedStep(torch.nn.Module):
+    """A decode step over caches held as buffers, with what may keep its writes the graph's own."""
+
+    def __init__(self, rows=1, also="nothing"):
+        super().__init__()
+        self.rows, self.also = rows, also
+        self.register_buffer("k_cache", torch.zeros(1, 2, 16, 8))
+        self.register_buffer("v_cache", torch.zeros(1, 2, 16, 8))
+
+    def forward(self, q, k, v, position):
+        self.k_cache.index_copy_(2, position, k)
+        if self.also == "a write between":
+            q = q.clone().mul_(2.0)
+        self.v_cache.index_copy_(2, position, v)
+        out = F.scaled_dot_product_attention(q, self.k_cache, self.v_cache, enable_gqa=True)
+        if self.also == "the cache read again":
+            return out, self.k_cache.sum()
+        return out
+
+
+@pytest.mark.parametrize("rows, also, updated", [(1, "nothing", 1), (2, "nothing", 0), (1, "the cache read again", 0), (1, "a write between", 0)])
+def test_cache_writes_the_kernel_would_make_out_of_order_stay_the_graphs(rows, also, updated):
+    pytest.importorskip("triton")
+    from cuda_runner.compile.attention import fuse_decode_attention
+
+    args = (torch.randn(1, 4, rows, 8), torch.randn(1, 2, rows, 8), torch.randn(1, 2, rows, 8), torch.arange(rows) + 3)
+    module = torch.export.export(_CachedStep(rows, also), args).module()
+    fused = fuse_decode_attention(module)
+    assert (fused.calls, fused.cache_updates, fused.rotations) == (1, updated, 0)
+    assert (sum(str(node.target) == "aten.index_copy_.default" for node in module.graph.nodes) == 0) is bool(updated)
+
+
+@pytest.mark.skipif(not __import__("importlib").util.find_spec("triton"), reason="Triton is not installed (CPU torch)")
+def test_the_fused_step_writes_and_reads_its_caches_as_the_graph_did_under_tritons_interpreter():
+    """Step after step from a prefilled cache: the tiny decoder (neighbour pairs, float32 tables)
+    and Hugging Face's form (halves, cos and sin computed each step, no mask), float32 and
+    bfloat16: the logits, and the caches the kernel wrote, against the graph as exported."""
+    script = textwrap.dedent("""
+        import copy, torch
+        from models import MethodOf, scale_models
+        from compile.test_rotary import HalvesAttention
+        from cuda_runner.compile.attention import fuse_decode_attention
+        config = scale_models.LLAMA_TINY
+        for dtype, tolerance in ((torch.float32, 1e-5), (torch.bfloat16, 2e-2)):
+            model = scale_models.LlamaDecoder(config, dtype).eval()
+            examples = scale_models.llama_examples(config, 6)
+            with torch.no_grad():
+                model.prefill(*examples["prefill"])
+            halves = HalvesAttention().to(dtype).eval()
+            x = torch.randn(1, 1, 32, dtype=dtype)
+            cases = [(MethodOf(model, "decode"), examples["decode"], lambda step: (torch.tensor([[step * 7 % config.vocab]]), torch.tensor([step])),
+                      range(6, 14)),
+                     (halves, (x, torch.tensor([0])), lambda step: (torch.randn(1, 1, 32, dtype=dtype), torch.tensor([step])), range(0, 9))]
+            for module, example, inputs, steps in cases:
+                fused = torch.export.export(copy.deepcopy(module), example).module()
+                plain = torch.export.export(copy.deepcopy(module), example).module()
+                result = fuse_decode_attention(fused)
+                assert result.cache_updates == result.calls and result.rotations == 2 * result.calls, result
+                with torch.no_grad():
+                    for step in steps:
+                        given = inputs(step)
+                        got, want = fused(*given), plain(*given)
+                        assert (got.float() - want.float()).abs().max().item() <= tolerance, (dtype, step)
+                wanted = dict(plain.named_buffers())
+                caches = [(name, held) for name, held in fused.named_buffers() if name.endswith("cache")]
+                assert len(caches) >= 2
+                for name, held in caches:
+                    assert (held.float() - wanted[name].float()).abs().max().item() <= tolerance, name
+        print("ok")
+    """)
+    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": os.pathsep.join(sys.path)}
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=300)
+    assert result.returncode == 0 and "ok" in result.stdout, result.stderr[-2000:]
+
+
+@pytest.mark.skipif(not __import__("importlib").util.find_spec("triton"), reason="Triton is not installed (CPU torch)")
+def test_the_updating_kernel_split_over_the_keys_writes_once_and_reads_what_it_wrote_under_tritons_interpreter():
+    """The operator itself against index_copy_ and SDPA: a cache split among 16 programs a row,
+    grouped heads, each pairing and none, the step's position at the edges of the stretches,
+    the mask as the position or as a bool tensor, and a position past the cache (nothing written)."""
+    script = textwrap.dedent("""
+        import itertools, torch
+        from cuda_runner.compile.attention_kernel import decode_attention_update, split_plan
+        torch.manual_seed(0)
+        S, D, H, G = 512, 16, 4, 2
+        assert split_plan(H, S, 512)[1] == 16
+        angles = torch.rand(S, D // 2) * 6.0
+        cos, sin = angles.cos(), angles.sin()
+        tables = {1: (cos.repeat_interleave(2, 1), torch.stack((-sin, sin), -1).flatten(1)),
+                  2: (torch.cat((cos, cos), 1), torch.cat((-sin, sin), 1))}
+        def rotate(x, pairs, step):
+            if not pairs:
+                return x
+            c, s = (table[step] for table in tables[pairs])
+            partner = torch.arange(D) ^ 1 if pairs == 1 else (torch.arange(D) + D // 2) % D
+            return x * c + x[..., partner] * s
+        for pairs, step, masked in itertools.product((0, 1, 2), (0, 31, 32, 511, 600), ("limit", "bool")):
+            key_cache, value_cache = torch.randn(1, H // G, S, D), torch.randn(1, H // G, S, D)
+            q, k, v = torch.randn(1, H, 1, D), torch.randn(1, H // G, 1, D), torch.randn(1, H // G, 1, D)
+            position = torch.tensor([step])
+            allowed = torch.arange(S) <= step
+            mask = None if masked == "limit" else allowed.view(1, 1, 1, S)
+            limit = position if masked == "limit" else None
+            table = tables.get(pairs, (None, None))
+            want_keys, want_values = key_cache.clone(), value_cache.clone()
+            if step < S:
+                want_keys.index_copy_(2, position, rotate(k, pairs, step))
+                want_values.index_copy_(2, position, v)
+            want = torch.nn.functional.scaled_dot_product_attention(rotate(q, pairs, min(step, S - 1)), want_keys.repeat_interleave(G, 1),
+                                                                    want_values.repeat_interleave(G, 1), attn_mask=allowed.view(1, 1, 1, S), scale=0.3)
+            got = decode_attention_update(q, k, v, key_cache, value_cache, position, mask, 0.3, G, limit, *table, *table, pairs, pairs)
+            torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+            torch.testing.assert_close(key_cache, want_keys, atol=1e-6, rtol=1e-6)
+            assert torch.equal(value_cache, want_values)
+        print("ok")
+    """)
+    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": os.pathsep.join(sys.path)}
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=300)
+    assert result.returncode == 0 and "ok" in result.stdout, result.stderr[-2000:]

@@ -70,7 +70,7 @@ def test_a_method_the_check_refuses_is_compiled_again_without_coordinate_descent
     monkeypatch.setattr(compile_package, "_with_library_buffers", lambda written, library, device: written)
     monkeypatch.setattr(compile_package, "disagreement", lambda *args: "output 'output_0' is 9.7 from eager's (largest value 321)")
     notes: list[str] = []
-    spec, _, _ = _compile_method(torch, "decode", MethodSource(program), "cpu", lambda _: None, {}, warn=notes.append)
+    spec, *_ = _compile_method(torch, "decode", MethodSource(program), "cpu", lambda _: None, {}, warn=notes.append)
     assert [options.get("coordinate_descent_tuning") for options in asked] == [None, False]
     assert spec.compile_options["coordinate_descent_tuning"] is False
     assert "9.7 from eager" in spec.compile_options["coordinate_descent_disagreed"]
@@ -104,7 +104,7 @@ def test_where_taking_coordinate_descent_back_is_enough_the_fused_attention_stay
     program = export_module(torch.nn.Linear(3, 2), (torch.randn(1, 3),), {}, None).program
     asked = _fake_compiles(monkeypatch, ["output 'output_0' is 9.7 from eager's", None])
     notes: list[str] = []
-    spec, _, _ = _compile_method(torch, "decode", MethodSource(program), "cpu", lambda _: None, {}, warn=notes.append)
+    spec, *_ = _compile_method(torch, "decode", MethodSource(program), "cpu", lambda _: None, {}, warn=notes.append)
     assert len(asked) == 2 and asked[1] == {"coordinate_descent_tuning": False}
     assert spec.compile_options["fused_decode_attention"] == 2 and "fused_decode_attention_disagreed" not in spec.compile_options
     assert len(notes) == 1 and "coordinate-descent tuning" in notes[0]
@@ -116,7 +116,7 @@ def test_then_the_fused_attention_is_taken_back_too(monkeypatch):
     program = export_module(torch.nn.Linear(3, 2), (torch.randn(1, 3),), {}, None).program
     asked = _fake_compiles(monkeypatch, ["9.7 from eager's", "8.1 from eager's", None])
     notes: list[str] = []
-    spec, _, _ = _compile_method(torch, "decode", MethodSource(program), "cpu", lambda _: None, {}, warn=notes.append)
+    spec, *_ = _compile_method(torch, "decode", MethodSource(program), "cpu", lambda _: None, {}, warn=notes.append)
     assert asked[1:] == [{"coordinate_descent_tuning": False}, {"coordinate_descent_tuning": False, OPTION: False}]
     assert spec.compile_options["coordinate_descent_disagreed"] == "9.7 from eager's"
     assert spec.compile_options["fused_decode_attention_disagreed"] == "8.1 from eager's"
@@ -149,7 +149,7 @@ def test_combo_kernels_that_came_with_the_fused_attention_are_taken_back_before_
     monkeypatch.setattr(compile_package, "_with_library_buffers", lambda written, library, device: written)
     monkeypatch.setattr(compile_package, "disagreement", lambda *args: next(answers))
     notes: list[str] = []
-    spec, _, _ = _compile_method(torch, "decode", MethodSource(program), "cpu", lambda _: None, user_options, warn=notes.append)
+    spec, *_ = _compile_method(torch, "decode", MethodSource(program), "cpu", lambda _: None, user_options, warn=notes.append)
     assert asked == [user_options, *taken_back]
     assert (spec.compile_options.get("fused_decode_attention") == 2) == (not user_options)
     assert spec.compile_options.get("combo_kernels_disagreed") == ("8.1 from eager's" if not user_options else None)
@@ -217,7 +217,7 @@ def test_a_rebuild_that_lost_the_fused_attention_is_not_taken_back_for_it(monkey
     monkeypatch.setattr(compile_package, "_with_library_buffers", lambda written, library, device: written)
     monkeypatch.setattr(compile_package, "disagreement", lambda *args: next(answers))
     notes: list[str] = []
-    spec, _, _ = _compile_method(torch, "decode", MethodSource(program), "cpu", lambda _: None, {}, warn=notes.append)
+    spec, *_ = _compile_method(torch, "decode", MethodSource(program), "cpu", lambda _: None, {}, warn=notes.append)
     assert len(asked) == 2
     assert "fused_decode_attention_disagreed" not in spec.compile_options
     assert [("coordinate-descent" in note, "did not compile" in note) for note in notes] == [(True, False), (False, True)]

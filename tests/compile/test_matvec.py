@@ -291,7 +291,7 @@ def _failing_compile(fails_while: set[str], compiled: list[tuple[int, int, bool]
 ])
 def test_a_build_that_fails_with_its_own_kernels_is_compiled_again_without_them(monkeypatch, fails_while, tries, given_up, used, heard_failed,
                                                                                 cleared):
-    monkeypatch.setattr(attention, "fuse_decode_attention", lambda module, written_elsewhere: setattr(module, "fused", 2) or attention.Fused(2))
+    monkeypatch.setattr(attention, "fuse_decode_attention", lambda module, written_elsewhere, update_caches: setattr(module, "fused", 2) or attention.Fused(2))
     monkeypatch.setattr(matvec, "use_matvec", lambda module, **_: setattr(module, "products", 5) or matvec.MatvecUse(products=5, launches=3))
     compiled: list[tuple[int, int, bool]] = []
     heard: list[str] = []
@@ -311,7 +311,7 @@ def test_a_build_that_fails_with_its_own_kernels_is_compiled_again_without_them(
 
 def test_combo_kernels_the_user_set_are_theirs_to_keep(monkeypatch):
     """A build failing with the user's own combo_kernels=true gives up the kernels, not the option."""
-    monkeypatch.setattr(attention, "fuse_decode_attention", lambda module, written_elsewhere: setattr(module, "fused", 2) or attention.Fused(2))
+    monkeypatch.setattr(attention, "fuse_decode_attention", lambda module, written_elsewhere, update_caches: setattr(module, "fused", 2) or attention.Fused(2))
     monkeypatch.setattr(matvec, "use_matvec", lambda module, **_: setattr(module, "products", 5) or matvec.MatvecUse(products=5, launches=3))
     compiled: list[tuple[int, int, bool]] = []
     kernels = aot.own_kernels_for({}, True, True, {"combo_kernels": True})
@@ -391,7 +391,7 @@ def test_a_standalone_cuda_build_takes_its_options_and_kernels_by_the_single_row
     program = torch.export.export(network.eval(), (x,))
     with pytest.raises(Stop):
         aot._compile_once(program, (x,), {}, "cuda", lambda _: None, None, aot.DEFAULT_CPU_TARGET, standalone=True)
-    assert seen["kernels"] == aot.OwnKernels(attention=True, matvec=one_row_method)
+    assert seen["kernels"] == aot.OwnKernels(attention=True, matvec=one_row_method, update=True)
     assert seen["options"]["benchmark_epilogue_fusion"] is False and seen["options"]["max_autotune"] is True
     assert seen["options"]["prologue_fusion"] is False and seen["options"]["max_autotune_prune_choices_based_on_shared_mem"] is True
     assert seen["options"].get("coordinate_descent_tuning", False) is one_row_method
@@ -406,12 +406,14 @@ def test_a_standalone_cuda_build_takes_its_options_and_kernels_by_the_single_row
 def test_the_matrix_vector_kernel_is_for_methods_that_pass_the_single_row_rule(own, one_row_method, expected):
     kernels = aot.own_kernels_for(own, True, one_row_method, {})
     assert (kernels.attention, kernels.matvec, kernels.combo) == (*expected, True)
+    assert kernels.update is kernels.attention  # the cache writes come with the attention
+    assert aot.own_kernels_for({**own, "cuda_runner.fuse_cache_update": False}, True, one_row_method, {}).update is False
     assert aot.own_kernels_for(own, False, one_row_method, {}) == aot.OwnKernels(attention=False, matvec=False)  # CPU, libtorch or no Triton
     assert aot.own_kernels_for(own, True, one_row_method, {"combo_kernels": False}).combo is False  # the user's to choose
 
 
 def test_a_build_with_the_matrix_vector_kernel_names_each_of_its_compiled_forms_apart(monkeypatch):
-    monkeypatch.setattr(attention, "fuse_decode_attention", lambda module, written_elsewhere: attention.Fused(2))
+    monkeypatch.setattr(attention, "fuse_decode_attention", lambda module, written_elsewhere, update_caches: attention.Fused(2))
     monkeypatch.setattr(matvec, "use_matvec", lambda module, **_: matvec.MatvecUse(products=5, launches=3))
     seen: list[dict] = []
     fake = SimpleNamespace(_inductor=SimpleNamespace(aot_compile=lambda module, args, kwargs, options: seen.append(options) or "/x/m.so"))

@@ -199,6 +199,25 @@ def test_bytes_past_the_constants_keep_the_blob():
     assert "past the library's constants" in split_blob([LibraryConstant("w", _code("float32"), slots[0])], blob + bytes(64), {"w": weight})
 
 
+def test_constants_a_build_added_to_the_program_are_described_by_what_it_added(monkeypatch):
+    """The rotation tables the fused attention's build adds (compile/attention.py) are no tensor of
+    the exported program: the build names them, and the method still shares its weights."""
+    from types import SimpleNamespace
+
+    from cuda_runner.compile import sharing
+
+    weight, table = torch.randn(4, 3), torch.randn(8, 16)
+    blob, slots = _blob(weight, table)
+    constants = [LibraryConstant("l.weight", _code("float32"), slots[0]), LibraryConstant("cuda_runner_rotary_0", _code("float32"), slots[1])]
+    monkeypatch.setattr(sharing, "library_constants", lambda library, device: constants)
+    program = SimpleNamespace(state_dict={"l.weight": weight}, constants={})
+    spec = _spec("decode")
+    without = sharing.constant_tables({"decode": (program, b"", blob, spec, {})}, "cpu", lambda _: None)
+    assert isinstance(without["decode"], str) and "not a tensor of the exported program" in without["decode"]
+    added = sharing.constant_tables({"decode": (program, b"", blob, spec, {"cuda_runner_rotary_0": table})}, "cpu", lambda _: None)
+    assert [stored.spec.fqn for stored in added["decode"]] == ["l.weight", "cuda_runner_rotary_0"]
+
+
 # ---------------------------------------------------------------------------
 # Choosing what to share, on forged tables
 

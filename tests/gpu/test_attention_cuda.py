@@ -17,7 +17,7 @@ from helpers import compile_with_option
 from models import compile_tiny_llama, scale_models
 
 import cuda_runner
-from cuda_runner.compile.attention import OPTION
+from cuda_runner.compile.attention import OPTION, TABLE_PREFIX, UPDATE_OPTION
 
 pytestmark = pytest.mark.gpu
 
@@ -73,6 +73,46 @@ def test_every_plan_of_the_decoders_call_computes_what_sdpa_does(plan):
         torch.testing.assert_close(out.float(), want, atol=2e-2, rtol=2e-2)
 
 
+@pytest.mark.parametrize("pairs", [0, 1, 2])
+@pytest.mark.parametrize("plan", [(32, 16, 32, 2), (512, 1, 512, 8)], ids=["split", "one program a row"])
+def test_the_updating_kernel_writes_the_step_and_attends_to_it_as_index_copy_and_sdpa_do(plan, pairs):
+    """The 1B decoder's call with the step's key and value written by the kernel: rotated in
+    neighbouring pairs or halves, or not; at the first position, the edges of the stretches, the
+    last, and past the cache (nothing written); the kernels that wait for the launch before."""
+    from cuda_runner.compile.attention_kernel import AttentionPlan, CacheUpdate, launch_attention
+
+    generator = torch.Generator("cuda").manual_seed(7)
+    angles = torch.rand(512, 32, device="cuda", generator=generator) * 6.0
+    cos, sin = angles.cos(), angles.sin()
+    tables = {1: (cos.repeat_interleave(2, 1).contiguous(), torch.stack((-sin, sin), -1).flatten(1).contiguous()),
+              2: (torch.cat((cos, cos), 1), torch.cat((-sin, sin), 1))}.get(pairs, (None, None))
+    partner = torch.arange(64, device="cuda") ^ 1 if pairs == 1 else (torch.arange(64, device="cuda") + 32) % 64
+
+    def rotate(x, step):
+        if not pairs:
+            return x
+        return (x.float() * tables[0][step] + x.float()[..., partner] * tables[1][step]).to(x.dtype)
+
+    for position in (0, 31, 32, 255, 511, 700):
+        q, k, v = (torch.randn(size, device="cuda", dtype=torch.bfloat16, generator=generator) for size in ((1, 32, 1, 64), (1, 8, 1, 64), (1, 8, 1, 64)))
+        keys, values = (torch.randn(1, 8, 512, 64, device="cuda", dtype=torch.bfloat16, generator=generator) for _ in range(2))
+        want_keys, want_values = keys.clone(), values.clone()
+        step = torch.tensor([position], device="cuda")
+        if position < 512:
+            want_keys.index_copy_(2, step, rotate(k, position))
+            want_values.index_copy_(2, step, v)
+        allowed = torch.arange(512, device="cuda") <= position
+        want = F.scaled_dot_product_attention(rotate(q, min(position, 511)).float(), want_keys.float().repeat_interleave(4, 1),
+                                              want_values.float().repeat_interleave(4, 1), attn_mask=allowed, scale=0.125)
+        out = torch.full_like(q, float("nan"))
+        update = CacheUpdate(k, v, step, (*tables, pairs), (*tables, pairs))
+        launch_attention(q, keys, values, None, step, out, 0.125, 4, AttentionPlan(*plan), pdl=True, update=update)
+        torch.cuda.synchronize()
+        torch.testing.assert_close(out.float(), want, atol=2e-2, rtol=2e-2)
+        assert torch.equal(keys, want_keys) or (keys.float() - want_keys.float()).abs().max().item() <= 2 ** -7
+        assert torch.equal(values, want_values)
+
+
 def _generate(model, eager, config, prompt, steps):
     positions = np.arange(prompt.shape[1])
     errors = []
@@ -98,6 +138,15 @@ def test_the_standalone_decoder_fuses_each_layers_decode_attention_and_matches_e
     # its mask is proven to be "up to the step's position", and the step's small kernels are launched together
     assert methods["decode"].compile_options["fused_decode_attention_position_limits"] == config.layers
     assert methods["decode"].compile_options["combo_kernels"] is True
+    # the step's cache writes and its rotations of q and k are the kernel's, from tables the build added to the program
+    assert methods["decode"].compile_options["fused_cache_updates"] == config.layers
+    assert methods["decode"].compile_options["fused_rotations"] == 2 * config.layers
+    decode_constants = {constant.fqn: constant.segment for constant in methods["decode"].constants or ()}
+    assert any(fqn.startswith(TABLE_PREFIX) for fqn in decode_constants)
+    # the methods still hold their weights and caches once, the caches shared as state
+    prefill_constants = {constant.fqn: constant.segment for constant in methods["prefill"].constants or ()}
+    assert decode_constants["layers.0.attention.k_cache"] == prefill_constants["layers.0.attention.k_cache"]
+    assert decode_constants["layers.0.attention.wq.weight"] == prefill_constants["layers.0.attention.wq.weight"]
     assert "fused_decode_attention" not in methods["prefill"].compile_options  # a prompt of dynamic length keeps SDPA's lowering
     prompt = np.random.default_rng(3).integers(0, config.vocab, (1, 6), dtype=np.int64)
     with cuda_runner.load(path, "cuda") as model:
@@ -147,6 +196,9 @@ def test_the_option_turns_it_on_and_off_through_the_cli(tmp_path):
         assert options.get("fused_decode_attention_position_limits") == expected
     options = compile_with_option(tmp_path / "decode.pt2", tmp_path / "no-combo.bundle", "combo_kernels", "false")
     assert options["combo_kernels"] is False and options["fused_decode_attention"] == config.layers
+    assert options["fused_cache_updates"] == config.layers
+    options = compile_with_option(tmp_path / "decode.pt2", tmp_path / "no-update.bundle", UPDATE_OPTION, "false")
+    assert options["fused_decode_attention"] == config.layers and "fused_cache_updates" not in options and "fused_rotations" not in options
 
 
 def test_an_encoder_with_multi_head_attention_compiles_standalone_and_matches_eager(tmp_path):
