@@ -237,7 +237,7 @@ def test_every_method_is_compiled_knowing_what_the_bundle_writes(monkeypatch, tm
         heard[method] = written_by_methods
         if len(heard) == len(sources):
             raise _Stop
-        return None, {}, source.program
+        return None, {}, source.program, {}
 
     monkeypatch.setattr(compile_package, "_compile_method", compile_method)
     with pytest.raises(_Stop):
