@@ -296,6 +296,7 @@ def compile_command(
     option: Annotated[list[str], typer.Option("--option", metavar="KEY=VALUE", help=(
         "An Inductor option, e.g. max_autotune=true, or cuda_runner.fuse_decode_attention=false "
         "(a standalone CUDA build's decode-step attention as SDPA's math form, not cuda-runner's fused kernel), "
+        "cuda_runner.fuse_cache_update=false (the step's cache writes and RoPE left to Inductor, the attention still fused), "
         "or cuda_runner.matvec=false (its products of one row as Inductor lowers them, not on cuda-runner's matrix-vector kernel); "
         "repeatable; recorded in the manifest."))] = [],  # noqa: B006
     autotune: Annotated[bool, typer.Option("--autotune", help=(
