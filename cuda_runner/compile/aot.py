@@ -547,7 +547,11 @@ class OwnKernels:
         self.added_constants = {}
         if self.attention:
             in_use.append("attention")
+            if self.update:
+                in_use.append("update")  # a rewrite that fails gives up the update first, the attention after
             fused = attention.fuse_decode_attention(module, self.written_elsewhere, update_caches=self.update)
+            if self.update:
+                in_use.pop()  # back below, as the newest of the build's kernels, where it was taken
             self.fused, self.position_limits = fused.calls, fused.position_limits
             self.cache_updates, self.rotations = fused.cache_updates, fused.rotations
             self.added_constants = dict(fused.tables)

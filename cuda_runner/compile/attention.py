@@ -30,7 +30,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from . import rotary
-from .graph_memory import GraphMemory
+from .graph_memory import GraphMemory, module_tensor
 from .graph_values import FLOATING_DTYPES, dtype_name, one_floating_dtype, pure_op, static_shape
 from .graph_values import value as recorded_value
 from .position_mask import one_integer, position_limit
@@ -165,11 +165,12 @@ def _updating_call(graph: Any, site: AttentionSite, cache_write: CacheWrite, mas
     import torch
 
     positions = (static_shape(cache_write.key_cache) or (0, 0, 0))[2]
+    device = recorded_value(site.query).device  # where the kernel runs: _cache_write saw the position there too
     operands = []
     for node in (site.query, cache_write.key):
         found = rotary.rotation(node, cache_write.position, positions, written_elsewhere, tables.proven)
         operands.append((node, None, None, rotary.NO_ROTATION) if found is None else
-                        (found.source, tables.node(found.cos), tables.node(found.sin), found.pairs))
+                        (found.source, tables.node(found.cos, device), tables.node(found.sin, device), found.pairs))
     (query, query_cos, query_sin, query_pairs), (key, key_cos, key_sin, key_pairs) = operands
     call = graph.call_function(torch.ops.cuda_runner.decode_attention_update.default, (
         query, key, cache_write.value, cache_write.key_cache, cache_write.value_cache, cache_write.position, mask, site.scale, site.group,
@@ -186,17 +187,16 @@ class _Tables:
         self.proven: dict[Any, Any] = {}
         self._nodes: list[tuple[Any, Any]] = []
 
-    def node(self, table: Any) -> Any:
-        """A get_attr node of the module's buffer holding `table`, added where none does yet."""
+    def node(self, table: Any, device: Any) -> Any:
+        """A get_attr node of the module's buffer holding `table` on `device`, added where none does yet."""
         import torch
 
         for held, node in self._nodes:
-            if held.shape == table.shape and torch.equal(held, table):
+            if held.shape == table.shape and torch.equal(held, table) and getattr(self.graph_module, node.target).device == device:
                 return node
         name = f"{TABLE_PREFIX}{len(self._nodes)}"
         while hasattr(self.graph_module, name):
             name += "_"
-        device = next((tensor.device for tensor in self.graph_module.buffers()), table.device)
         self.graph_module.register_buffer(name, table.to(device).contiguous())
         graph = self.graph_module.graph
         with graph.inserting_before(next(iter(graph.nodes))):
@@ -237,7 +237,23 @@ def _cache_write(site: AttentionSite) -> CacheWrite | None:
         allowed = {cache, write, *site.repeats}
         if any(node not in allowed and memory.shared(node, cache) for node in site.node.graph.nodes):
             return None  # another name for the cache's memory: something reads or writes it besides this step's write
+        if not _apart_in_memory(module_tensor(site.node.graph.owning_module, str(cache.target))):
+            return None  # one program's write could land where another reads
     return CacheWrite(key_cache, value_cache, key, value, position, writes)
+
+
+def _apart_in_memory(tensor: Any) -> bool:
+    """Whether no two elements of a tensor share memory (each dim, by stride,
+    steps past everything the smaller strides reach): the kernel writes one
+    position of a head while other programs read the others'."""
+    if tensor is None:
+        return False
+    reach = 1
+    for stride, size in sorted((stride, size) for size, stride in zip(tensor.shape, tensor.stride(), strict=True) if size > 1):
+        if stride < reach:
+            return False
+        reach = stride * size
+    return True
 
 
 def _read_only_by(write: Any, site: AttentionSite) -> bool:

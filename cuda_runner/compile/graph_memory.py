@@ -78,13 +78,34 @@ def _module_tensor_address(graph: Any, node: Any) -> tuple[str, int] | None:
     torch.export.save and load, which keep no traced storage shared."""
     if node.op != "get_attr" or graph.owning_module is None:
         return None
-    value: Any = graph.owning_module
-    for part in str(node.target).split("."):
+    return _address(module_tensor(graph.owning_module, str(node.target)))
+
+
+def module_tensor(module: Any, name: str) -> Any:
+    """The tensor a module holds under a dotted name, or None."""
+    value: Any = module
+    for part in name.split("."):
         value = getattr(value, part, None)
-    if not hasattr(value, "untyped_storage"):
+    return value if hasattr(value, "untyped_storage") else None
+
+
+def _address(tensor: Any) -> tuple[str, int] | None:
+    if tensor is None:
         return None
-    storage = value.untyped_storage()
-    return (str(value.device), storage.data_ptr()) if storage.nbytes() else None
+    storage = tensor.untyped_storage()
+    return (str(tensor.device), storage.data_ptr()) if storage.nbytes() else None
+
+
+def reads_written_elsewhere(nodes: list[Any], written_elsewhere: frozenset[str]) -> bool:
+    """Whether a module tensor among `nodes` (get_attr) is one that other
+    methods write, by name or by memory (a table registered as a view of a
+    buffer that another method fills)."""
+    tensors = [node for node in nodes if node.op == "get_attr"]
+    if not tensors or not written_elsewhere:
+        return False
+    module = tensors[0].graph.owning_module
+    written = {_address(module_tensor(module, name)) for name in written_elsewhere} - {None} if module is not None else set()
+    return any(node.target in written_elsewhere or _module_tensor_address(node.graph, node) in written for node in tensors)
 
 
 def _guards(node: Any) -> bool:

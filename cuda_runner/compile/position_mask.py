@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from .graph_memory import GraphMemory
+from .graph_memory import GraphMemory, reads_written_elsewhere
 from .graph_values import pure_op, static_shape
 from .graph_values import value as recorded_value
 
@@ -42,7 +42,7 @@ def position_limit(mask: Any, target: tuple[int, int, int, int], written_elsewhe
     if len(inputs) != 1 or not one_integer(inputs[0]) or not all(_pure(node) and _small(node, length) for node in ancestors):
         return None
     position = inputs[0]
-    if not _written_by_no_op(ancestors) or any(node.op == "get_attr" and node.target in written_elsewhere for node in ancestors):
+    if not _written_by_no_op(ancestors) or reads_written_elsewhere(ancestors, written_elsewhere):
         return None
     try:
         return position if _allows_up_to_position(mask, ancestors, position, target) else None

@@ -19,14 +19,23 @@ evaluated in float64, so that the coefficients come out as the model's
 position side computed them (float32, or bfloat16 where the model rounds its
 cos and sin first), with no rounding of X's side in the way; the kernel then
 computes the rotation in float32 and rounds once to the result's dtype.
+
+Values cannot show that a map is linear everywhere (a clamp beyond the
+probes' range looks like the identity), so X's side may hold only ops that
+are: products and sums with the position side, negation, casts that lose
+nothing of X's dtype, and ops that move elements. The proof runs on the CPU,
+on copies of the tables it reads: an index past a table there is an error
+that rules the rotation out, where on the GPU it would end the process's use
+of the device.
 """
 
 from __future__ import annotations
 
+import operator as python_operator
 from dataclasses import dataclass
 from typing import Any
 
-from .graph_memory import GraphMemory
+from .graph_memory import GraphMemory, module_tensor, reads_written_elsewhere
 from .graph_values import FLOATING_DTYPES, dtype_name, pure_op, static_shape
 from .graph_values import value as recorded_value
 
@@ -38,6 +47,15 @@ MAX_PROVEN_POSITIONS = 8192
 _PROBE_SCALES = (1.0, 1000.0)
 # The most elements the position side's ops may compute, all together (each is computed at every position proven).
 _MAX_POSITION_SIDE_ELEMENTS = 1 << 16
+# The ops X's side may hold (by ATen name): linear in X for any values, given
+# that a product has X on one side only and a quotient does not divide by it (_linear_op).
+_LINEAR_OPS = frozenset({
+    "aten::mul", "aten::add", "aten::sub", "aten::neg", "aten::div",  # with the position side or constants
+    "aten::to", "aten::_to_copy", "aten::type_as", "aten::clone", "aten::contiguous", "aten::alias",  # casts (widening: _precise_enough)
+    "aten::view", "aten::reshape", "aten::_unsafe_view", "aten::flatten", "aten::unflatten", "aten::transpose", "aten::permute",
+    "aten::unsqueeze", "aten::squeeze", "aten::expand", "aten::slice", "aten::select", "aten::narrow", "aten::cat", "aten::stack",
+    "aten::split", "aten::split_with_sizes", "aten::chunk", "aten::unbind", "aten::roll", "aten::flip",
+})
 # How far X's side, evaluated in float64, may stray from the formula (relative to the terms' size).
 _TOLERANCE = 1e-9
 
@@ -74,12 +92,11 @@ def rotation(result: Any, position: Any, positions: int, written_elsewhere: froz
         position_nodes = position_side.ancestors(between)
         if sum(_elements(node) for node in position_nodes if node.op == "call_function") > _MAX_POSITION_SIDE_ELEMENTS:
             continue  # computed again at every position proven: a table built each step over every position would take minutes
-        constants = [node for node in position_nodes if node.op == "get_attr"]
         if any(memory.written(node) for node in (source, *between, *position_nodes)):
             continue  # a value changed in place: the proof would run on what the step does not use
-        if any(node.target in written_elsewhere for node in constants):
+        if reads_written_elsewhere(position_nodes, written_elsewhere):
             continue  # a table another method fills is not what it was at compile time
-        key = _structure(result, source, between, position_side)
+        key = (positions, _structure(result, source, between, position_side))
         if proven is not None and key in proven:
             found = proven[key]
         else:
@@ -147,14 +164,48 @@ def _computed_between(result: Any, source: Any, position_side: _PositionSide) ->
     while pending:
         node = pending.pop()
         # Each op between is computed from X (else from another input): none comes before it.
-        if node.op != "call_function" or not pure_op(node) or position_side.order[node] < earliest:
+        if not _linear_op(node, position_side) or position_side.order[node] < earliest:
             return None
         for source_node in node.all_input_nodes:
             if source_node is source or position_side.holds(source_node) or source_node in seen:
                 continue
             seen.add(source_node)
             pending.append(source_node)
-    return sorted(seen, key=position_side.order.__getitem__)
+    between = sorted(seen, key=position_side.order.__getitem__)
+    return between if all(_precise_enough(node, source) for node in between) else None
+
+
+def _linear_op(node: Any, position_side: _PositionSide) -> bool:
+    """An op of _LINEAR_OPS (or the pick of one piece of a split), with X on
+    one side only of a product or quotient."""
+    if node.op != "call_function":
+        return False
+    if node.target is python_operator.getitem:
+        return True
+    if not pure_op(node) or node.target._schema.name not in _LINEAR_OPS:
+        return False
+    name = node.target._schema.name
+    if name == "aten::mul":  # X times X is not linear
+        return sum(1 for operand in node.args if hasattr(operand, "op") and not position_side.holds(operand)) <= 1
+    if name == "aten::div":  # nor anything divided by X
+        return all(position_side.holds(operand) for operand in node.args[1:] if hasattr(operand, "op"))
+    return True
+
+
+def _precise_enough(node: Any, source: Any) -> bool:
+    """Whether an op of X's side computes in a dtype that loses nothing of X's
+    (as fine a step and as wide a range): a round trip through float8 or
+    float16 would otherwise be proven away in float64, and the kernel would
+    skip the rounding the model does."""
+    import torch
+
+    computed, given = getattr(recorded_value(node), "dtype", None), getattr(recorded_value(source), "dtype", None)
+    if not isinstance(computed, torch.dtype) or not isinstance(given, torch.dtype):
+        return node.target is python_operator.getitem  # a piece of a split, typed by the split
+    if not computed.is_floating_point or not given.is_floating_point:
+        return False
+    fine, coarse = torch.finfo(computed), torch.finfo(given)
+    return fine.eps <= coarse.eps and fine.max >= coarse.max
 
 
 def _elements(node: Any) -> int:
@@ -172,13 +223,16 @@ def _structure(result: Any, source: Any, between: list[Any], position_side: _Pos
     """What the proof evaluates, with the nodes of X's side named by their
     place: two layers' rotations have one structure where they read the same
     position-side nodes through the same ops."""
-    places = {source: ("source",), **{node: ("op", index) for index, node in enumerate(between)}}
+    places: dict[Any, Any] = {source: ("source",), **{node: ("op", index) for index, node in enumerate(between)}}
 
     def named(argument: Any) -> Any:
         if isinstance(argument, (list, tuple)):
             return tuple(named(item) for item in argument)
         if hasattr(argument, "op") and hasattr(argument, "graph"):
-            return places.get(argument, ("position side", id(argument)))
+            if argument not in places:  # the position side by what it computes: layers that compute their own tables alike share a proof
+                places[argument] = ("position side", argument.op, str(argument.target), named(argument.args),
+                                    tuple(sorted((key, named(value)) for key, value in argument.kwargs.items())))
+            return places[argument]
         return repr(argument)
 
     ops = tuple((str(node.target), named(node.args), tuple(sorted((key, named(value)) for key, value in node.kwargs.items())))
@@ -200,24 +254,23 @@ def _proof(result: Any, source: Any, between: list[Any], position_side: _Positio
     shape = static_shape(result) or ()
     head_dim = shape[3]
     example = recorded_value(position_side.position)
-    device = getattr(recorded_value(source), "device", None)
     generator = torch.Generator().manual_seed(0)
     for pairs in (NEIGHBOURS, HALVES):
         first = _first_of_pairs(pairs, head_dim)
         partner = _partners(pairs, head_dim)
-        probe = first.to(torch.float64).expand(shape).to(device)
+        probe = first.to(torch.float64).expand(shape)
         cos = torch.empty(positions, head_dim, dtype=torch.float64)
         sin = torch.empty(positions, head_dim, dtype=torch.float64)
         with torch.no_grad():
             for step in range(positions):
-                given = torch.full(tuple(example.shape), step, dtype=example.dtype, device=example.device)
-                on_first, on_second = evaluate(probe, given).cpu(), evaluate(1.0 - probe, given).cpu()
+                given = torch.full(tuple(example.shape), step, dtype=example.dtype)
+                on_first, on_second = evaluate(probe, given), evaluate(1.0 - probe, given)
                 step_cos = torch.where(first, on_first, on_second).reshape(-1, head_dim)
                 step_sin = torch.where(first, on_second, on_first).reshape(-1, head_dim)
                 if not (torch.equal(step_cos, step_cos[:1].expand_as(step_cos)) and torch.equal(step_sin, step_sin[:1].expand_as(step_sin))):
                     break  # not the same for every head: no rotation the kernel computes
                 cos[step], sin[step] = step_cos[0], step_sin[0]
-                if not all(_agrees(evaluate, given, cos[step], sin[step], partner, shape, scale, generator, device) for scale in _PROBE_SCALES):
+                if not all(_agrees(evaluate, given, cos[step], sin[step], partner, shape, scale, generator) for scale in _PROBE_SCALES):
                     break
             else:
                 if not sin.any():
@@ -226,13 +279,12 @@ def _proof(result: Any, source: Any, between: list[Any], position_side: _Positio
     return None
 
 
-def _agrees(evaluate: Any, given: Any, cos: Any, sin: Any, partner: Any, shape: tuple[int, ...], scale: float, generator: Any,
-            device: Any) -> bool:
+def _agrees(evaluate: Any, given: Any, cos: Any, sin: Any, partner: Any, shape: tuple[int, ...], scale: float, generator: Any) -> bool:
     """Whether a random X, rotated by the graph, is what the formula gives."""
     import torch
 
     probe = torch.randn(shape, dtype=torch.float64, generator=generator) * scale
-    rotated = evaluate(probe.to(device), given).cpu().to(torch.float64)
+    rotated = evaluate(probe, given).to(torch.float64)
     expected = probe * cos + probe[..., partner] * sin
     size = probe.abs() * cos.abs() + probe[..., partner].abs() * sin.abs()
     return rotated.shape == expected.shape and bool(((rotated - expected).abs() <= _TOLERANCE * size + 1e-300).all())
@@ -254,22 +306,49 @@ def _partners(pairs: int, head_dim: int) -> Any:
 
 
 def _evaluator(result: Any, source: Any, between: list[Any], position_side: _PositionSide) -> Any:
-    """The graph from (X, position) to `result`, with X's side computed in float64."""
+    """The graph from (X, position) to `result`, on the CPU with copies of the
+    module tensors it reads, X's side computed in float64."""
+    import torch
     from torch import fx
 
     graph = fx.Graph()
-    copies: dict[Any, Any] = {source: graph.placeholder("source")}
-    copies[position_side.position] = graph.placeholder("position")
+    root = torch.nn.Module()
+    copies: dict[Any, Any] = {source: graph.placeholder("source"), position_side.position: graph.placeholder("position")}
     for node in position_side.ancestors(between):
-        if node is not position_side.position:
+        if node is position_side.position:
+            continue
+        if node.op == "get_attr":
+            tensor = module_tensor(result.graph.owning_module, str(node.target))
+            if tensor is None:
+                raise LookupError(f"no module tensor {node.target}")
+            name = f"tensor_{len(root._buffers)}"
+            root.register_buffer(name, tensor.detach().cpu())
+            copies[node] = graph.get_attr(name)
+        else:
             copies[node] = graph.node_copy(node, lambda other: copies[other])
+            copies[node].args, copies[node].kwargs = _on_cpu(copies[node].args), _on_cpu(copies[node].kwargs)
     for node in between:
         copied = graph.node_copy(node, lambda other: copies[other])
-        copied.args, copied.kwargs = _in_float64(copied.args), _in_float64(copied.kwargs)
+        copied.args, copied.kwargs = _on_cpu(_in_float64(copied.args)), _on_cpu(_in_float64(copied.kwargs))
         copies[node] = copied
     graph.output(copies[result])
-    module = fx.GraphModule(result.graph.owning_module, graph)
+    module = fx.GraphModule(root, graph)
     return lambda probe, given: module(probe, given)
+
+
+def _on_cpu(argument: Any) -> Any:
+    """An op's arguments with every device it names the CPU (an arange made on the GPU each step, say)."""
+    import torch
+
+    if isinstance(argument, torch.device):
+        return torch.device("cpu")
+    if isinstance(argument, tuple):
+        return tuple(_on_cpu(item) for item in argument)
+    if isinstance(argument, list):
+        return [_on_cpu(item) for item in argument]
+    if isinstance(argument, dict):
+        return {key: _on_cpu(item) for key, item in argument.items()}
+    return argument
 
 
 def _in_float64(argument: Any) -> Any:

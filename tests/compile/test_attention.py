@@ -627,3 +627,59 @@ def test_inductor_sees_the_kernels_write_only_their_outputs_and_the_caches(updat
         pytest.skip("this torch names Inductor's analysis of user Triton kernels otherwise")
     attention = ["key", "part_acc", "part_max", "part_sum", "value"] if update else ["part_acc", "part_max", "part_sum"]
     assert result.returncode == 0 and result.stdout.strip() == str([attention, ["out"]] * 2), result.stderr[-2000:]
+
+
+def test_a_cache_whose_heads_overlap_in_memory_keeps_its_writes():
+    """Head 1 starting one row after head 0: one program's write would land where another reads."""
+    pytest.importorskip("triton")
+    from cuda_runner.compile.attention import fuse_decode_attention
+
+    step = _CachedStep()
+    step.k_cache = torch.zeros(16 * 8 + 8).as_strided((1, 2, 16, 8), (16 * 8, 8, 8, 1))
+    args = (torch.randn(1, 4, 1, 8), torch.randn(1, 2, 1, 8), torch.randn(1, 2, 1, 8), torch.tensor([3]))
+    fused = fuse_decode_attention(torch.export.export(step, args).module())
+    assert (fused.calls, fused.cache_updates) == (1, 0)
+
+
+def test_the_rotation_tables_go_where_the_query_is_not_where_the_first_buffer_is():
+    pytest.importorskip("triton")
+    from compile.test_rotary import HalvesAttention
+
+    from cuda_runner.compile.attention import fuse_decode_attention
+
+    class Outer(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.register_buffer("first", torch.zeros(4, device="meta"))  # bookkeeping on another device
+            self.attention = HalvesAttention()
+
+        def forward(self, x, cache_position):
+            return self.attention(x, cache_position)
+
+    graph_module = torch.export.export(Outer(), (torch.randn(1, 1, 32), torch.tensor([3]))).module()
+    assert next(graph_module.buffers()).device.type == "meta"
+    fused = fuse_decode_attention(graph_module)
+    assert fused.rotations == 2 and {str(table.device) for _, table in fused.tables} == {"cpu"}
+
+
+def test_a_rewrite_that_fails_with_the_cache_update_costs_the_update_not_the_attention(monkeypatch):
+    from types import SimpleNamespace
+
+    from cuda_runner.compile import aot
+
+    asked: list[bool] = []
+
+    def fusion(module, written_elsewhere, update_caches):
+        asked.append(update_caches)
+        if update_caches:
+            raise RuntimeError("no proof for you")
+        return attention.Fused(2)
+
+    monkeypatch.setattr(attention, "fuse_decode_attention", fusion)
+    fake_torch = SimpleNamespace(_inductor=SimpleNamespace(aot_compile=lambda module, args, kwargs, options: "/nowhere/model.so"))
+    kernels = aot.OwnKernels(attention=True, matvec=False, update=True)
+    heard: list[str] = []
+    aot._aot_compile(fake_torch, SimpleNamespace(module=object), (), {}, {}, False, "cuda", kernels, heard.append)
+    assert asked == [True, False] and kernels.fused == 2 and kernels.update is False
+    assert kernels.failures == {"update": "RuntimeError: no proof for you"}
+    assert any("the cache writes and rotations in the fused attention did not compile" in line for line in heard)

@@ -150,3 +150,47 @@ def test_tables_that_another_method_or_the_step_writes_are_not_proven():
     output = next(node for node in graph_module.graph.nodes if node.op == "output").args[0][0]
     assert rotary.rotation(output, _position(graph_module.graph, "position"), 8) is None
 
+
+
+class _Rotated(torch.nn.Module):
+    """q [1, 2, 1, 8] rotated in halves by a table of 16 positions, with `before` applied to q
+    first and `after` to the rotation; `tables` holds cos and sin, which `cos_t` and `sin_t` view."""
+
+    def __init__(self, before=lambda q: q, after=lambda q: q):
+        super().__init__()
+        self.before, self.after = before, after
+        angles = torch.outer(torch.arange(16).float(), 1.0 / (10000 ** (torch.arange(0, 8, 2).float() / 8)))
+        angles = torch.cat((angles, angles), dim=-1)
+        self.register_buffer("tables", torch.stack((angles.cos(), angles.sin())))
+        self.register_buffer("cos_t", self.tables[0])
+        self.register_buffer("sin_t", self.tables[1])
+
+    def forward(self, q, position):
+        q = self.before(q)
+        return self.after(q * self.cos_t[position] + _rotate_half(q) * self.sin_t[position])
+
+
+def _rotated(module, written_elsewhere=frozenset()):
+    graph_module = torch.export.export(module, (torch.randn(1, 2, 1, 8), torch.tensor([1]))).module()
+    output = next(node for node in graph_module.graph.nodes if node.op == "output").args[0][0]
+    return rotary.rotation(output, _position(graph_module.graph, "position"), 16, written_elsewhere)
+
+
+@pytest.mark.parametrize("after", [lambda q: q.clamp(-8000, 8000), lambda q: torch.nan_to_num(q, posinf=100.0)], ids=["clamp", "nan_to_num"])
+def test_ops_no_probe_shows_to_be_nonlinear_are_not_taken_on_the_rotations_side(after):
+    """Both are the identity on every value the probes reach (up to about 4000)."""
+    assert _rotated(_Rotated()) is not None
+    assert _rotated(_Rotated(after=after)) is None
+
+
+@pytest.mark.parametrize("narrow", [torch.float16, torch.bfloat16, torch.float8_e4m3fn])
+def test_a_round_trip_through_a_coarser_dtype_stays_the_models(narrow):
+    """Proven in float64 it would vanish, and the kernel would read q unrounded."""
+    found = _rotated(_Rotated(before=lambda q: q.to(narrow).to(torch.float32)))
+    assert found is not None and str(found.source.args[0].meta["val"].dtype) == str(narrow)  # the rotation starts after it
+
+
+def test_a_table_that_views_a_buffer_another_method_writes_is_not_proven():
+    assert _rotated(_Rotated(), written_elsewhere=frozenset({"cos_t"})) is None
+    assert _rotated(_Rotated(), written_elsewhere=frozenset({"tables"})) is None  # by memory, not by name
+    assert _rotated(_Rotated(), written_elsewhere=frozenset({"elsewhere"})) is not None
