@@ -33,7 +33,8 @@ from . import rotary
 from .graph_memory import GraphMemory, module_tensor
 from .graph_values import FLOATING_DTYPES, dtype_name, one_floating_dtype, pure_op, static_shape
 from .graph_values import value as recorded_value
-from .position_mask import one_integer, position_limit
+from .position_mask import position_limit
+from .step_position import step_position
 
 # The kernel runs one program per query row and reads every key for each:
 # beyond a few rows (a prefill, an encoder) SDPA's own lowering does better.
@@ -122,7 +123,7 @@ def fuse_decode_attention(graph_module: Any, written_elsewhere: frozenset[str] =
     limits: dict[Any, Any] = {}  # (mask, its [B, H, L, S]) -> the position that stands for it (the layers share one mask)
     masks = set()
     position_limits = cache_updates = rotations = 0
-    tables = _Tables(graph_module)
+    shared = _Shared(graph_module)
     for site in sites:
         mask, limit = site.mask, None
         if mask is not None:
@@ -133,13 +134,13 @@ def fuse_decode_attention(graph_module: Any, written_elsewhere: frozenset[str] =
             if limit is not None:
                 masks.add(mask)
                 mask, position_limits = None, position_limits + 1
-        cache_write = _cache_write(site) if update_caches else None
+        cache_write = _cache_write(site, shared) if update_caches else None
         with graph.inserting_before(site.node):
             if cache_write is None:
                 fused = graph.call_function(torch.ops.cuda_runner.decode_attention.default,
                                             (site.query, site.key, site.value, mask, site.scale, site.group, limit))
             else:
-                fused, rotated = _updating_call(graph, site, cache_write, mask, limit, tables, written_elsewhere)
+                fused, rotated = _updating_call(graph, site, cache_write, mask, limit, shared, written_elsewhere)
                 cache_updates, rotations = cache_updates + 1, rotations + rotated
         fused.meta.update(site.node.meta)  # its value as export saw it: pin_sdpa_layout reads the layout
         site.node.replace_all_uses_with(fused)
@@ -155,10 +156,10 @@ def fuse_decode_attention(graph_module: Any, written_elsewhere: frozenset[str] =
         _erase_unused(mask)
     graph.lint()
     graph_module.recompile()
-    return Fused(len(sites), position_limits, cache_updates, rotations, tables.added())
+    return Fused(len(sites), position_limits, cache_updates, rotations, shared.added())
 
 
-def _updating_call(graph: Any, site: AttentionSite, cache_write: CacheWrite, mask: Any, limit: Any, tables: _Tables,
+def _updating_call(graph: Any, site: AttentionSite, cache_write: CacheWrite, mask: Any, limit: Any, shared: _Shared,
                    written_elsewhere: frozenset[str]) -> tuple[Any, int]:
     """The call of decode_attention_update that stands for `site` and its cache
     writes, and how many of its query and key it rotates itself."""
@@ -168,9 +169,9 @@ def _updating_call(graph: Any, site: AttentionSite, cache_write: CacheWrite, mas
     device = recorded_value(site.query).device  # where the kernel runs: _cache_write saw the position there too
     operands = []
     for node in (site.query, cache_write.key):
-        found = rotary.rotation(node, cache_write.position, positions, written_elsewhere, tables.proven)
+        found = rotary.rotation(node, cache_write.position, positions, written_elsewhere, shared.proven)
         operands.append((node, None, None, rotary.NO_ROTATION) if found is None else
-                        (found.source, tables.node(found.cos, device), tables.node(found.sin, device), found.pairs))
+                        (found.source, shared.node(found.cos, device), shared.node(found.sin, device), found.pairs))
     (query, query_cos, query_sin, query_pairs), (key, key_cos, key_sin, key_pairs) = operands
     call = graph.call_function(torch.ops.cuda_runner.decode_attention_update.default, (
         query, key, cache_write.value, cache_write.key_cache, cache_write.value_cache, cache_write.position, mask, site.scale, site.group,
@@ -178,13 +179,15 @@ def _updating_call(graph: Any, site: AttentionSite, cache_write: CacheWrite, mas
     return call, (query_pairs != rotary.NO_ROTATION) + (key_pairs != rotary.NO_ROTATION)
 
 
-class _Tables:
-    """The rotation tables a rewrite adds to the module, one buffer for each
-    distinct table (the layers of a decoder share theirs), and the proofs so far."""
+class _Shared:
+    """What the sites of one rewrite share: the rotation tables it adds to the
+    module, one buffer for each distinct table (the layers of a decoder share
+    theirs), and the proofs so far (the layers' rotations and positions)."""
 
     def __init__(self, graph_module: Any) -> None:
         self.graph_module = graph_module
         self.proven: dict[Any, Any] = {}
+        self.steps: dict[tuple[Any, int], Any] = {}  # (a cache write's index, the cache's length) -> the graph input it stands for
         self._nodes: list[tuple[Any, Any]] = []
 
     def node(self, table: Any, device: Any) -> Any:
@@ -209,22 +212,24 @@ class _Tables:
         return tuple((node.target, getattr(self.graph_module, node.target)) for _, node in self._nodes)
 
 
-def _cache_write(site: AttentionSite) -> CacheWrite | None:
+def _cache_write(site: AttentionSite, shared: _Shared) -> CacheWrite | None:
     """The cache writes `site` reads the result of, where the fused kernel can
     make them instead: one query row; keys and values each a module buffer
-    that index_copy_ writes at one integer position (the same for both) along
-    the positions, from a tensor of one position; and nothing else in the
-    graph reads or writes those buffers, or writes anything between the
-    writes and the call (the kernel writes later than the graph did)."""
+    that index_copy_ writes at one integer index (the same for both) along
+    the positions, from a tensor of one position; the index equal to a graph
+    input at every position of the cache (compile/step_position.py: that
+    input is the kernel's position); and nothing else in the graph reads or
+    writes those buffers, or writes anything between the writes and the
+    call (the kernel writes later than the graph did)."""
     writes = (site.key, site.value)
     if (static_shape(site.query) or (0, 0, 0))[2] != 1 or site.key is site.value:
         return None
     if not all(str(getattr(write, "target", "")) == _CACHE_WRITE and len(write.args) == 4 and not write.kwargs for write in writes):
         return None
-    (key_cache, key_dim, position, key), (value_cache, value_dim, value_position, value) = (write.args for write in writes)
-    if position is not value_position or position.op != "placeholder" or not one_integer(position) or key_dim not in (2, -2) or value_dim not in (2, -2):
+    (key_cache, key_dim, index, key), (value_cache, value_dim, value_index, value) = (write.args for write in writes)
+    if index is not value_index or key_dim not in (2, -2) or value_dim not in (2, -2):
         return None
-    if _position_on_device(position, site.query) is None or key_cache.op != "get_attr" or value_cache.op != "get_attr" or key_cache is value_cache:
+    if key_cache.op != "get_attr" or value_cache.op != "get_attr" or key_cache is value_cache:
         return None
     for cache, new in ((key_cache, key), (value_cache, value)):
         shape, new_shape = static_shape(cache), static_shape(new)
@@ -232,14 +237,26 @@ def _cache_write(site: AttentionSite) -> CacheWrite | None:
             return None
     if not all(_read_only_by(write, site) for write in writes) or _written_between(site.node, (*writes, *site.repeats)):
         return None
+    length = (static_shape(key_cache) or (0, 0, 0))[2]
+    if (index, length) not in shared.steps:
+        shared.steps[index, length] = step_position(index, length)
+    position = shared.steps[index, length]
+    if position is None or _position_on_device(position, site.query) is None:
+        return None
     memory = GraphMemory(site.node.graph)
     for cache, write in ((key_cache, writes[0]), (value_cache, writes[1])):
         allowed = {cache, write, *site.repeats}
-        if any(node not in allowed and memory.shared(node, cache) for node in site.node.graph.nodes):
+        if any(node not in allowed and memory.shared(node, cache) and not _unread_name(node) for node in site.node.graph.nodes):
             return None  # another name for the cache's memory: something reads or writes it besides this step's write
         if not _apart_in_memory(module_tensor(site.node.graph.owning_module, str(cache.target))):
             return None  # one program's write could land where another reads
     return CacheWrite(key_cache, value_cache, key, value, position, writes)
+
+
+def _unread_name(node: Any) -> bool:
+    """A module tensor the graph names and never reads (Hugging Face's caches
+    are registered buffers that the graph reads through another name)."""
+    return node.op == "get_attr" and not node.users
 
 
 def _apart_in_memory(tensor: Any) -> bool:

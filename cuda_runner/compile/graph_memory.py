@@ -63,6 +63,64 @@ class GraphMemory:
             self._parent[first_root] = second_root
 
 
+def computed_alone(target: Any) -> list[Any] | None:
+    """The nodes `target` is computed from (itself included, in graph order)
+    where its value, wherever and at whatever step the graph reads it, is a
+    function of the graph's inputs and of module tensors as they were at
+    compile time; None where a write could change it. Each of the nodes is an
+    input, a module tensor or an op that writes nothing, but for one kind of
+    write: `constant.copy_(value)` into a module tensor that none of them
+    reads before (Hugging Face's decoders copy their `cache_position` into a
+    counter that way), which leaves the constant holding the value whatever
+    it held. No other op writes the target's memory or that of a module
+    tensor it is computed from (the next step would read it changed), and
+    none writes a counter so overwritten between the copy and the target."""
+    from .graph_values import ancestors_of, pure_op
+
+    graph = target.graph
+    computed_from = ancestors_of(target)
+    order = {node: index for index, node in enumerate(graph.nodes)}
+    memory = GraphMemory(graph)
+    overwrites = [node for node in computed_from if _overwrite(node, computed_from, memory, order)]
+    if not all(node.op in ("placeholder", "get_attr") or pure_op(node) or node in overwrites for node in computed_from):
+        return None
+    counters = {overwrite.args[0]: order[overwrite] for overwrite in overwrites}
+    for writer in graph.nodes:
+        if writer in overwrites:
+            continue
+        for operand in _written_operands(writer):
+            if memory.shared(operand, target):
+                return None
+            for reader in computed_from:
+                for read in reader.all_input_nodes:
+                    if memory.shared(operand, read) and _changes_what_it_reads(writer, reader, read, counters, memory, order):
+                        return None
+    return computed_from
+
+
+def _changes_what_it_reads(writer: Any, reader: Any, read: Any, counters: dict[Any, int], memory: GraphMemory, order: dict[Any, int]) -> bool:
+    """Whether `writer`, which writes memory `read` holds, changes what
+    `reader` reads of it, this step or a later one: always, but for a counter
+    (overwritten before it is read), which it changes only between the
+    overwrite and the read."""
+    copied = [at for counter, at in counters.items() if memory.shared(read, counter)]
+    if not copied:
+        return True
+    return any(at < order[writer] < order[reader] for at in copied)
+
+
+def _overwrite(node: Any, computed_from: list[Any], memory: GraphMemory, order: dict[Any, int]) -> bool:
+    """`constant.copy_(value)`, where nothing `computed_from` holds reads the
+    constant's memory before the copy (the copy writes every element)."""
+    if node.op != "call_function" or str(node.target) != "aten.copy_.default" or len(node.args) != 2 or node.kwargs:
+        return False
+    constant = node.args[0]
+    if getattr(constant, "op", None) != "get_attr":
+        return False
+    return not any(order[other] < order[node] and any(memory.shared(source, constant) for source in other.all_input_nodes)
+                   for other in computed_from)
+
+
 def storage_of(node: Any) -> Any:
     """The storage of the tensor export traced for `node` (a weak reference, compared by identity), or None."""
     import torch

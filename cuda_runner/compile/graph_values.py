@@ -64,3 +64,20 @@ def pure_op(node: Any) -> bool:
     if not isinstance(target, torch._ops.OpOverload) or target._schema.is_mutable:
         return False
     return torch.Tag.nondeterministic_seeded not in target.tags
+
+
+def ancestors_of(node: Any) -> list[Any]:
+    """The nodes `node` is computed from, itself included, in graph order."""
+    seen = {node}
+    pending = [node]
+    while pending:
+        for source in pending.pop().all_input_nodes:
+            if source not in seen:
+                seen.add(source)
+                pending.append(source)
+    return [candidate for candidate in node.graph.nodes if candidate in seen]
+
+
+def one_integer(node: Any) -> bool:
+    """A tensor of shape [1] (one per query row, as the kernel takes it) of int32 or int64."""
+    return static_shape(node) == (1,) and dtype_name(node) in ("torch.int32", "torch.int64")

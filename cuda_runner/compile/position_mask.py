@@ -19,8 +19,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from .graph_memory import GraphMemory, reads_written_elsewhere
-from .graph_values import pure_op, static_shape
+from .evaluation import on_cpu
+from .graph_memory import computed_alone, reads_written_elsewhere
+from .graph_values import one_integer, static_shape
 from .graph_values import value as recorded_value
 
 # The longest cache whose mask is proven position by position (each one a run of
@@ -37,51 +38,19 @@ def position_limit(mask: Any, target: tuple[int, int, int, int], written_elsewhe
     _, _, rows, length = target
     if rows != 1 or length > MAX_PROVEN_POSITIONS or static_shape(mask) is None:
         return None
-    ancestors = _ancestors(mask)
+    ancestors = computed_alone(mask)  # nothing the step writes: a mask kept in a buffer it updates, or changed in place through a view
+    if ancestors is None:
+        return None
     inputs = [node for node in ancestors if node.op == "placeholder"]
-    if len(inputs) != 1 or not one_integer(inputs[0]) or not all(_pure(node) and _small(node, length) for node in ancestors):
+    if len(inputs) != 1 or not one_integer(inputs[0]) or not all(_small(node, length) for node in ancestors):
         return None
     position = inputs[0]
-    if not _written_by_no_op(ancestors) or reads_written_elsewhere(ancestors, written_elsewhere):
+    if reads_written_elsewhere(ancestors, written_elsewhere):
         return None
     try:
         return position if _allows_up_to_position(mask, ancestors, position, target) else None
     except Exception:  # a mask that does not evaluate on its own keeps its mask
         return None
-
-
-def _written_by_no_op(ancestors: list[Any]) -> bool:
-    """Whether no op of the graph writes what the mask is computed from. A
-    written position would be read changed by the kernel. A value written
-    through another view of its memory (base.logical_and_(...) where the mask
-    is base.view(...)) is not the one its node computes: the proof would run
-    on what the step does not use. A module tensor the step writes (a mask
-    kept in a buffer it updates) is not what it was at compile time."""
-    memory = GraphMemory(ancestors[0].graph)
-    return not any(memory.written(node) for node in ancestors)
-
-
-def _ancestors(node: Any) -> list[Any]:
-    """The nodes `node` is computed from, itself included, in graph order."""
-    seen = {node}
-    pending = [node]
-    while pending:
-        for source in pending.pop().all_input_nodes:
-            if source not in seen:
-                seen.add(source)
-                pending.append(source)
-    return [candidate for candidate in node.graph.nodes if candidate in seen]
-
-
-def one_integer(node: Any) -> bool:
-    """A tensor of shape [1] (one per query row, as the kernel takes it) of int32 or int64."""
-    return static_shape(node) == (1,) and str(getattr(recorded_value(node), "dtype", "")) in ("torch.int32", "torch.int64")
-
-
-def _pure(node: Any) -> bool:
-    """A node whose value depends on its inputs alone: an input, a constant, or
-    an ATen op that writes nothing and draws no random numbers."""
-    return node.op in ("placeholder", "get_attr") or pure_op(node)
 
 
 def _small(node: Any, length: int) -> bool:
@@ -100,19 +69,13 @@ def _small(node: Any, length: int) -> bool:
 
 def _allows_up_to_position(mask: Any, ancestors: list[Any], position: Any, target: tuple[int, ...]) -> bool:
     import torch
-    from torch import fx
 
-    graph = fx.Graph()
-    copies: dict[Any, Any] = {}
-    for node in ancestors:
-        copies[node] = graph.node_copy(node, lambda source: copies[source])
-    graph.output(copies[mask])
-    evaluate = fx.GraphModule(mask.graph.owning_module, graph)
+    evaluate = on_cpu(mask, [position], ancestors)  # a table indexed past its end fails here, not on the device
     example = recorded_value(position)
-    positions = torch.arange(target[-1], device=example.device)
+    positions = torch.arange(target[-1])
     with torch.no_grad():
         for step in range(target[-1]):
-            given = torch.full(tuple(example.shape), step, dtype=example.dtype, device=example.device)
+            given = torch.full(tuple(example.shape), step, dtype=example.dtype)
             if not _allows_exactly(evaluate(given).expand(target), positions <= step):
                 return False
     return True

@@ -35,7 +35,8 @@ import operator as python_operator
 from dataclasses import dataclass
 from typing import Any
 
-from .graph_memory import GraphMemory, module_tensor, reads_written_elsewhere
+from .evaluation import on_cpu
+from .graph_memory import GraphMemory, computed_alone, reads_written_elsewhere
 from .graph_values import FLOATING_DTYPES, dtype_name, pure_op, static_shape
 from .graph_values import value as recorded_value
 
@@ -92,7 +93,7 @@ def rotation(result: Any, position: Any, positions: int, written_elsewhere: froz
         position_nodes = position_side.ancestors(between)
         if sum(_elements(node) for node in position_nodes if node.op == "call_function") > _MAX_POSITION_SIDE_ELEMENTS:
             continue  # computed again at every position proven: a table built each step over every position would take minutes
-        if any(memory.written(node) for node in (source, *between, *position_nodes)):
+        if any(memory.written(node) for node in (source, *between)) or not _read_as_computed(between, position_side):
             continue  # a value changed in place: the proof would run on what the step does not use
         if reads_written_elsewhere(position_nodes, written_elsewhere):
             continue  # a table another method fills is not what it was at compile time
@@ -112,8 +113,11 @@ def rotation(result: Any, position: Any, positions: int, written_elsewhere: froz
 
 
 class _PositionSide:
-    """Which nodes are computed from the position and constants alone (their
-    values the same at every step with the same position), and the graph's order."""
+    """Which nodes are computed from the position and constants alone, as far
+    as their ops say (ops that write nothing, and copies into a module
+    tensor: Hugging Face's position counter; whether a write elsewhere
+    changes what they read is graph_memory.computed_alone's to say), and the
+    graph's order."""
 
     def __init__(self, position: Any) -> None:
         self.position = position
@@ -122,7 +126,7 @@ class _PositionSide:
         for index, node in enumerate(position.graph.nodes):  # inputs come first: one pass decides every node
             self.order[node] = index
             if node is position or node.op == "get_attr" or (
-                    node.op == "call_function" and pure_op(node) and all(source in self._holds for source in node.all_input_nodes)):
+                    (pure_op(node) or _copy_into_module_tensor(node)) and all(source in self._holds for source in node.all_input_nodes)):
                 self._holds.add(node)
 
     def holds(self, node: Any) -> bool:
@@ -138,6 +142,22 @@ class _PositionSide:
                 seen.add(node)
                 pending.extend(node.all_input_nodes)
         return sorted(seen, key=self.order.__getitem__)
+
+
+def _copy_into_module_tensor(node: Any) -> bool:
+    return node.op == "call_function" and str(node.target) == "aten.copy_.default" and getattr(node.args[0], "op", None) == "get_attr"
+
+
+def _read_as_computed(between: list[Any], position_side: _PositionSide) -> bool:
+    """Whether each position-side value the rotation reads is, as it reads
+    it, computed from the position and constants alone (no write of the step
+    or an earlier one changes it: graph_memory.computed_alone)."""
+    read = {source for node in between for source in node.all_input_nodes if position_side.holds(source)}
+    for node in read:
+        computed_from = computed_alone(node)
+        if computed_from is None or any(other.op == "placeholder" and other is not position_side.position for other in computed_from):
+            return False
+    return True
 
 
 def _candidates(result: Any, shape: tuple[int, ...], position_side: _PositionSide) -> list[Any]:
@@ -306,61 +326,6 @@ def _partners(pairs: int, head_dim: int) -> Any:
 
 
 def _evaluator(result: Any, source: Any, between: list[Any], position_side: _PositionSide) -> Any:
-    """The graph from (X, position) to `result`, on the CPU with copies of the
-    module tensors it reads, X's side computed in float64."""
-    import torch
-    from torch import fx
-
-    graph = fx.Graph()
-    root = torch.nn.Module()
-    copies: dict[Any, Any] = {source: graph.placeholder("source"), position_side.position: graph.placeholder("position")}
-    for node in position_side.ancestors(between):
-        if node is position_side.position:
-            continue
-        if node.op == "get_attr":
-            tensor = module_tensor(result.graph.owning_module, str(node.target))
-            if tensor is None:
-                raise LookupError(f"no module tensor {node.target}")
-            name = f"tensor_{len(root._buffers)}"
-            root.register_buffer(name, tensor.detach().cpu())
-            copies[node] = graph.get_attr(name)
-        else:
-            copies[node] = graph.node_copy(node, lambda other: copies[other])
-            copies[node].args, copies[node].kwargs = _on_cpu(copies[node].args), _on_cpu(copies[node].kwargs)
-    for node in between:
-        copied = graph.node_copy(node, lambda other: copies[other])
-        copied.args, copied.kwargs = _on_cpu(_in_float64(copied.args)), _on_cpu(_in_float64(copied.kwargs))
-        copies[node] = copied
-    graph.output(copies[result])
-    module = fx.GraphModule(root, graph)
-    return lambda probe, given: module(probe, given)
-
-
-def _on_cpu(argument: Any) -> Any:
-    """An op's arguments with every device it names the CPU (an arange made on the GPU each step, say)."""
-    import torch
-
-    if isinstance(argument, torch.device):
-        return torch.device("cpu")
-    if isinstance(argument, tuple):
-        return tuple(_on_cpu(item) for item in argument)
-    if isinstance(argument, list):
-        return [_on_cpu(item) for item in argument]
-    if isinstance(argument, dict):
-        return {key: _on_cpu(item) for key, item in argument.items()}
-    return argument
-
-
-def _in_float64(argument: Any) -> Any:
-    """An op's arguments with every floating dtype it names made float64 (a cast of X's side to float32, or back to bfloat16)."""
-    import torch
-
-    if isinstance(argument, torch.dtype):
-        return torch.float64 if argument.is_floating_point else argument
-    if isinstance(argument, tuple):
-        return tuple(_in_float64(item) for item in argument)
-    if isinstance(argument, list):
-        return [_in_float64(item) for item in argument]
-    if isinstance(argument, dict):
-        return {key: _in_float64(item) for key, item in argument.items()}
-    return argument
+    """The graph from (X, position) to `result`, on the CPU, X's side computed in float64."""
+    nodes = [*position_side.ancestors(between), *between]
+    return on_cpu(result, [source, position_side.position], nodes, in_float64=frozenset(between))

@@ -490,6 +490,7 @@ def test_cache_writes_the_kernel_would_make_out_of_order_stay_the_graphs(rows, a
     assert (sum(str(node.target) == "aten.index_copy_.default" for node in module.graph.nodes) == 0) is bool(updated)
 
 
+@pytest.mark.triton
 @pytest.mark.skipif(not __import__("importlib").util.find_spec("triton"), reason="Triton is not installed (CPU torch)")
 def test_the_fused_step_writes_and_reads_its_caches_as_the_graph_did_under_tritons_interpreter():
     """Step after step from a prefilled cache: the tiny decoder (neighbour pairs, float32 tables)
@@ -533,6 +534,7 @@ def test_the_fused_step_writes_and_reads_its_caches_as_the_graph_did_under_trito
     assert result.returncode == 0 and "ok" in result.stdout, result.stderr[-2000:]
 
 
+@pytest.mark.triton
 @pytest.mark.skipif(not __import__("importlib").util.find_spec("triton"), reason="Triton is not installed (CPU torch)")
 def test_the_updating_kernel_split_over_the_keys_writes_once_and_reads_what_it_wrote_under_tritons_interpreter():
     """The operator itself against index_copy_ and SDPA: a cache split among 16 programs a row,
@@ -683,3 +685,103 @@ def test_a_rewrite_that_fails_with_the_cache_update_costs_the_update_not_the_att
     assert asked == [True, False] and kernels.fused == 2 and kernels.update is False
     assert kernels.failures == {"update": "RuntimeError: no proof for you"}
     assert any("the cache writes and rotations in the fused attention did not compile" in line for line in heard)
+
+
+class _CountingStep(torch.nn.Module):
+    """A decode step written the way Hugging Face's static cache exports: each layer copies the
+    step's position into a counter buffer of its own, takes arange(1) + counter as the index,
+    advances the counter, writes the cache at the index; the mask comes from the index, RoPE's
+    angles from the position."""
+
+    def __init__(self, layers=2, heads=4, kv_heads=2, dim=8, length=16):
+        super().__init__()
+        self.heads, self.kv_heads, self.dim, self.length = heads, kv_heads, dim, length
+        self.register_buffer("inv_freq", 1.0 / (10000 ** (torch.arange(0, dim, 2).float() / dim)))
+        for layer in range(layers):
+            self.register_buffer(f"counter_{layer}", torch.zeros((), dtype=torch.int64))
+            self.register_buffer(f"k_cache_{layer}", torch.zeros(1, kv_heads, length, dim))
+            self.register_buffer(f"v_cache_{layer}", torch.zeros(1, kv_heads, length, dim))
+        self.layers = layers
+        self.project = torch.nn.Linear(dim * heads, (heads + 2 * kv_heads) * dim)
+
+    def forward(self, x, cache_position):
+        positions = torch.arange(1) + cache_position[0]
+        angles = positions.float()[:, None] * self.inv_freq[None, :]
+        angles = torch.cat((angles, angles), dim=-1)
+        cos, sin = angles.cos()[None, None], angles.sin()[None, None]
+        for layer in range(self.layers):
+            counter = getattr(self, f"counter_{layer}")
+            counter.copy_(cache_position[0])
+            index = torch.arange(1) + counter
+            counter.add_(1)  # where Hugging Face's layer advances it: before the cache writes
+            mask = (torch.arange(self.length)[None, :] <= index[:, None]).view(1, 1, 1, self.length)
+            q, k, v = self.project(x).view(1, 1, -1, self.dim).transpose(1, 2).split([self.heads, self.kv_heads, self.kv_heads], dim=1)
+            q, k = q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
+            keys, values = getattr(self, f"k_cache_{layer}"), getattr(self, f"v_cache_{layer}")
+            keys.index_copy_(2, index, k)
+            values.index_copy_(2, index, v)
+            x = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, enable_gqa=True).transpose(1, 2).reshape(1, 1, -1)
+        return x
+
+
+def _rotate_half(x):
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+def test_a_step_that_counts_its_position_the_hugging_face_way_is_fused_whole():
+    pytest.importorskip("triton")
+    from cuda_runner.compile.attention import fuse_decode_attention
+
+    module = torch.export.export(_CountingStep(), (torch.randn(1, 1, 32), torch.tensor([3]))).module()
+    fused = fuse_decode_attention(module)
+    assert (fused.calls, fused.position_limits, fused.cache_updates, fused.rotations) == (2, 2, 2, 4)
+    calls = _fused_update_calls(module)
+    assert [call.args[5].name for call in calls] == ["cache_position"] * 2  # the kernel reads the input, not each layer's counter
+    assert sum(str(node.target) == "aten.add_.Tensor" for node in module.graph.nodes) == 2  # the counters still advance
+
+
+@pytest.mark.triton
+@pytest.mark.skipif(not __import__("importlib").util.find_spec("triton"), reason="Triton is not installed (CPU torch)")
+def test_the_counting_step_and_hugging_faces_own_export_compute_what_they_did_under_tritons_interpreter():
+    """The step above, and where transformers is installed a Llama of its own exported with its
+    static cache (TorchExportableModuleWithStaticCache): step after step from position 0, the
+    logits and every cache against the graph as exported."""
+    script = textwrap.dedent("""
+        import copy, importlib.util, torch
+        from compile.test_attention import _CountingStep
+        from cuda_runner.compile.attention import fuse_decode_attention
+        cases = [(_CountingStep(), lambda step: ((torch.randn(1, 1, 32), torch.tensor([step])), {}), 16, (2, 2, 2, 4))]
+        if importlib.util.find_spec("transformers"):
+            import transformers
+            from transformers.integrations.executorch import TorchExportableModuleWithStaticCache
+            config = transformers.LlamaConfig(vocab_size=1000, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+                                              num_key_value_heads=2, intermediate_size=128, max_position_embeddings=64)
+            model = transformers.LlamaForCausalLM(config).eval()
+            model.generation_config.cache_implementation = "static"
+            model.generation_config.cache_config = {"batch_size": 1, "max_cache_len": 32}
+            wrapped = TorchExportableModuleWithStaticCache(model, batch_size=1, max_cache_len=32)
+            cases.append((wrapped, lambda step: ((), {"input_ids": torch.tensor([[step * 37 % 1000]]), "cache_position": torch.tensor([step])}),
+                          12, (2, 2, 2, 4)))
+        torch.manual_seed(0)
+        for module, inputs, steps, counts in cases:
+            args, kwargs = inputs(0)
+            fused = torch.export.export(module, args, kwargs, strict=False).module()
+            plain = torch.export.export(module, args, kwargs, strict=False).module()
+            result = fuse_decode_attention(fused)
+            assert (result.calls, result.position_limits, result.cache_updates, result.rotations) == counts, result
+            with torch.no_grad():
+                for step in range(steps):
+                    args, kwargs = inputs(step)
+                    got, want = fused(*args, **kwargs), plain(*args, **kwargs)
+                    assert (got - want).abs().max().item() <= 1e-5, (type(module).__name__, step)
+            wanted = dict(plain.named_buffers())
+            for name, held in fused.named_buffers():
+                if name in wanted:
+                    assert torch.equal(held, wanted[name]) or (held - wanted[name]).abs().max().item() <= 1e-6, name
+            print("ok", type(module).__name__)
+    """)
+    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": os.pathsep.join(sys.path)}
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=300)
+    assert result.returncode == 0 and "ok _CountingStep" in result.stdout, result.stderr[-2000:]
+    print(result.stdout)

@@ -47,3 +47,52 @@ def test_writes_through_views_are_found_with_or_without_shared_storages(saved, t
     by_name = {node.name: node for node in graph.nodes}
     assert memory.written(by_name["to"]) and memory.written(by_name["view"])  # the mask, written through its view
     assert not memory.written(by_name["arange"]) and not memory.written(by_name["x"])
+
+
+class _Counter(torch.nn.Module):
+    """Hugging Face's static cache layer: the step's position copied into a counter buffer,
+    read (an arange added to it), then the counter advanced; `when` moves the advance or reads
+    the counter before the copy."""
+
+    def __init__(self, when="after"):
+        super().__init__()
+        self.when = when
+        self.register_buffer("counter", torch.zeros((), dtype=torch.int64))
+        self.register_buffer("table", torch.arange(16) * 10)
+
+    def forward(self, position):
+        before = self.counter + 0  # what the counter held: the step before's
+        self.counter.copy_(position[0])
+        if self.when == "between":
+            self.counter.add_(1)
+        index = torch.arange(1) + self.counter
+        looked_up = self.table[index]
+        if self.when == "after":
+            self.counter.add_(1)
+        if self.when == "table written":
+            self.table.add_(1)
+        return (index + before) if self.when == "read before" else index, looked_up
+
+
+def _outputs(when):
+    graph = torch.export.export(_Counter(when), (torch.tensor([3]),)).module().graph
+    output = next(node for node in graph.nodes if node.op == "output").args[0]
+    return output[0], output[1]
+
+
+def test_a_position_copied_into_a_counter_and_advanced_after_it_is_read_is_computed_from_the_input_alone():
+    from cuda_runner.compile.graph_memory import computed_alone
+
+    index, looked_up = _outputs("after")
+    for node in (index, looked_up):
+        computed_from = computed_alone(node)
+        assert computed_from is not None and [other.name for other in computed_from if other.op == "placeholder"] == ["position"]
+
+
+@pytest.mark.parametrize("when", ["between", "read before", "table written"])
+def test_what_a_write_changes_is_not_computed_alone(when):
+    """Advanced before the read, read before the copy (the step before's count), or a table the step writes."""
+    from cuda_runner.compile.graph_memory import computed_alone
+
+    index, looked_up = _outputs(when)
+    assert computed_alone(looked_up if when == "table written" else index) is None

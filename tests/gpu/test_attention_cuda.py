@@ -213,3 +213,39 @@ def test_an_encoder_with_multi_head_attention_compiles_standalone_and_matches_ea
         got = model.run([image.cpu().numpy()])["output_0"]
     with torch.no_grad():
         np.testing.assert_allclose(got, module(image).cpu().numpy(), rtol=1e-3, atol=2e-3)  # float32 GEMMs in Triton templates, sums reordered
+
+
+def test_a_hugging_face_llama_exported_with_its_static_cache_is_fused_whole_and_matches_eager(tmp_path):
+    """What transformers itself exports for ExecuTorch (TorchExportableModuleWithStaticCache): its
+    layers write the cache at a counter they copy the position into; its mask and its RoPE (halves,
+    cos and sin computed each step) are proven, and the kernel writes and rotates. bfloat16."""
+    transformers = pytest.importorskip("transformers")
+    try:
+        from transformers.integrations.executorch import TorchExportableModuleWithStaticCache
+    except ImportError as error:
+        pytest.skip(f"this transformers exports no static-cache module: {error}")
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(vocab_size=1000, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                                      intermediate_size=128, max_position_embeddings=64)
+    model = transformers.LlamaForCausalLM(config).to(torch.bfloat16).cuda().eval()
+    model.generation_config.cache_implementation = "static"
+    model.generation_config.cache_config = {"batch_size": 1, "max_cache_len": 32}
+    wrapped = TorchExportableModuleWithStaticCache(model, batch_size=1, max_cache_len=32)
+    example = {"input_ids": torch.tensor([[5]], device="cuda"), "cache_position": torch.tensor([0], device="cuda")}
+    program = torch.export.export(copy.deepcopy(wrapped), (), example, strict=False)
+    torch.export.save(program, tmp_path / "decode.pt2")
+    path = tmp_path / "llama.bundle"
+    cuda_runner.compile_programs({"forward": tmp_path / "decode.pt2"}, path, device="cuda")
+    options = cuda_runner.read_manifest(path).methods["forward"].compile_options
+    assert (options["fused_decode_attention"], options["fused_decode_attention_position_limits"]) == (2, 2)
+    assert (options["fused_cache_updates"], options["fused_rotations"]) == (2, 4)
+    errors = []
+    with cuda_runner.load(path, "cuda") as bundle:
+        for step in range(12):
+            given = {"input_ids": np.array([[step * 37 % 1000]], np.int64), "cache_position": np.array([step], np.int64)}
+            got = next(iter(bundle.run(given).values())).astype(np.float32)
+            with torch.no_grad():
+                want = wrapped(**{name: torch.from_numpy(value).cuda() for name, value in given.items()}).float().cpu().numpy()
+            errors.append(float(np.abs(got - want).max()))
+    print(f"Hugging Face Llama, static cache: worst logit error {max(errors):.3g} over 12 decode steps (bfloat16)")
+    assert max(errors) < 5e-2

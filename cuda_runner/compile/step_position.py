@@ -1,0 +1,52 @@
+"""The step's position, as a decode graph computes it: which graph input the
+index a cache is written at stands for (compile/attention.py passes that input
+to the fused kernel, and proves rotations by it).
+
+Hugging Face's exports do not write the cache at their `cache_position`
+input itself: each layer copies its first element into a counter of its
+own (a module tensor, which it then increments) and adds an arange to it.
+The index is taken where the copy leaves it a function of the input alone
+(graph_memory.computed_alone) and it equals the input at every position of
+the cache, by evaluation.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from .evaluation import on_cpu
+from .graph_memory import computed_alone
+from .graph_values import one_integer
+from .graph_values import value as recorded_value
+
+
+def step_position(index: Any, positions: int) -> Any | None:
+    """The graph input of one integer that `index` (one integer) equals at
+    every position 0..`positions`-1: `index` itself where it is one;
+    None where there is no such input or that cannot be shown."""
+    if not one_integer(index):
+        return None
+    if index.op == "placeholder":
+        return index
+    ancestors = computed_alone(index)
+    if ancestors is None:
+        return None
+    inputs = [node for node in ancestors if node.op == "placeholder"]
+    if len(inputs) != 1 or not one_integer(inputs[0]):
+        return None
+    try:
+        return inputs[0] if _equal_at_every_position(index, inputs[0], ancestors, positions) else None
+    except Exception:  # an index that does not evaluate on its own is not taken
+        return None
+
+
+def _equal_at_every_position(index: Any, given: Any, ancestors: list[Any], positions: int) -> bool:
+    import torch
+
+    evaluate = on_cpu(index, [given], ancestors)
+    example = recorded_value(given)
+    with torch.no_grad():
+        for step in range(positions):
+            if int(evaluate(torch.full(tuple(example.shape), step, dtype=example.dtype)).reshape(-1)[0]) != step:
+                return False
+    return True
