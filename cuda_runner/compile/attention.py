@@ -134,7 +134,7 @@ def fuse_decode_attention(graph_module: Any, written_elsewhere: frozenset[str] =
             if limit is not None:
                 masks.add(mask)
                 mask, position_limits = None, position_limits + 1
-        cache_write = _cache_write(site, shared) if update_caches else None
+        cache_write = _cache_write(site, shared, written_elsewhere) if update_caches else None
         with graph.inserting_before(site.node):
             if cache_write is None:
                 fused = graph.call_function(torch.ops.cuda_runner.decode_attention.default,
@@ -152,8 +152,7 @@ def fuse_decode_attention(graph_module: Any, written_elsewhere: frozenset[str] =
             for write in cache_write.writes:
                 graph.erase_node(write)  # the kernel writes instead (_cache_write saw that only this call read them)
             _erase_dead([site.query, cache_write.key, cache_write.value])
-    for mask in masks:
-        _erase_unused(mask)
+    _erase_dead(list(masks))
     graph.lint()
     graph_module.recompile()
     return Fused(len(sites), position_limits, cache_updates, rotations, shared.added())
@@ -212,7 +211,7 @@ class _Shared:
         return tuple((node.target, getattr(self.graph_module, node.target)) for _, node in self._nodes)
 
 
-def _cache_write(site: AttentionSite, shared: _Shared) -> CacheWrite | None:
+def _cache_write(site: AttentionSite, shared: _Shared, written_elsewhere: frozenset[str] = frozenset()) -> CacheWrite | None:
     """The cache writes `site` reads the result of, where the fused kernel can
     make them instead: one query row; keys and values each a module buffer
     that index_copy_ writes at one integer index (the same for both) along
@@ -239,7 +238,7 @@ def _cache_write(site: AttentionSite, shared: _Shared) -> CacheWrite | None:
         return None
     length = (static_shape(key_cache) or (0, 0, 0))[2]
     if (index, length) not in shared.steps:
-        shared.steps[index, length] = step_position(index, length)
+        shared.steps[index, length] = step_position(index, length, written_elsewhere)
     position = shared.steps[index, length]
     if position is None or _position_on_device(position, site.query) is None:
         return None
@@ -314,19 +313,6 @@ def _mask_target(site: AttentionSite) -> tuple[int, int, int, int]:
     """[B, H, L, S]: what the site's mask broadcasts to."""
     batch, heads, rows, _ = static_shape(site.query) or (0, 0, 0, 0)
     return batch, heads, rows, (static_shape(site.key) or (0, 0, 0))[2]
-
-
-def _erase_unused(node: Any) -> None:
-    """Erase `node` if nothing uses it, and so on up what it was computed from
-    (only ops that write nothing: position_limit proved the mask's so)."""
-    pending = [node]
-    while pending:
-        candidate = pending.pop()
-        if candidate.users or candidate.op != "call_function":
-            continue
-        sources = candidate.all_input_nodes
-        candidate.graph.erase_node(candidate)
-        pending.extend(sources)
 
 
 def pin_sdpa_layout(graph_module: Any) -> int:

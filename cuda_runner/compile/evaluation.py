@@ -36,7 +36,7 @@ def on_cpu(output: Any, inputs: list[Any], nodes: Iterable[Any], in_float64: fro
             if tensor is None:
                 raise LookupError(f"the graph reads {node.target}, which its module does not hold")
             name = f"tensor_{len(root._buffers)}"
-            root.register_buffer(name, tensor.detach().cpu())
+            root.register_buffer(name, tensor.detach().to("cpu", copy=True))  # a copy even on the CPU: the proof's copies write it
             copies[node] = graph.get_attr(name)
             continue
         copied = graph.node_copy(node, lambda other: copies[other])

@@ -111,14 +111,27 @@ def _changes_what_it_reads(writer: Any, reader: Any, read: Any, counters: dict[A
 
 def _overwrite(node: Any, computed_from: list[Any], memory: GraphMemory, order: dict[Any, int]) -> bool:
     """`constant.copy_(value)`, where nothing `computed_from` holds reads the
-    constant's memory before the copy (the copy writes every element)."""
+    constant's memory before the copy, and the constant is the one name the
+    graph reads of a storage it covers whole: the copy then writes every byte
+    a read of that memory can see (a counter that is a slice of a larger
+    buffer, or read under a second name, would be read partly or through a
+    name the copy misses)."""
     if node.op != "call_function" or str(node.target) != "aten.copy_.default" or len(node.args) != 2 or node.kwargs:
         return False
     constant = node.args[0]
-    if getattr(constant, "op", None) != "get_attr":
+    if getattr(constant, "op", None) != "get_attr" or not _whole_storage(module_tensor(node.graph.owning_module, str(constant.target))):
         return False
+    if any(other.op == "get_attr" and other is not constant and other.users and memory.shared(other, constant) for other in node.graph.nodes):
+        return False  # a second name the graph reads (one it never reads, as Hugging Face's registered counter, is no matter)
     return not any(order[other] < order[node] and any(memory.shared(source, constant) for source in other.all_input_nodes)
                    for other in computed_from)
+
+
+def _whole_storage(tensor: Any) -> bool:
+    """A contiguous tensor that starts and ends where its storage does."""
+    if tensor is None or tensor.storage_offset() or not tensor.is_contiguous():
+        return False
+    return bool(tensor.numel() * tensor.element_size() == tensor.untyped_storage().nbytes())
 
 
 def storage_of(node: Any) -> Any:

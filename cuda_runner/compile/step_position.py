@@ -15,15 +15,17 @@ from __future__ import annotations
 from typing import Any
 
 from .evaluation import on_cpu
-from .graph_memory import computed_alone
+from .graph_memory import computed_alone, reads_written_elsewhere
 from .graph_values import one_integer
 from .graph_values import value as recorded_value
 
 
-def step_position(index: Any, positions: int) -> Any | None:
+def step_position(index: Any, positions: int, written_elsewhere: frozenset[str] = frozenset()) -> Any | None:
     """The graph input of one integer that `index` (one integer) equals at
     every position 0..`positions`-1: `index` itself where it is one;
-    None where there is no such input or that cannot be shown."""
+    None where there is no such input or that cannot be shown.
+    `written_elsewhere`: module tensors other methods write (an offset
+    another method sets is not what it was at compile time)."""
     if not one_integer(index):
         return None
     if index.op == "placeholder":
@@ -32,7 +34,7 @@ def step_position(index: Any, positions: int) -> Any | None:
     if ancestors is None:
         return None
     inputs = [node for node in ancestors if node.op == "placeholder"]
-    if len(inputs) != 1 or not one_integer(inputs[0]):
+    if len(inputs) != 1 or not one_integer(inputs[0]) or reads_written_elsewhere(ancestors, written_elsewhere):
         return None
     try:
         return inputs[0] if _equal_at_every_position(index, inputs[0], ancestors, positions) else None

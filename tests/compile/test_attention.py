@@ -785,3 +785,38 @@ def test_the_counting_step_and_hugging_faces_own_export_compute_what_they_did_un
     result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=300)
     assert result.returncode == 0 and "ok _CountingStep" in result.stdout, result.stderr[-2000:]
     print(result.stdout)
+
+
+def test_a_counter_the_step_only_copies_its_position_into_keeps_its_copy():
+    """The mask computed from it is replaced by the position and erased, but not the copy into
+    the counter (another method may read it): only ops that write nothing are erased with it."""
+    pytest.importorskip("triton")
+    from cuda_runner.compile.attention import fuse_decode_attention
+
+    step = _CountingStep(layers=1)
+    graph_module = torch.export.export(step, (torch.randn(1, 1, 32), torch.tensor([3]))).module()
+    for node in list(graph_module.graph.nodes):  # the counter no longer advances: its copy is only read by the index
+        if str(node.target) == "aten.add_.Tensor":
+            graph_module.graph.erase_node(node)
+    graph_module.recompile()
+    fused = fuse_decode_attention(graph_module)
+    assert (fused.position_limits, fused.cache_updates) == (1, 1)
+    assert [str(node.target) for node in graph_module.graph.nodes].count("aten.copy_.default") == 1
+
+
+def test_an_index_offset_by_a_tensor_another_method_writes_keeps_its_cache_writes():
+    pytest.importorskip("triton")
+    from cuda_runner.compile.step_position import step_position
+
+    class Offset(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.register_buffer("offset", torch.zeros(1, dtype=torch.int64))
+
+        def forward(self, position):
+            return position + self.offset
+
+    graph = torch.export.export(Offset(), (torch.tensor([3]),)).module().graph
+    index = next(node for node in graph.nodes if node.op == "output").args[0][0]
+    assert step_position(index, 8).name == "position"
+    assert step_position(index, 8, written_elsewhere=frozenset({"offset"})) is None

@@ -96,3 +96,42 @@ def test_what_a_write_changes_is_not_computed_alone(when):
 
     index, looked_up = _outputs(when)
     assert computed_alone(looked_up if when == "table written" else index) is None
+
+
+class _NamedTwice(torch.nn.Module):
+    """A counter that is part of a larger buffer (`state`), or has a second name (`alias`): the
+    copy does not write all that a read of its memory can see, or writes it under another name."""
+
+    def __init__(self, how):
+        super().__init__()
+        self.how = how
+        self.register_buffer("state", torch.zeros(2, dtype=torch.int64))
+        self.register_buffer("counter", self.state[0:1] if how == "slice" else torch.zeros(1, dtype=torch.int64))
+        self.register_buffer("alias", self.counter.view(1))
+
+    def forward(self, position):
+        self.counter.copy_(position)
+        index = torch.arange(1) + self.counter + (self.state[1] if self.how == "slice" else self.alias)
+        self.counter.add_(1)
+        self.state[1:].add_(1)
+        return index
+
+
+@pytest.mark.parametrize("how", ["slice", "alias"])
+def test_a_counter_with_more_memory_or_another_name_is_not_taken_for_overwritten(how):
+    from cuda_runner.compile.graph_memory import computed_alone
+
+    graph = torch.export.export(_NamedTwice(how), (torch.tensor([3]),)).module().graph
+    index = next(node for node in graph.nodes if node.op == "output").args[0][0]
+    assert computed_alone(index) is None
+
+
+def test_a_proof_on_the_cpu_writes_copies_of_the_module_tensors_not_them():
+    from cuda_runner.compile.evaluation import on_cpu
+    from cuda_runner.compile.graph_values import ancestors_of
+
+    module = torch.export.export(_Counter("after"), (torch.tensor([3]),)).module()
+    index = next(node for node in module.graph.nodes if node.op == "output").args[0][0]
+    position = next(node for node in module.graph.nodes if node.op == "placeholder")
+    assert int(on_cpu(index, [position], ancestors_of(index))(torch.tensor([7]))[0]) == 7
+    assert int(module.counter) == 0  # the copy_ of the proof went to its own copy
