@@ -247,6 +247,9 @@ def _cache_write(site: AttentionSite, shared: _Shared, written_elsewhere: frozen
         allowed = {cache, write, *site.repeats}
         if any(node not in allowed and memory.shared(node, cache) and not _unread_name(node) for node in site.node.graph.nodes):
             return None  # another name for the cache's memory: something reads or writes it besides this step's write
+        if any(node not in allowed and node is not site.node and any(memory.shared(source, cache) for source in node.all_input_nodes)
+               for node in site.node.graph.nodes):
+            return None  # an op that reads the cache (its sum, a copy): it would read it before the kernel writes
         if not _apart_in_memory(module_tensor(site.node.graph.owning_module, str(cache.target))):
             return None  # one program's write could land where another reads
     return CacheWrite(key_cache, value_cache, key, value, position, writes)

@@ -207,8 +207,9 @@ def _linear_op(node: Any, position_side: _PositionSide) -> bool:
     name = node.target._schema.name
     if name == "aten::mul":  # X times X is not linear
         return sum(1 for operand in node.args if hasattr(operand, "op") and not position_side.holds(operand)) <= 1
-    if name == "aten::div":  # nor anything divided by X
-        return all(position_side.holds(operand) for operand in node.args[1:] if hasattr(operand, "op"))
+    if name == "aten::div":  # nor anything divided by X, nor a quotient rounded to an integer (Tensor_mode)
+        return node.target._overloadname in ("Tensor", "Scalar") and all(
+            position_side.holds(operand) for operand in node.args[1:] if hasattr(operand, "op"))
     return True
 
 
@@ -271,6 +272,8 @@ def _proof(result: Any, source: Any, between: list[Any], position_side: _Positio
     import torch
 
     evaluate = _evaluator(result, source, between, position_side)
+    as_the_model = _evaluator(result, source, between, position_side, in_float64=False)
+    dtype = recorded_value(source).dtype
     shape = static_shape(result) or ()
     head_dim = shape[3]
     example = recorded_value(position_side.position)
@@ -292,11 +295,32 @@ def _proof(result: Any, source: Any, between: list[Any], position_side: _Positio
                 cos[step], sin[step] = step_cos[0], step_sin[0]
                 if not all(_agrees(evaluate, given, cos[step], sin[step], partner, shape, scale, generator) for scale in _PROBE_SCALES):
                     break
+                if not all(_rounds_alike(as_the_model, given, cos[step], sin[step], partner, shape, dtype, scale, generator)
+                           for scale in _PROBE_SCALES):
+                    break
             else:
                 if not sin.any():
                     return None  # a scale (a cast, say), not a rotation: the model's ops before it stay anyway
                 return _Proven(pairs, cos.to(torch.float32), sin.to(torch.float32))
     return None
+
+
+def _rounds_alike(evaluate: Any, given: Any, cos: Any, sin: Any, partner: Any, shape: tuple[int, ...], dtype: Any, scale: float,
+                  generator: Any) -> bool:
+    """Whether a random X in the model's dtype, rotated by the graph as the
+    model computes it, is within a step or two of that dtype of what the
+    kernel computes (float32, rounded once): a model that rounds each product
+    in bfloat16 is, one whose scaling on X's side underflows or overflows
+    in float16 is not."""
+    import torch
+
+    probe = (torch.randn(shape, dtype=torch.float64, generator=generator) * scale).to(dtype)
+    rotated = evaluate(probe, given).to(torch.float64)
+    wide = probe.to(torch.float32)
+    expected = (wide * cos.to(torch.float32) + wide[..., partner] * sin.to(torch.float32)).to(dtype).to(torch.float64)
+    size = wide.abs().to(torch.float64) * cos.abs() + wide[..., partner].abs().to(torch.float64) * sin.abs()
+    step = torch.finfo(dtype).eps if dtype.is_floating_point else 0.0
+    return rotated.shape == expected.shape and bool(((rotated - expected).abs() <= 2 * step * size + torch.finfo(dtype).tiny).all())
 
 
 def _agrees(evaluate: Any, given: Any, cos: Any, sin: Any, partner: Any, shape: tuple[int, ...], scale: float, generator: Any) -> bool:
@@ -325,7 +349,7 @@ def _partners(pairs: int, head_dim: int) -> Any:
     return dims ^ 1 if pairs == NEIGHBOURS else (dims + head_dim // 2) % head_dim
 
 
-def _evaluator(result: Any, source: Any, between: list[Any], position_side: _PositionSide) -> Any:
-    """The graph from (X, position) to `result`, on the CPU, X's side computed in float64."""
+def _evaluator(result: Any, source: Any, between: list[Any], position_side: _PositionSide, in_float64: bool = True) -> Any:
+    """The graph from (X, position) to `result`, on the CPU, X's side computed in float64 (or as the model computes it)."""
     nodes = [*position_side.ancestors(between), *between]
-    return on_cpu(result, [source, position_side.position], nodes, in_float64=frozenset(between))
+    return on_cpu(result, [source, position_side.position], nodes, in_float64=frozenset(between) if in_float64 else frozenset())

@@ -43,12 +43,17 @@ def step_position(index: Any, positions: int, written_elsewhere: frozenset[str] 
 
 
 def _equal_at_every_position(index: Any, given: Any, ancestors: list[Any], positions: int) -> bool:
+    """Whether the index is the input at every position of the cache, and at
+    a few past either end too: an index that wraps or clamps there (a ring
+    buffer) writes where the kernel, which takes a position past the cache
+    for one eager's index_copy_ would refuse, writes nothing."""
     import torch
 
     evaluate = on_cpu(index, [given], ancestors)
     example = recorded_value(given)
+    beyond = (-1, positions, positions + 1, 2 * positions + 3)
     with torch.no_grad():
-        for step in range(positions):
+        for step in (*range(positions), *beyond):
             if int(evaluate(torch.full(tuple(example.shape), step, dtype=example.dtype)).reshape(-1)[0]) != step:
                 return False
     return True

@@ -820,3 +820,19 @@ def test_an_index_offset_by_a_tensor_another_method_writes_keeps_its_cache_write
     index = next(node for node in graph.nodes if node.op == "output").args[0][0]
     assert step_position(index, 8).name == "position"
     assert step_position(index, 8, written_elsewhere=frozenset({"offset"})) is None
+
+
+@pytest.mark.parametrize("wrap", [lambda position: position % 16, lambda position: position.clamp(max=15)], ids=["ring", "clamped"])
+def test_an_index_that_wraps_or_clamps_past_the_cache_keeps_its_cache_writes(wrap):
+    """Equal to the position on 0..15, so a proof there alone took it; past the cache the graph
+    writes at the wrapped index where the kernel, taking the position, writes nothing."""
+    pytest.importorskip("triton")
+    from cuda_runner.compile.step_position import step_position
+
+    class Wrapped(torch.nn.Module):
+        def forward(self, position):
+            return wrap(position)
+
+    graph = torch.export.export(Wrapped(), (torch.tensor([3]),)).module().graph
+    index = next(node for node in graph.nodes if node.op == "output").args[0][0]
+    assert step_position(index, 16) is None

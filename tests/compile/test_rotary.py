@@ -194,3 +194,18 @@ def test_a_table_that_views_a_buffer_another_method_writes_is_not_proven():
     assert _rotated(_Rotated(), written_elsewhere=frozenset({"cos_t"})) is None
     assert _rotated(_Rotated(), written_elsewhere=frozenset({"tables"})) is None  # by memory, not by name
     assert _rotated(_Rotated(), written_elsewhere=frozenset({"elsewhere"})) is not None
+
+
+def test_a_quotient_rounded_to_an_integer_on_the_rotations_side_is_not_taken():
+    """div(x, 1e4, rounding_mode="trunc") is 0 on every probe and not on a model's activations."""
+    after = lambda q: q + torch.div(q, 1e4, rounding_mode="trunc") * 1e4  # noqa: E731
+    assert _rotated(_Rotated(after=after)) is None
+
+
+def test_scaling_on_the_rotations_side_that_loses_precision_in_float16_is_not_taken():
+    """Proven in float64 the two scales cancel; in float16 the first underflows."""
+    module = _Rotated(before=lambda q: (q * 1e-6) * 1e6).to(torch.float16)
+    graph_module = torch.export.export(module, (torch.randn(1, 2, 1, 8, dtype=torch.float16), torch.tensor([1]))).module()
+    output = next(node for node in graph_module.graph.nodes if node.op == "output").args[0][0]
+    found = rotary.rotation(output, _position(graph_module.graph, "position"), 16)
+    assert found is None or str(found.source.args[0].target) == "aten.mul.Tensor"  # if taken at all, from after both scalings
