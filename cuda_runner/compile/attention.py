@@ -244,12 +244,14 @@ def _cache_write(site: AttentionSite, shared: _Shared, written_elsewhere: frozen
         return None
     memory = GraphMemory(site.node.graph)
     for cache, write in ((key_cache, writes[0]), (value_cache, writes[1])):
-        allowed = {cache, write, *site.repeats}
-        if any(node not in allowed and memory.shared(node, cache) and not _unread_name(node) for node in site.node.graph.nodes):
-            return None  # another name for the cache's memory: something reads or writes it besides this step's write
-        if any(node not in allowed and node is not site.node and any(memory.shared(source, cache) for source in node.all_input_nodes)
-               for node in site.node.graph.nodes):
-            return None  # an op that reads the cache (its sum, a copy): it would read it before the kernel writes
+        allowed = {cache, write, site.node, *site.repeats}
+        for node in site.node.graph.nodes:
+            if node in allowed:
+                continue
+            # Another name for the cache's memory, or an op that reads it (its sum, a copy): something would
+            # read or write it besides this step's write, which the kernel makes later than the graph did.
+            if (memory.shared(node, cache) and not _unread_name(node)) or any(memory.shared(source, cache) for source in node.all_input_nodes):
+                return None
         if not _apart_in_memory(module_tensor(site.node.graph.owning_module, str(cache.target))):
             return None  # one program's write could land where another reads
     return CacheWrite(key_cache, value_cache, key, value, position, writes)

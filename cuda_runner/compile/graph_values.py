@@ -6,6 +6,7 @@ out), so that a rewrite leaves what it cannot know alone."""
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 # The dtypes cuda-runner's own kernels compute in (as str(torch.dtype)).
@@ -22,6 +23,12 @@ def static_shape(node: Any) -> tuple[int, ...] | None:
     if shape is None or not all(isinstance(size, int) for size in shape):
         return None
     return tuple(shape)
+
+
+def static_elements(node: Any) -> int | None:
+    """How many elements the node's value has, where its shape is static, else None."""
+    shape = static_shape(node)
+    return math.prod(shape) if shape is not None else None
 
 
 def strides(node: Any) -> tuple[Any, ...]:

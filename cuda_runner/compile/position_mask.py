@@ -21,7 +21,7 @@ from typing import Any
 
 from .evaluation import on_cpu
 from .graph_memory import computed_alone, reads_written_elsewhere
-from .graph_values import one_integer, static_shape
+from .graph_values import one_integer, static_elements, static_shape
 from .graph_values import value as recorded_value
 
 # The longest cache whose mask is proven position by position (each one a run of
@@ -60,11 +60,8 @@ def _small(node: Any, length: int) -> bool:
     module tensors cost nothing there."""
     if node.op != "call_function":
         return True
-    shape = static_shape(node)
-    elements = 1
-    for size in shape or ():
-        elements *= size
-    return shape is not None and elements <= 4 * length + 64
+    elements = static_elements(node)
+    return elements is not None and elements <= 4 * length + 64
 
 
 def _allows_up_to_position(mask: Any, ancestors: list[Any], position: Any, target: tuple[int, ...]) -> bool:

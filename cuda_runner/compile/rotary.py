@@ -37,7 +37,7 @@ from typing import Any
 
 from .evaluation import on_cpu
 from .graph_memory import GraphMemory, computed_alone, reads_written_elsewhere
-from .graph_values import FLOATING_DTYPES, dtype_name, pure_op, static_shape
+from .graph_values import FLOATING_DTYPES, dtype_name, pure_op, static_elements, static_shape
 from .graph_values import value as recorded_value
 
 # How the kernel pairs the elements of a head (its PAIRS constant): none (no rotation), neighbours, halves.
@@ -91,7 +91,8 @@ def rotation(result: Any, position: Any, positions: int, written_elsewhere: froz
             continue
         memory = memory or GraphMemory(result.graph)
         position_nodes = position_side.ancestors(between)
-        if sum(_elements(node) for node in position_nodes if node.op == "call_function") > _MAX_POSITION_SIDE_ELEMENTS:
+        computed = [static_elements(node) for node in position_nodes if node.op == "call_function"]
+        if None in computed or sum(count or 0 for count in computed) > _MAX_POSITION_SIDE_ELEMENTS:
             continue  # computed again at every position proven: a table built each step over every position would take minutes
         if any(memory.written(node) for node in (source, *between)) or not _read_as_computed(between, position_side):
             continue  # a value changed in place: the proof would run on what the step does not use
@@ -227,17 +228,6 @@ def _precise_enough(node: Any, source: Any) -> bool:
         return False
     fine, coarse = torch.finfo(computed), torch.finfo(given)
     return fine.eps <= coarse.eps and fine.max >= coarse.max
-
-
-def _elements(node: Any) -> int:
-    """The elements of a node's value (a great many where its shape is not static)."""
-    shape = static_shape(node)
-    if shape is None:
-        return 1 << 62
-    count = 1
-    for size in shape:
-        count *= size
-    return count
 
 
 def _structure(result: Any, source: Any, between: list[Any], position_side: _PositionSide) -> tuple[Any, ...]:

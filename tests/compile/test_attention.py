@@ -51,6 +51,12 @@ class _Attention(torch.nn.Module):
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, **self.sdpa)
 
 
+def _under_interpreter(script: str) -> subprocess.CompletedProcess:
+    """`script` run in a new interpreter with Triton's CPU interpreter on and this process's import path."""
+    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": os.pathsep.join(sys.path)}
+    return subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=300)
+
+
 def _inputs(rows=1, heads=8, kv_heads=2, length=32, dim=16, dtype=torch.float32):
     return (torch.randn(1, heads, rows, dim, dtype=dtype), torch.randn(1, kv_heads, length, dim, dtype=dtype),
             torch.randn(1, kv_heads, length, dim, dtype=dtype))
@@ -164,8 +170,7 @@ def test_the_fused_graph_computes_what_sdpa_does_under_tritons_interpreter(tmp_p
         assert error < 1e-4, error
         print("ok", error)
     """)
-    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": os.pathsep.join(sys.path)}
-    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=300)
+    result = _under_interpreter(script)
     assert result.returncode == 0 and "ok" in result.stdout, result.stderr[-2000:]
 
 
@@ -265,8 +270,7 @@ def test_the_kernel_split_over_the_keys_computes_what_sdpa_does_under_tritons_in
         assert worst < 1e-5, worst
         print("ok", worst)
     """)
-    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": os.pathsep.join(sys.path)}
-    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=300)
+    result = _under_interpreter(script)
     assert result.returncode == 0 and "ok" in result.stdout, result.stderr[-2000:]
 
 
@@ -529,8 +533,7 @@ def test_the_fused_step_writes_and_reads_its_caches_as_the_graph_did_under_trito
                     assert (held.float() - wanted[name].float()).abs().max().item() <= tolerance, name
         print("ok")
     """)
-    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": os.pathsep.join(sys.path)}
-    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=300)
+    result = _under_interpreter(script)
     assert result.returncode == 0 and "ok" in result.stdout, result.stderr[-2000:]
 
 
@@ -576,8 +579,7 @@ def test_the_updating_kernel_split_over_the_keys_writes_once_and_reads_what_it_w
             assert torch.equal(value_cache, want_values)
         print("ok")
     """)
-    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": os.pathsep.join(sys.path)}
-    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=300)
+    result = _under_interpreter(script)
     assert result.returncode == 0 and "ok" in result.stdout, result.stderr[-2000:]
 
 
@@ -781,8 +783,7 @@ def test_the_counting_step_and_hugging_faces_own_export_compute_what_they_did_un
                     assert torch.equal(held, wanted[name]) or (held - wanted[name]).abs().max().item() <= 1e-6, name
             print("ok", type(module).__name__)
     """)
-    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": os.pathsep.join(sys.path)}
-    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=300)
+    result = _under_interpreter(script)
     assert result.returncode == 0 and "ok _CountingStep" in result.stdout, result.stderr[-2000:]
     print(result.stdout)
 
