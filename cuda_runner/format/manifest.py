@@ -39,6 +39,8 @@ MAX_METHOD_NAME_LENGTH = MAX_NAME_LENGTH - len("_sample_outputs")
 _DIGEST_PATTERN = re.compile(rf"^{DIGEST_ALGORITHM}:[0-9a-f]{{32}}$")
 _EXPRESSION_PATTERN = re.compile(r"^[A-Za-z0-9_.+\-*/() ]+$")
 _FORBIDDEN_IN_NAMES = re.compile(r"[/\\\x00-\x1f\x7f-\x9f]")
+# The dtypes a tensor's bounds may be given for, with the values each holds.
+_BOUNDED_DTYPES = {"int32": (-(1 << 31), (1 << 31) - 1), "int64": (-(1 << 63), (1 << 63) - 1)}
 
 # A compile_options key: nothing vouches for the signature, or it gives only
 # upper bounds for its dims (ExecuTorch programs), so the runtime keeps the
@@ -59,10 +61,11 @@ CONSTANT_TABLE = "constant-table"  # weights as one tensor view per constant (fo
 WIRING = "wiring"  # a method's values mapped to its library's by position (format 1.3)
 CONSTANT_OUTPUTS = "constant-outputs"  # a wiring output that is a scalar stored in the file (format 1.4)
 CALL_HELPER = "call-helper"  # a native helper that makes each call one foreign call (format 1.2; optional)
+INPUT_BOUNDS = "input-bounds"  # an integer input's accepted values (format 1.5; optional)
 
 # Features a reader must understand to use a bundle that lists them as
 # required. A bundle that requires anything else is refused.
-KNOWN_FEATURES = frozenset({"samples", CONSTANT_TABLE, CALL_HELPER, WIRING, CONSTANT_OUTPUTS})
+KNOWN_FEATURES = frozenset({"samples", CONSTANT_TABLE, CALL_HELPER, WIRING, CONSTANT_OUTPUTS, INPUT_BOUNDS})
 
 
 @dataclass(frozen=True)
@@ -94,6 +97,9 @@ class TensorSpec:
     name: str
     dtype: str
     shape: tuple[ShapeEntry, ...]
+    # Integer inputs: the lowest and highest value the method accepts (a position in a KV cache
+    # of that many places); the runtime refuses others before the library runs. None: any.
+    bounds: tuple[int, int] | None = None
 
     @property
     def rank(self) -> int:
@@ -273,7 +279,10 @@ def _method_to_json(method: MethodSpec) -> dict[str, Any]:
 
 
 def _tensor_to_json(spec: TensorSpec) -> dict[str, Any]:
-    return {"name": spec.name, "dtype": spec.dtype, "shape": list(spec.shape)}
+    data: dict[str, Any] = {"name": spec.name, "dtype": spec.dtype, "shape": list(spec.shape)}
+    if spec.bounds is not None:
+        data["bounds"] = {"min": spec.bounds[0], "max": spec.bounds[1]}
+    return data
 
 
 def choose_method(available: list[str], requested: str | None) -> str:
@@ -561,7 +570,28 @@ def _tensor(data: Any, where: str) -> TensorSpec:
     problem = span_problem([entry for entry in shape if isinstance(entry, int)], itemsize(dtype))
     if problem is not None:
         raise BundleError(f"manifest field {where + '.shape'!r} {shape_text(shape)}: {problem}")
-    return TensorSpec(name=_checked_name(obj.get("name"), f"{where}.name"), dtype=dtype, shape=tuple(shape))
+    bounds = _bounds(obj.get("bounds"), f"{where}.bounds", dtype)
+    return TensorSpec(name=_checked_name(obj.get("name"), f"{where}.name"), dtype=dtype, shape=tuple(shape), bounds=bounds)
+
+
+def _bounds(data: Any, where: str, dtype: str) -> tuple[int, int] | None:
+    """An integer tensor's accepted values: {"min": low, "max": high}, both held by its dtype."""
+    if data is None:
+        return None
+    if dtype not in _BOUNDED_DTYPES:
+        raise BundleError(f"manifest field {where!r} is given for a {dtype} tensor; only integer tensors have bounds")
+    obj = _object(data, where)
+    low, high = (_signed_int(obj.get(key), f"{where}.{key}") for key in ("min", "max"))
+    lowest, highest = _BOUNDED_DTYPES[dtype]
+    if not lowest <= low <= high <= highest:
+        raise BundleError(f"manifest field {where!r} [{low}, {high}] is empty or outside what {dtype} holds")
+    return low, high
+
+
+def _signed_int(data: Any, where: str) -> int:
+    if not isinstance(data, int) or isinstance(data, bool):
+        raise BundleError(f"manifest field {where!r} must be an integer")
+    return data
 
 
 def _object(data: Any, where: str) -> dict:

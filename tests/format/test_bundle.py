@@ -157,6 +157,11 @@ def test_malformed_manifest_json(tmp_path, raw, message):
         (lambda m: m["methods"]["m"].update(sample_inputs_segment="m_w"), "both be present"),
         (lambda m: m.update(metadata={"k": 5}), "must be a string"),
         (lambda m: m["methods"].update({f"m{i}": method() for i in range(70)}), "more than 64 methods"),
+        (lambda m: m["methods"]["m"]["inputs"][0].update(bounds={"min": 0, "max": 3}), "only integer tensors have bounds"),
+        (lambda m: m["methods"]["m"]["inputs"][0].update(dtype="int64", bounds={"min": 4, "max": 3}), "is empty"),
+        (lambda m: m["methods"]["m"]["inputs"][0].update(dtype="int32", bounds={"min": 0, "max": 1 << 31}), "outside what int32 holds"),
+        (lambda m: m["methods"]["m"]["inputs"][0].update(dtype="int64", bounds={"min": 0, "max": True}), "must be an integer"),
+        (lambda m: m["methods"]["m"]["inputs"][0].update(dtype="int64", bounds=[0, 3]), "must be an object"),
     ],
 )
 def test_hostile_manifest_fields(tmp_path, mutate, message):
@@ -269,7 +274,9 @@ def test_zero_and_random_files_are_refused(tmp_path):
 _names = st.text(alphabet=st.characters(blacklist_categories=("Cc", "Cs"), blacklist_characters="/\\\x85"), min_size=1, max_size=20).filter(lambda s: s not in (".", ".."))
 _dtypes = st.sampled_from(["float32", "bfloat16", "int64", "bool", "uint8"])
 _shapes = st.lists(st.one_of(st.integers(0, 1 << 40), st.just("d")), max_size=4)
-_tensors = st.builds(lambda name, dtype, shape: TensorSpec(name, dtype, tuple(shape)), _names, _dtypes, _shapes).filter(
+_bounds = st.one_of(st.none(), st.tuples(st.integers(-(1 << 63), (1 << 63) - 1), st.integers(-(1 << 63), (1 << 63) - 1)).map(sorted).map(tuple))
+_tensors = st.builds(lambda name, dtype, shape, bounds: TensorSpec(name, dtype, tuple(shape), bounds if dtype == "int64" else None),
+                     _names, _dtypes, _shapes, _bounds).filter(
     lambda spec: span_problem([entry for entry in spec.shape if isinstance(entry, int)], itemsize(spec.dtype)) is None)  # a shape some array can have
 
 

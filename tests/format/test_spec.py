@@ -86,6 +86,8 @@ def test_real_manifests_validate_against_the_schema(dict_mlp_bundle, embedder_bu
         lambda m: m["methods"]["m"]["device"].update(type="tpu"),
         lambda m: m["methods"].clear(),
         lambda m: m["methods"]["m"].update(sample_inputs_segment="m_w"),
+        lambda m: m["methods"]["m"]["inputs"][0].update(dtype="int64", bounds={"min": 0}),
+        lambda m: m["methods"]["m"]["inputs"][0].update(dtype="int64", bounds={"min": 0, "max": 1.5}),
     ],
 )
 def test_schema_rejects_what_the_reader_rejects(tmp_path, mutate):
