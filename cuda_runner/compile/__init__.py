@@ -21,7 +21,7 @@ from typing import Any
 from ..errors import CompileError, CudaRunnerError, InputError
 from ..files import check_destination, require_regular
 from ..format import Manifest, MethodSpec, write_bundle
-from ..format.manifest import CALL_HELPER, MUTATED_BUFFERS_OPTION, MUTATED_INPUTS_OPTION, READ_ONLY_BUFFERS_OPTION, method_name_problem
+from ..format.manifest import CALL_HELPER, INPUT_BOUNDS, MUTATED_BUFFERS_OPTION, MUTATED_INPUTS_OPTION, READ_ONLY_BUFFERS_OPTION, method_name_problem
 from ..version import __version__
 from . import attention, matvec, sharing
 from .aot import (
@@ -43,7 +43,8 @@ from .aot import (
 )
 from .check import NotChecked, disagreement
 from .graph_values import may_write
-from .signature import dim_names_from_dynamic_shapes, program_signature
+from .input_bounds import input_bounds
+from .signature import dim_names_from_dynamic_shapes, program_signature, with_bounds
 
 __all__ = ["MethodSource", "check_programs", "compile_methods", "compile_module", "compile_programs", "export_method", "export_module"]
 
@@ -300,6 +301,8 @@ def compile_sources(
         for line in sharing.state_not_shared(methods, held, written_by_methods, kept_blobs):
             (warn or _warn)(line)
     features = ["samples"] if any(spec.has_samples for spec in methods.values()) else []
+    if any(tensor.bounds is not None for spec in methods.values() for tensor in spec.inputs):
+        features.append(INPUT_BOUNDS)
     if call_helper:
         methods, helper_note = with_call_helper(methods, segments, progress)
         if helper_note is None:
@@ -447,7 +450,7 @@ def _compile_method(
         from torch.export.passes import move_to_device_pass
 
         program = move_to_device_pass(program, device)
-    signature = program_signature(program, source.dim_names)
+    signature = with_bounds(program_signature(program, source.dim_names), input_bounds(program, written_by_methods))
     written = _written_state(program)
     args, kwargs = _example_inputs(program, device)
     progress(f"compiling method {method!r} for {device}")

@@ -7,9 +7,9 @@ bounds, and output names are all taken from the exported program here.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass
 from typing import Any
 
 from ..arrays import torch_dtype_name
@@ -17,7 +17,7 @@ from ..errors import CompileError, InputError
 from ..format.manifest import DimSpec, TensorSpec, name_problem
 
 
-@dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True)
 class Signature:
     inputs: tuple[TensorSpec, ...]
     outputs: tuple[TensorSpec, ...]
@@ -41,6 +41,12 @@ def program_signature(program: Any, dim_names: Mapping[tuple[str, int], str] | N
     ]
     example_sizes = _example_sizes(program, input_names)
     return Signature(tuple(inputs), tuple(outputs), symbols.dims(example_sizes))
+
+
+def with_bounds(signature: Signature, bounds: Mapping[str, tuple[int, int]]) -> Signature:
+    """The signature with the inputs in `bounds` (compile/input_bounds.py) limited to those values."""
+    inputs = tuple(dataclasses.replace(spec, bounds=bounds[spec.name]) if spec.name in bounds else spec for spec in signature.inputs)
+    return dataclasses.replace(signature, inputs=inputs)
 
 
 def output_names(program: Any) -> list[str]:

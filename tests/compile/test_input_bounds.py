@@ -1,0 +1,76 @@
+"""compile/input_bounds.py: an input that indexes a cache write is bounded by
+the cache's positions, directly or through a counter the way Hugging Face's
+static cache writes; an index that wraps, or that another method offsets,
+bounds nothing."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from models import MethodOf, scale_models
+
+from cuda_runner.compile.input_bounds import input_bounds
+
+
+class _Cache(torch.nn.Module):
+    """One cache of `length` positions written at an index `how` computes from the position."""
+
+    def __init__(self, how: str, length: int = 16, second: int | None = None):
+        super().__init__()
+        self.how = how
+        self.register_buffer("cache", torch.zeros(1, 2, length, 4))
+        self.register_buffer("counter", torch.zeros((), dtype=torch.int64))
+        self.register_buffer("offset", torch.zeros(1, dtype=torch.int64))
+        if second is not None:
+            self.register_buffer("other", torch.zeros(1, 2, second, 4))
+
+    def forward(self, x, position):
+        if self.how == "direct":
+            index = position
+        elif self.how == "counter":  # Hugging Face: the position copied into a counter, which then advances
+            self.counter.copy_(position[0])
+            index = torch.arange(1) + self.counter
+            self.counter.add_(1)
+        elif self.how == "ring":
+            index = position % self.cache.shape[2]
+        elif self.how == "offset":
+            index = position + self.offset
+        else:
+            index = torch.zeros(1, dtype=torch.int64)
+        self.cache.index_copy_(2, index, x)
+        if hasattr(self, "other"):
+            self.other.index_copy_(2, index, x)
+        return self.cache.sum(dim=2)
+
+
+def _bounds(module, written_elsewhere=frozenset()):
+    program = torch.export.export(module, (torch.ones(1, 2, 1, 4), torch.tensor([3])))
+    return input_bounds(program, written_elsewhere)
+
+
+@pytest.mark.parametrize("how", ["direct", "counter"])
+def test_an_input_that_indexes_a_cache_write_is_bounded_by_its_positions(how):
+    assert _bounds(_Cache(how)) == {"position": (0, 15)}
+
+
+def test_two_caches_bound_an_input_by_the_shorter():
+    assert _bounds(_Cache("direct", length=16, second=8)) == {"position": (0, 7)}
+
+
+@pytest.mark.parametrize("how", ["ring", "constant"])
+def test_an_index_that_wraps_or_is_no_input_bounds_nothing(how):
+    assert _bounds(_Cache(how)) == {}
+
+
+def test_an_index_offset_by_what_another_method_writes_bounds_nothing():
+    assert _bounds(_Cache("offset")) == {"position": (0, 15)}  # the offset as compiled (zero) is proven
+    assert _bounds(_Cache("offset"), frozenset({"offset"})) == {}  # but another method may set it
+
+
+def test_the_decoders_prefill_and_decode_are_bounded_by_their_cache():
+    config = scale_models.LLAMA_TINY
+    module = scale_models.LlamaDecoder(config).eval()
+    examples = scale_models.llama_examples(config, 6)
+    for name in ("prefill", "decode"):
+        program = torch.export.export(MethodOf(module, name), examples[name], dynamic_shapes=scale_models.llama_dynamic_shapes(config)[name])
+        assert input_bounds(program) == {"input_pos": (0, config.max_seq - 1)}, name
