@@ -24,7 +24,7 @@ if TYPE_CHECKING:  # the results are typed; their modules load only when a comma
     from ..commands.bench import BenchResult
     from ..commands.inspection import InspectResult, MethodReport, SignatureReport
     from ..commands.running import RunResult
-    from ..format.manifest import Manifest, MethodSpec, OutputSource
+    from ..format.manifest import Manifest, MethodSpec, OutputSource, TensorSpec
     from ..format.program import ProgramMethodInfo
     from ..runtime.devices import DevicesResult
     from ..verify.compare import Comparison
@@ -250,6 +250,15 @@ def _source_text(spec: MethodSpec, source: OutputSource) -> str:
     return spec.inputs[source.index].name if source.from_input else f"library output {source.index}"
 
 
+def _tensor_table(tensors: tuple[TensorSpec, ...]) -> list[str]:
+    """A signature's rows; a column of accepted values where a tensor has bounds (a position in a KV cache)."""
+    rows = [[clean(t.name), t.dtype, clean(shape_text(t.shape))] for t in tensors]
+    if not any(t.bounds is not None for t in tensors):
+        return table(["name", "dtype", "shape"], rows, "    ")
+    values = ["" if t.bounds is None else f"{t.bounds[0]} to {t.bounds[1]}" for t in tensors]
+    return table(["name", "dtype", "shape", "values"], [[*row, value] for row, value in zip(rows, values)], "    ")
+
+
 def _method_lines(name: str, report: MethodReport, shared: dict[str, list[str]] | None = None) -> list[str]:
     from ..commands.inspection import isa_name
 
@@ -262,7 +271,7 @@ def _method_lines(name: str, report: MethodReport, shared: dict[str, list[str]] 
     lines = ["", clean(f"method {name}: {target}, torch {spec.torch_version}")]
     for title, tensors in (("inputs", spec.inputs), ("outputs", spec.outputs)):
         lines.append(f"  {title}")
-        lines += table(["name", "dtype", "shape"], [[clean(t.name), t.dtype, clean(shape_text(t.shape))] for t in tensors], "    ")
+        lines += _tensor_table(tensors)
     for dim_name, dim in spec.dims.items():
         upper = "unbounded" if dim.max is None else dim.max
         lines.append(clean(f"  dim {dim_name}: min {dim.min}, max {upper}, example {dim.example}"))

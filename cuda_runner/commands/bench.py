@@ -234,12 +234,13 @@ def benchmark(request: BenchRequest, progress: Progress = lambda done, total: No
         names = [opened.method.name]
         prompt = None
         if decode is not None:
-            position_input(opened.method, decode.position)  # refused before anything loads
+            position = position_input(opened.method, decode.position)  # refused before anything loads
             if decode.prefill is not None:
                 manifest = opened.reader.manifest
                 prefill = manifest.methods[choose_method(list(manifest.methods), decode.prefill)]
                 prompt = prompt_inputs(prefill, decode.prompt_length, request.inputs)
                 names.insert(0, prefill.name)
+            _check_positions(opened.method, position, decode, request.warmup_runs)
     except BaseException:
         opened.close()
         raise
@@ -274,6 +275,21 @@ def position_input(method: MethodSpec, name: str | None) -> TensorSpec:
     if chosen.dtype not in ("int64", "int32") or not _one_element(chosen):
         raise InputError(f"input {chosen.name!r} is {chosen.dtype} {chosen.shape_text()}, not one integer position", subject="position")
     return chosen
+
+
+def _check_positions(method: MethodSpec, position: TensorSpec, decode: DecodeLoop, warmup_runs: int) -> None:
+    """Refuse, before anything loads, a loop whose last step would pass the
+    positions the method accepts (its KV cache), rather than fail at that step."""
+    if position.bounds is None:
+        return
+    first = decode.prompt_length if decode.prefill is not None else 0
+    last = first + warmup_runs + decode.steps  # the first call, the warm-up, then the timed steps
+    low, high = position.bounds
+    if first < low or last > high:
+        prompt = f" after a prompt of {first}" if decode.prefill is not None else ""
+        raise InputError(f"the loop would run method {method.name!r} at positions {first} to {last} (the first call, {warmup_runs} warm-up "
+                         f"and {decode.steps} timed steps{prompt}); its input {position.name!r} accepts {low} to {high}, the positions of its KV "
+                         "cache: ask for fewer --steps, less --warmup or a shorter --prompt-length", subject="steps")
 
 
 def _one_element(tensor: TensorSpec) -> bool:

@@ -36,7 +36,10 @@ def isa_name(value: str | None) -> str | None:
 
 
 def tensor_json(spec: TensorSpec) -> dict[str, Any]:
-    return {"name": spec.name, "dtype": spec.dtype, "shape": list(spec.shape)}
+    data: dict[str, Any] = {"name": spec.name, "dtype": spec.dtype, "shape": list(spec.shape)}
+    if spec.bounds is not None:
+        data["bounds"] = {"min": spec.bounds[0], "max": spec.bounds[1]}
+    return data
 
 
 def dim_json(dim: DimSpec) -> dict[str, Any]:

@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import ast
 import operator
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
+from typing import Any
 
 from ..arrays import shape_text
 from ..errors import InputError
@@ -55,6 +56,31 @@ def validate_inputs(method: MethodSpec, given: Mapping[str, tuple[str, tuple[int
     values = {name: value for name, (value, _) in bindings.items()}
     _check_expressions(method, given, values)
     return values
+
+
+def bounded_inputs(method: MethodSpec) -> list[tuple[int, str, tuple[int, int]]]:
+    """(position, name, bounds) of each input with bounds (TensorSpec.bounds), for check_bounds."""
+    return [(position, spec.name, spec.bounds) for position, spec in enumerate(method.inputs) if spec.bounds is not None]
+
+
+def check_bounds(method: str, arrays: Sequence[Any], bounded: list[tuple[int, str, tuple[int, int]]]) -> None:
+    """Refuse a value outside the bounds the bundle records for its input
+    (`arrays` in the signature's order, of the dtypes and shapes validated).
+    The library would not refuse it: a compiled write past a KV cache stops
+    the process (Inductor's device-side assert) or writes nothing
+    (cuda-runner's fused attention), where eager PyTorch raises."""
+    for position, name, (low, high) in bounded:
+        array = arrays[position]
+        if array.size == 0:
+            continue
+        if array.size == 1:  # a decode step's position: no reductions on the hot path
+            smallest = largest = int(array.reshape(-1)[0])
+        else:
+            smallest, largest = int(array.min()), int(array.max())
+        if smallest < low or largest > high:
+            held = smallest if smallest < low else largest
+            raise InputError(f"input {name!r} holds {held}; method {method!r} accepts {low} to {high} (for a decoder, the positions of its KV cache)",
+                             subject="bounds")
 
 
 def _check_names(method: MethodSpec, given: Mapping[str, object]) -> None:

@@ -26,7 +26,7 @@ import numpy as np
 from ..arrays import DTYPE_NAMES, FLOAT_DTYPES, allocation_problem, dtype_name, itemsize, numpy_dtype, shape_text, span_problem
 from ..errors import BundleError, CudaRunnerError, InputError
 from ..format.manifest import MethodSpec, TensorSpec
-from ..format.validation import evaluate_shape_entry, validate_inputs
+from ..format.validation import bounded_inputs, check_bounds, evaluate_shape_entry, validate_inputs
 from .convert import convert, limits, position_text, range_text, value_text
 from .npy import ArrayHeader, NpzArchive, load_array, read_array_header
 
@@ -163,6 +163,7 @@ def _resolved(method: MethodSpec, pending: list[_Pending]) -> ResolvedInputs:
             if problem is not None:
                 raise item.too_large(problem)  # before anything is allocated: not NumPy's "array is too big" later
     arrays = {item.source.name: item.load() for item in pending}
+    check_bounds(method.name, [arrays[spec.name] for spec in method.inputs], bounded_inputs(method))
     resolved = ResolvedInputs(arrays, [item.source for item in pending], dims, method)
     resolved._checked = {name: (array.dtype, array.shape) for name, array in arrays.items()}
     return resolved

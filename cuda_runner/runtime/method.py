@@ -41,7 +41,7 @@ from ..format.manifest import (
     TensorSpec,
 )
 from ..format.source import ModelReader
-from ..format.validation import validate_inputs
+from ..format.validation import bounded_inputs, check_bounds, validate_inputs
 from ..io.inputs import ResolvedInputs
 from . import interrupts
 from .constants import ConstantMemory, bind_constants
@@ -209,6 +209,8 @@ class Method:
         self._output_names = [output_spec.name for output_spec in spec.outputs]
         self._written_inputs = written_inputs(spec)
         self._bfloat16_inputs = [position for position, tensor in enumerate(spec.inputs) if tensor.dtype == "bfloat16"]
+        # Integer inputs with the values the method accepts (a position in its KV cache): checked on every call.
+        self._bounded = bounded_inputs(spec)
         self._copies_inputs = self._written_inputs is None or bool(self._written_inputs)
         # (dtype, shape) of each input, already validated; apart for device
         # arrays, where uint16 can stand for bfloat16.
@@ -467,6 +469,8 @@ class Method:
             else:
                 ordered = self._host_arrays(ordered)
             self._accept(ordered, _host_dtype_name, self._accepted_host, screen)
+        if self._bounded:  # values, not dtypes and shapes: an array checked before may hold others now
+            check_bounds(self.spec.name, ordered, self._bounded)
         if self._copies_inputs:
             ordered = self._private_copies(ordered, np.array)
         given = ordered
@@ -506,7 +510,10 @@ class Method:
 
         bfloat16 travels as uint16 CuPy arrays holding the bits. Outputs are
         ordered on the stream of the lane that ran them (`self.stream` when
-        one thread calls): synchronize it before using them on another stream."""
+        one thread calls): synchronize it before using them on another stream.
+        Values are not checked against the inputs' bounds (TensorSpec.bounds),
+        as run() checks them: that would read the arrays back and wait for the
+        GPU. A position past a KV cache is the caller's to keep out."""
         lock = self.state_lock
         if lock is None:
             return self._run_device(inputs)

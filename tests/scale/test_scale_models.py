@@ -142,6 +142,58 @@ def test_a_decode_loop_refuses_what_it_cannot_drive(llama, dict_mlp_bundle):
     assert cli("bench", str(path), "--prefill", "prefill").returncode == 2  # --prefill without --steps
 
 
+def test_a_position_past_the_cache_is_refused_before_the_library_runs(llama):
+    """Eager raises for a cache write past the cache; the compiled library would not (Inductor's kernel
+    stops the process on a GPU, the fused attention writes nothing), so the bundle bounds the position."""
+    path, _, config = llama
+    last = config.max_seq - 1
+    manifest = cuda_runner.read_manifest(path)
+    assert "input-bounds" in manifest.optional_features
+    for spec in manifest.methods.values():
+        assert spec.input("input_pos").bounds == (0, last) and spec.input("tokens").bounds is None
+    shown = cli("inspect", str(path))
+    assert shown.returncode == 0 and f"0 to {last}" in shown.stdout
+    assert json.loads(cli("inspect", str(path), "--json").stdout)["methods"]["decode"]["inputs"][1]["bounds"] == {"min": 0, "max": last}
+
+    past = cli("run", str(path), "--method", "decode", "-i", "tokens=[[1]]", "-i", f"input_pos=[{last + 1}]")
+    assert past.returncode == 2
+    assert past.error_lines == [f"error: input 'input_pos' holds {last + 1}; method 'decode' accepts 0 to {last} (for a decoder, the positions of its KV cache)"]
+    assert cli("run", str(path), "--method", "decode", "-i", "tokens=[[1]]", "-i", "input_pos=[-1]").returncode == 2
+    prompt = ",".join(str(position) for position in range(last - 2, last + 2))
+    assert "holds 32" in cli("run", str(path), "--method", "prefill", "-i", "tokens=[[1,2,3,4]]", "-i", f"input_pos=[{prompt}]").stderr
+    assert cli("run", str(path), "--method", "decode", "-i", "tokens=[[1]]", "-i", f"input_pos=[{last}]").returncode == 0
+
+    with cuda_runner.load(path) as model:  # the Python API checks every call: an array may hold another value since
+        position = np.array([last], np.int64)
+        model.run({"tokens": np.ones((1, 1), np.int64), "input_pos": position}, "decode")
+        position[0] = last + 1
+        with pytest.raises(cuda_runner.InputError, match="accepts 0 to") as refused:
+            model.run({"tokens": np.ones((1, 1), np.int64), "input_pos": position}, "decode")
+        assert refused.value.subject == "bounds"
+
+
+def test_a_decode_loop_past_the_cache_is_refused_before_anything_loads(llama, monkeypatch):
+    path, _, config = llama
+    steps = config.max_seq - PROMPT - 2  # the first call and two warm-up steps, then these: one past the cache
+    refused = cli("bench", str(path), "--method", "decode", "--prefill", "prefill", "--prompt-length", str(PROMPT), "--steps", str(steps),
+                  "--warmup", "2")
+    assert refused.returncode == 2
+    assert refused.error_lines[0].startswith(f"error: the loop would run method 'decode' at positions {PROMPT} to {config.max_seq}")
+    from cuda_runner.commands import bench
+
+    def no_loading(*args, **kwargs):
+        raise AssertionError("the model was loaded")
+
+    loop = bench.DecodeLoop(steps=steps, prefill="prefill", prompt_length=PROMPT)
+    with monkeypatch.context() as patch, pytest.raises(cuda_runner.InputError, match="accepts 0 to"):
+        patch.setattr(bench, "load_model", no_loading)
+        bench.benchmark(bench.BenchRequest(path, method="decode", warmup_runs=2, decode=loop))
+    fits = cli("bench", str(path), "--method", "decode", "--prefill", "prefill", "--prompt-length", str(PROMPT), "--steps", str(steps - 1),
+               "--warmup", "2", "--json")
+    assert fits.returncode == 0, fits.stderr
+    assert json.loads(fits.stdout)["decode"]["positions"][1] == config.max_seq - 1
+
+
 def test_whisper_encodes_then_decodes_with_its_cache(whisper):
     path, module, config = whisper
     examples = scale_models.whisper_examples(config)
