@@ -170,13 +170,30 @@ def _address(tensor: Any) -> tuple[str, int] | None:
 def reads_written_elsewhere(nodes: list[Any], written_elsewhere: frozenset[str]) -> bool:
     """Whether a module tensor among `nodes` (get_attr) is one that other
     methods write, by name or by memory (a table registered as a view of a
-    buffer that another method fills)."""
-    tensors = [node for node in nodes if node.op == "get_attr"]
-    if not tensors or not written_elsewhere:
+    buffer that another method fills). A counter `nodes` overwrite whole
+    before they read it (computed_alone) is not: whatever another method
+    left in it, this step reads what it copied there."""
+    if not written_elsewhere:
+        return False
+    counters = _overwritten(nodes)
+    tensors = [node for node in nodes if node.op == "get_attr" and node not in counters]
+    if not tensors:
         return False
     module = tensors[0].graph.owning_module
     written = {_address(module_tensor(module, name)) for name in written_elsewhere} - {None} if module is not None else set()
     return any(node.target in written_elsewhere or _module_tensor_address(node.graph, node) in written for node in tensors)
+
+
+def _overwritten(nodes: list[Any]) -> set[Any]:
+    """The module tensors (get_attr) that a copy among `nodes` overwrites
+    before any of them reads it, by _overwrite's rule."""
+    copies = [node for node in nodes if node.op == "call_function" and str(node.target) == "aten.copy_.default"]
+    if not copies:
+        return set()
+    graph = copies[0].graph
+    order = {node: index for index, node in enumerate(graph.nodes)}
+    memory = GraphMemory(graph)
+    return {copy.args[0] for copy in copies if _overwrite(copy, nodes, memory, order)}
 
 
 def _guards(node: Any) -> bool:

@@ -743,6 +743,18 @@ def test_a_step_that_counts_its_position_the_hugging_face_way_is_fused_whole():
     assert sum(str(node.target) == "aten.add_.Tensor" for node in module.graph.nodes) == 2  # the counters still advance
 
 
+def test_counters_and_caches_a_prefill_also_writes_leave_the_step_fused_whole():
+    """In a bundle whose prefill writes the same counters and caches, the step still copies its position
+    over each counter before reading it: what the prefill left there changes nothing the proofs rely on."""
+    pytest.importorskip("triton")
+    from cuda_runner.compile.attention import fuse_decode_attention
+
+    module = torch.export.export(_CountingStep(), (torch.randn(1, 1, 32), torch.tensor([3]))).module()
+    written = frozenset(f"{kind}_{layer}" for kind in ("counter", "k_cache", "v_cache") for layer in range(2))
+    fused = fuse_decode_attention(module, written)
+    assert (fused.calls, fused.position_limits, fused.cache_updates, fused.rotations) == (2, 2, 2, 4)
+
+
 @pytest.mark.triton
 @pytest.mark.skipif(not __import__("importlib").util.find_spec("triton"), reason="Triton is not installed (CPU torch)")
 def test_the_counting_step_and_hugging_faces_own_export_compute_what_they_did_under_tritons_interpreter():

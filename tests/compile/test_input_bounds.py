@@ -62,6 +62,11 @@ def test_an_index_that_wraps_or_is_no_input_bounds_nothing(how):
     assert _bounds(_Cache(how)) == {}
 
 
+def test_a_counter_another_method_writes_still_bounds_the_position_it_is_overwritten_with():
+    """A prefill that leaves its own value in the counter changes nothing: the step copies its position over it first."""
+    assert _bounds(_Cache("counter"), frozenset({"counter"})) == {"position": (0, 15)}
+
+
 def test_an_index_offset_by_what_another_method_writes_bounds_nothing():
     assert _bounds(_Cache("offset")) == {"position": (0, 15)}  # the offset as compiled (zero) is proven
     assert _bounds(_Cache("offset"), frozenset({"offset"})) == {}  # but another method may set it
