@@ -45,6 +45,7 @@ from .check import NotChecked, disagreement
 from .graph_values import may_write
 from .input_bounds import input_bounds
 from .signature import dim_names_from_dynamic_shapes, program_signature, with_bounds
+from .written_constants import written_constants_as_buffers
 
 __all__ = ["MethodSource", "check_programs", "compile_methods", "compile_module", "compile_programs", "export_method", "export_module"]
 
@@ -287,6 +288,7 @@ def compile_sources(
         problem = method_name_problem(method)
         if problem:
             raise InputError(f"method name {method!r} {problem}")
+    sources = {method: _state_read_as_buffers(method, source, progress) for method, source in sources.items()}
     # Without shared weights every method has state of its own: no other method writes it.
     written_by_methods = _written_by_methods(sources) if share_weights else frozenset()
     for method, source in sources.items():
@@ -426,6 +428,17 @@ def _state_kept(torch: Any, options: Mapping[str, Any], written: _WrittenState |
         # would never be read (a prefill's count, read by decode as 0).
         chosen.setdefault("always_keep_tensor_constants", True)
     return chosen
+
+
+def _state_read_as_buffers(method: str, source: MethodSource, progress: Progress) -> MethodSource:
+    """The method's source with the constants its program writes read as
+    buffers (compile/written_constants.py: transformers' static cache)."""
+    program, names = written_constants_as_buffers(source.program)
+    if not names:
+        return source
+    progress(f"method {method!r} writes {len(names)} tensor(s) it holds as constants (a KV cache kept outside the module's buffers): "
+             "they are compiled as its state")
+    return dataclasses.replace(source, program=program)
 
 
 def _written_by_methods(sources: Mapping[str, MethodSource]) -> frozenset[str]:
