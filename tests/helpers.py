@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import io
 import os
+import re
 import subprocess
 import sys
 from dataclasses import dataclass
@@ -158,6 +159,39 @@ def ptx_blocks(ptx: str) -> dict[str, tuple[list[str], list[str]]]:
             successors.append(order[position + 1])
         blocks[name] = ([op for op in ops if not op.startswith(("goto ", "branch "))], successors)
     return blocks
+
+
+def parameters_read_before_wait(ptx: str) -> tuple[set[int], int]:
+    """(the kernel parameters, by position, whose pointers address a global
+    load that the PTX's entry block makes before griddepcontrol.wait; how many
+    such loads there are). Each load's address register is traced back through
+    the instructions that define it to the ld.param that read a parameter."""
+    sources: dict[str, set[str]] = {}
+    found: set[int] = set()
+    loads = 0
+    for raw in ptx.splitlines():
+        line = raw.strip()
+        if line.startswith("$L__BB") or line.startswith("griddepcontrol.wait"):
+            break
+        statement = line.lstrip("@%p0123456789! ")
+        parameter = re.match(r"ld\.param\.\w+\s+(%\w+),\s*\[\w+_param_(\d+)\]", statement)
+        if parameter:
+            sources[parameter.group(1)] = {f"param {parameter.group(2)}"}
+            continue
+        if statement.startswith("ld.global"):
+            loads += 1
+            address = re.search(r"\[\s*(%\w+)", statement)
+            found |= {int(name.split()[1]) for name in _traced(address.group(1), sources)} if address else set()
+            continue
+        registers = re.findall(r"%\w+", statement.split("//")[0])
+        if len(registers) >= 1 and not statement.startswith(("st.", "//")):
+            sources.setdefault(registers[0], set()).update(*(_traced(register, sources) for register in registers[1:]))
+    return found, loads
+
+
+def _traced(register: str, sources: dict[str, set[str]]) -> set[str]:
+    """The parameters a register's value is computed from."""
+    return {name for name in sources.get(register, set()) if name.startswith("param ")}
 
 
 def waited_on_entry(blocks: dict[str, tuple[list[str], list[str]]]) -> dict[str, bool]:

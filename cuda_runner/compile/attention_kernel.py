@@ -51,6 +51,9 @@ _TILE_ELEMENTS = 8192
 _TARGET_PROGRAMS = 512
 # The fewest keys a program takes: below this the merge costs more than the split saves.
 _MIN_SPLIT_KEYS = 32
+# Whether an updating launch reads its stretch's first tiles of the caches before it waits for the
+# launch before (True), or after, as it reads everything else (scripts/bench_step_plans.py times both).
+EARLY_CACHE_TILES = True
 
 
 @triton.jit
@@ -60,12 +63,12 @@ def _decode_attention_kernel(
     new_key, new_value, position, query_cos, query_sin, key_cos, key_sin, table_rows, n_b, n_h, n_d, w_b, w_h, w_d,
     HEADS: tl.constexpr, ROWS: tl.constexpr, HEAD_DIM: tl.constexpr, VALUE_DIM: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, MASK_KIND: tl.constexpr, SPLITS: tl.constexpr,
-    UPDATE: tl.constexpr, QUERY_PAIRS: tl.constexpr, KEY_PAIRS: tl.constexpr,
+    UPDATE: tl.constexpr, QUERY_PAIRS: tl.constexpr, KEY_PAIRS: tl.constexpr, EARLY: tl.constexpr,
 ):
     _decode_attention(query, key, value, mask, out, part_max, part_sum, part_acc, scale, kv_length, group, split_keys,
                       q_b, q_h, q_l, q_d, k_b, k_h, k_s, k_d, v_b, v_h, v_s, v_d, m_b, m_h, m_l, m_s, o_b, o_h, o_l, o_d,
                       new_key, new_value, position, query_cos, query_sin, key_cos, key_sin, table_rows, n_b, n_h, n_d, w_b, w_h, w_d,
-                      HEADS, ROWS, HEAD_DIM, VALUE_DIM, BLOCK_N, BLOCK_D, BLOCK_DV, MASK_KIND, SPLITS, UPDATE, QUERY_PAIRS, KEY_PAIRS, False)
+                      HEADS, ROWS, HEAD_DIM, VALUE_DIM, BLOCK_N, BLOCK_D, BLOCK_DV, MASK_KIND, SPLITS, UPDATE, QUERY_PAIRS, KEY_PAIRS, EARLY, False)
 
 
 # The same, for a launch as a programmatic dependent: cuda-runner's shim launches
@@ -77,12 +80,12 @@ def cudarunner_pdl_decode_attention(
     new_key, new_value, position, query_cos, query_sin, key_cos, key_sin, table_rows, n_b, n_h, n_d, w_b, w_h, w_d,
     HEADS: tl.constexpr, ROWS: tl.constexpr, HEAD_DIM: tl.constexpr, VALUE_DIM: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, MASK_KIND: tl.constexpr, SPLITS: tl.constexpr,
-    UPDATE: tl.constexpr, QUERY_PAIRS: tl.constexpr, KEY_PAIRS: tl.constexpr,
+    UPDATE: tl.constexpr, QUERY_PAIRS: tl.constexpr, KEY_PAIRS: tl.constexpr, EARLY: tl.constexpr,
 ):
     _decode_attention(query, key, value, mask, out, part_max, part_sum, part_acc, scale, kv_length, group, split_keys,
                       q_b, q_h, q_l, q_d, k_b, k_h, k_s, k_d, v_b, v_h, v_s, v_d, m_b, m_h, m_l, m_s, o_b, o_h, o_l, o_d,
                       new_key, new_value, position, query_cos, query_sin, key_cos, key_sin, table_rows, n_b, n_h, n_d, w_b, w_h, w_d,
-                      HEADS, ROWS, HEAD_DIM, VALUE_DIM, BLOCK_N, BLOCK_D, BLOCK_DV, MASK_KIND, SPLITS, UPDATE, QUERY_PAIRS, KEY_PAIRS, True)
+                      HEADS, ROWS, HEAD_DIM, VALUE_DIM, BLOCK_N, BLOCK_D, BLOCK_DV, MASK_KIND, SPLITS, UPDATE, QUERY_PAIRS, KEY_PAIRS, EARLY, True)
 
 
 @triton.jit
@@ -92,11 +95,8 @@ def _decode_attention(
     new_key, new_value, position, query_cos, query_sin, key_cos, key_sin, table_rows, n_b, n_h, n_d, w_b, w_h, w_d,
     HEADS: tl.constexpr, ROWS: tl.constexpr, HEAD_DIM: tl.constexpr, VALUE_DIM: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, MASK_KIND: tl.constexpr, SPLITS: tl.constexpr,
-    UPDATE: tl.constexpr, QUERY_PAIRS: tl.constexpr, KEY_PAIRS: tl.constexpr, PDL: tl.constexpr,
+    UPDATE: tl.constexpr, QUERY_PAIRS: tl.constexpr, KEY_PAIRS: tl.constexpr, EARLY: tl.constexpr, PDL: tl.constexpr,
 ):
-    # Every tensor this touches, written ones too, is addressed through `ready`:
-    # nothing is read or written before the launch before it is done.
-    ready = _await_inputs(PDL)
     program = tl.program_id(0).to(tl.int64)  # 64-bit offsets: a layer's cache may pass 2**31 elements
     split = tl.program_id(1).to(tl.int64)
     row = program % ROWS
@@ -105,6 +105,19 @@ def _decode_attention(
     kv_head = head // group
     dims = tl.arange(0, BLOCK_D)
     value_dims = tl.arange(0, BLOCK_DV)
+    begin = split * split_keys
+    if EARLY:  # only with UPDATE
+        # No launch of the step writes the caches but this one (compile/attention.py), whose own row
+        # is substituted below: the stretch's first tiles are read before the wait, off the path from
+        # the query's product to this launch's result.
+        early_keys, early_values = _first_cache_tiles(key + batch * k_b + kv_head * k_h, value + batch * v_b + kv_head * v_h, begin, kv_length,
+                                                      k_s, k_d, v_s, v_d, HEAD_DIM, VALUE_DIM, BLOCK_N, BLOCK_D, BLOCK_DV)
+    else:  # never chosen below (`first` is false): the tiles are read in the loop
+        early_keys = tl.zeros([BLOCK_N, BLOCK_D], dtype=key.dtype.element_ty)
+        early_values = tl.zeros([BLOCK_N, BLOCK_DV], dtype=value.dtype.element_ty)
+    # Everything else this touches, written tensors too, is addressed through `ready`:
+    # nothing of it is read or written before the launch before it is done.
+    ready = _await_inputs(PDL)
     key_base = key + ready + batch * k_b + kv_head * k_h
     value_base = value + ready + batch * v_b + kv_head * v_h
     if UPDATE:
@@ -132,7 +145,6 @@ def _decode_attention(
     running_sum = tl.full([], 0.0, tl.float32)
     acc = tl.zeros([BLOCK_DV], dtype=tl.float32)
     mask_base = mask + ready + batch * m_b + head * m_h + row * m_l
-    begin = split * split_keys
     end = tl.minimum(begin + split_keys, kv_length)
     if MASK_KIND == 3:
         # Keys past the row's position are masked: they are not read at all (a stretch wholly past it reads nothing).
@@ -142,10 +154,12 @@ def _decode_attention(
         positions = start + tl.arange(0, BLOCK_N).to(tl.int64)
         inside = positions < end
         if UPDATE:
-            # The step's position is not read from the cache, which this launch writes.
+            # The step's position is not read from the cache, which this launch writes; the first tile was read early.
             fresh = positions == step
+            first = (start == begin) & EARLY
             keys = tl.load(key_base + positions[:, None] * k_s + dims[None, :] * k_d,
-                           mask=(inside & ~fresh)[:, None] & (dims[None, :] < HEAD_DIM), other=0.0)
+                           mask=(inside & ~fresh & ~first)[:, None] & (dims[None, :] < HEAD_DIM), other=0.0)
+            keys = tl.where(inside[:, None], tl.where(first, early_keys, keys), 0.0)
             keys = tl.where(fresh[:, None], fresh_key[None, :], keys)
         else:
             keys = tl.load(key_base + positions[:, None] * k_s + dims[None, :] * k_d,
@@ -164,7 +178,9 @@ def _decode_attention(
         weights = tl.exp(scores - shift)
         if UPDATE:
             values = tl.load(value_base + positions[:, None] * v_s + value_dims[None, :] * v_d,
-                             mask=(inside & ~fresh)[:, None] & (value_dims[None, :] < VALUE_DIM), other=0.0)
+                             mask=(inside & ~fresh & ~first)[:, None] & (value_dims[None, :] < VALUE_DIM), other=0.0)
+            # Zeros past the stretch's end, not what the early tile read there: a weight of 0 times an inf is NaN.
+            values = tl.where(inside[:, None], tl.where(first, early_values, values), 0.0)
             values = tl.where(fresh[:, None], fresh_value[None, :], values)
         else:
             values = tl.load(value_base + positions[:, None] * v_s + value_dims[None, :] * v_d,
@@ -183,6 +199,21 @@ def _decode_attention(
         tl.store(part_max + slot, running_max)
         tl.store(part_sum + slot, running_sum)
         tl.store(part_acc + slot * BLOCK_DV + value_dims, acc)
+
+
+@triton.jit
+def _first_cache_tiles(key_head, value_head, begin, kv_length, k_s, k_d, v_s, v_d, HEAD_DIM: tl.constexpr, VALUE_DIM: tl.constexpr,
+                       BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr):
+    """The first tile of keys and of values of the stretch from `begin`, of one
+    K/V head, as the caches hold them; zeros past the cache."""
+    positions = begin + tl.arange(0, BLOCK_N).to(tl.int64)
+    dims = tl.arange(0, BLOCK_D)
+    value_dims = tl.arange(0, BLOCK_DV)
+    cached = positions < kv_length
+    keys = tl.load(key_head + positions[:, None] * k_s + dims[None, :] * k_d, mask=cached[:, None] & (dims[None, :] < HEAD_DIM), other=0.0)
+    values = tl.load(value_head + positions[:, None] * v_s + value_dims[None, :] * v_d,
+                     mask=cached[:, None] & (value_dims[None, :] < VALUE_DIM), other=0.0)
+    return keys, values
 
 
 @triton.jit
@@ -386,7 +417,8 @@ def launch_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor
         HEADS=heads, ROWS=rows, HEAD_DIM=head_dim, VALUE_DIM=value_dim,
         BLOCK_N=chosen.block_n, BLOCK_D=block_d, BLOCK_DV=block_dv, MASK_KIND=kind, SPLITS=chosen.splits,
         UPDATE=update is not None, QUERY_PAIRS=update.query_rotation[2] if update is not None else 0,
-        KEY_PAIRS=update.key_rotation[2] if update is not None else 0, num_warps=chosen.warps, **extra,
+        KEY_PAIRS=update.key_rotation[2] if update is not None else 0, EARLY=update is not None and EARLY_CACHE_TILES,
+        num_warps=chosen.warps, **extra,
     )
     if chosen.splits > 1:
         wrap_triton(cudarunner_pdl_merge_splits if pdl else _merge_splits_kernel)[(rows_total,)](

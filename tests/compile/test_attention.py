@@ -235,7 +235,7 @@ def test_the_kernel_builds_for_sm90_as_inductor_passes_its_scale(scale_type):
     pointers = {"query": "*bf16", "key": "*bf16", "value": "*bf16", "out": "*bf16", "mask": "*i1",
                 "part_max": "*fp32", "part_sum": "*fp32", "part_acc": "*fp32"}
     shapes = {"HEADS": 32, "ROWS": 1, "HEAD_DIM": 64, "VALUE_DIM": 64, "BLOCK_N": 32, "BLOCK_D": 64, "BLOCK_DV": 64, "MASK_KIND": 1,
-              "BLOCK_S": 16, "UPDATE": False, "QUERY_PAIRS": 0, "KEY_PAIRS": 0}
+              "BLOCK_S": 16, "UPDATE": False, "QUERY_PAIRS": 0, "KEY_PAIRS": 0, "EARLY": False}
     for kernel, splits in ((_decode_attention_kernel, 1), (_decode_attention_kernel, 16), (_merge_splits_kernel, 16)):
         parameters = list(inspect.signature(kernel.fn).parameters)
         signature = {name: pointers.get(name, scale_type if name == "scale" else "constexpr" if name.isupper() else "i32") for name in parameters}
@@ -319,17 +319,20 @@ def test_the_decoders_cache_is_split_among_programs_and_merged_and_few_keys_are_
 
 @pytest.mark.triton
 @pytest.mark.skipif(not __import__("importlib").util.find_spec("triton"), reason="Triton is not installed (CPU torch)")
-@pytest.mark.parametrize("mask_kind, splits, pairs", [(0, 16, None), (1, 16, None), (2, 1, None), (3, 16, None), (3, 1, None),
-                                                      (3, 16, 1), (2, 1, 2), (3, 16, 0)])
-def test_the_programmatic_attention_kernels_touch_memory_only_after_their_wait(mask_kind, splits, pairs):
+@pytest.mark.parametrize("mask_kind, splits, pairs, early", [(0, 16, None, False), (1, 16, None, False), (2, 1, None, False),
+                                                             (3, 16, None, False), (3, 1, None, False), (3, 16, 1, True), (2, 1, 2, True),
+                                                             (3, 16, 0, True), (3, 16, 1, False)])
+def test_the_programmatic_attention_kernels_touch_memory_only_after_their_wait(mask_kind, splits, pairs, early):
     """Built for sm90 on the CPU: on every path through the PTX of the
     attention kernel and of the merge, no load and no store comes before
     griddepcontrol.wait (the launch before may still be writing what they
-    read, or reading what they write)."""
+    read, or reading what they write), but for the first tiles of the caches
+    an updating kernel reads early: it is the one launch of the step that
+    writes them."""
     import inspect
 
     import triton
-    from helpers import ptx_blocks, waited_on_entry
+    from helpers import parameters_read_before_wait, ptx_blocks, waited_on_entry
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
@@ -337,7 +340,7 @@ def test_the_programmatic_attention_kernels_touch_memory_only_after_their_wait(m
 
     mask_type = {0: "*bf16", 1: "*i1", 2: "*bf16", 3: "*i64"}[mask_kind]
     # pairs None: no cache update; else the update, with the query and key rotated so (0: not at all)
-    update = {"UPDATE": pairs is not None, "QUERY_PAIRS": pairs or 0, "KEY_PAIRS": pairs or 0}
+    update = {"UPDATE": pairs is not None, "QUERY_PAIRS": pairs or 0, "KEY_PAIRS": pairs or 0, "EARLY": pairs is not None and early}
     update_pointers = {"new_key": "*bf16", "new_value": "*bf16", "position": "*i64", "query_cos": "*fp32", "query_sin": "*fp32",
                        "key_cos": "*fp32", "key_sin": "*fp32"} if pairs is not None else {}
     builds = [
@@ -355,6 +358,11 @@ def test_the_programmatic_attention_kernels_touch_memory_only_after_their_wait(m
         ptx = triton.compile(source, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4}).asm["ptx"]
         blocks = ptx_blocks(ptx)
         waited = waited_on_entry(blocks)
+        early = constants.get("EARLY", False)
+        read_early, early_loads = parameters_read_before_wait(ptx)
+        passed = [name for name in parameters if types[name] != "constexpr"]  # the PTX's parameters, in order
+        pointers_read = {passed[index] for index in read_early if index < len(passed) and types[passed[index]].startswith("*")}
+        assert pointers_read == ({"key", "value"} if early else set()), kernel.fn.__name__
         touched = 0
         for label, (ops, _) in blocks.items():
             done = waited[label]
@@ -363,8 +371,10 @@ def test_the_programmatic_attention_kernels_touch_memory_only_after_their_wait(m
                     done = True
                 elif op.startswith(("ld.global", "st.global")):
                     touched += 1
-                    assert done, (kernel.fn.__name__, label, op)
-        assert touched and "griddepcontrol.launch_dependents;" in ptx
+                    # The early tiles are the entry block's loads before its wait, and nothing else is.
+                    assert done or (early and label == "entry" and op.startswith("ld.global") and early_loads), (kernel.fn.__name__, label, op)
+                    early_loads -= 0 if done else 1
+        assert touched and "griddepcontrol.launch_dependents;" in ptx and early_loads == 0
 
 
 @pytest.mark.triton
@@ -577,6 +587,30 @@ def test_the_updating_kernel_split_over_the_keys_writes_once_and_reads_what_it_w
             torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
             torch.testing.assert_close(key_cache, want_keys, atol=1e-6, rtol=1e-6)
             assert torch.equal(value_cache, want_values)
+        # Stretches of several tiles (the first read before the wait, the rest in the loop), and a cache
+        # whose positions past the step hold inf and NaN: masked, they must not reach the result.
+        import cuda_runner.compile.attention_kernel as kernels
+        from cuda_runner.compile.attention_kernel import AttentionPlan, CacheUpdate, launch_attention
+        for plan, step, early in itertools.product([(128, 4, 32, 2), (512, 1, 64, 4), (96, 6, 64, 2)], (0, 31, 32, 127, 128, 300, 511),
+                                                   (True, False)):
+            kernels.EARLY_CACHE_TILES = early
+            key_cache, value_cache = torch.randn(1, H // G, S, D), torch.randn(1, H // G, S, D)
+            q, k, v = torch.randn(1, H, 1, D), torch.randn(1, H // G, 1, D), torch.randn(1, H // G, 1, D)
+            position = torch.tensor([step])
+            want_keys, want_values = key_cache.clone(), value_cache.clone()
+            want_keys.index_copy_(2, position, rotate(k, 1, step))
+            want_values.index_copy_(2, position, v)
+            allowed = torch.arange(S) <= step
+            want = torch.nn.functional.scaled_dot_product_attention(rotate(q, 1, step), want_keys.repeat_interleave(G, 1),
+                                                                    want_values.repeat_interleave(G, 1), attn_mask=allowed.view(1, 1, 1, S), scale=0.3)
+            key_cache[:, :, step + 1:] = float("inf")
+            value_cache[:, :, step + 1:] = float("nan")
+            out = torch.empty(1, H, 1, D)
+            update = CacheUpdate(k, v, position, (*tables[1], 1), (*tables[1], 1))
+            launch_attention(q, key_cache, value_cache, None, position, out, 0.3, G, AttentionPlan(*plan), update=update)
+            torch.testing.assert_close(out, want, atol=1e-5, rtol=1e-5)
+            torch.testing.assert_close(key_cache[:, :, :step + 1], want_keys[:, :, :step + 1], atol=1e-6, rtol=1e-6)
+            assert torch.equal(value_cache[:, :, :step + 1], want_values[:, :, :step + 1])
         print("ok")
     """)
     result = _under_interpreter(script)
