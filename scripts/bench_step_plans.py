@@ -19,6 +19,10 @@ programmatic dependents:
               plan at position 255
   products    the same step, one launch kind's plan (q/k/v, o, gate/up, down)
               swept while the others keep the shipped ones
+  early tiles the step with the attention that also writes the step's key and
+              value and rotates its query and key (decode_attention_update,
+              as the default build has it), its first tiles of the caches read
+              before its wait and after it, alternately
 
 Medians of the replays with p10-p90, microseconds.
 
@@ -72,6 +76,36 @@ def attention_launch(operands: tuple, limit, chosen):
     return lambda: launch_attention(query, key, value, None, limit, out, 0.125, 4, chosen, pdl=True, launch_pdl=True)
 
 
+def update_operands(count: int) -> list[tuple]:
+    """A layer's operands for the attention that writes the step's key and value: as attention_operands,
+    with the new key and value and RoPE tables of neighbouring pairs."""
+    import torch
+
+    angles = torch.rand(CACHE, 32, device="cuda") * 6.0
+    cos, sin = angles.cos().repeat_interleave(2, 1).contiguous(), torch.stack((-angles.sin(), angles.sin()), -1).flatten(1).contiguous()
+    return [(*attention_operands(1)[0], torch.randn(1, 8, 1, 64, device="cuda", dtype=torch.bfloat16),
+             torch.randn(1, 8, 1, 64, device="cuda", dtype=torch.bfloat16), cos, sin) for _ in range(count)]
+
+
+def update_launch(operands: tuple, position, chosen):
+    from cuda_runner.compile.attention_kernel import CacheUpdate, launch_attention
+
+    query, key, value, out, new_key, new_value, cos, sin = operands
+    update = CacheUpdate(new_key, new_value, position, (cos, sin, 1), (cos, sin, 1))
+    return lambda: launch_attention(query, key, value, None, position, out, 0.125, 4, chosen, pdl=True, launch_pdl=True, update=update)
+
+
+def update_step(layers: list[dict], head: tuple, plans: dict[str, tuple], chosen, position) -> list:
+    """step(), with the attention that writes the caches and rotates (each layer's "update" operands)."""
+    launches = []
+    for layer in layers:
+        launches.append(fused_launch(layer["qkv"], plans["qkv"]))
+        launches.append(update_launch(layer["update"], position, chosen))
+        launches.extend(fused_launch(layer[name], plans[name]) for name in ("o", "gate/up", "down"))
+    launches.append(fused_launch(head, plans["head"]))
+    return launches
+
+
 def attention_error(chosen, position: int) -> float:
     """Max abs difference from SDPA's math form over positions 0..position."""
     import torch
@@ -116,6 +150,7 @@ def step_operands() -> tuple[list[dict], tuple]:
     for _ in range(LAYERS):
         layer = {name: fused_operands(FUSED_CASES[case], 1)[0] for name, case in CASES.items() if name != "head"}
         layer["attention"] = attention_operands(1)[0]
+        layer["update"] = update_operands(1)[0]
         layers.append(layer)
     return layers, fused_operands(FUSED_CASES[CASES["head"]], 1)[0]
 
@@ -146,6 +181,7 @@ def main() -> int:
     parser.add_argument("--output", type=Path, default=None)
     parser.add_argument("--replays", type=int, default=30)
     parser.add_argument("--no-sweep", action="store_true", help="leave out the products' plan sweep")
+    parser.add_argument("--early-tiles-only", action="store_true", help="time only the updating attention's early cache tiles, on and off")
     options = parser.parse_args()
     here = Path(__file__).resolve().parent
     sys.path[:0] = [str(here.parent), str(here)]
@@ -164,6 +200,11 @@ def main() -> int:
 
     torch.manual_seed(0)
     plans = attention_plans()
+    layers, head = step_operands()
+    shipped = shipped_plans()
+    early_tiles_ab(record, layers, head, shipped, plans["shipped"])
+    if options.early_tiles_only:
+        return write(results, options.output)
     errors = {name: {str(p): round(attention_error(chosen, p), 5) for p in POSITIONS} for name, chosen in plans.items()}
     results["attention max abs error vs SDPA"] = errors
     print("errors", json.dumps(errors), flush=True)
@@ -172,8 +213,6 @@ def main() -> int:
         limit = torch.tensor([position], device="cuda")
         for name, chosen in plans.items():
             record(f"attention alone, 16 launches, position {position}", name, [attention_launch(o, limit, chosen) for o in operands])
-    layers, head = step_operands()
-    shipped = shipped_plans()
     for position in POSITIONS:
         at = torch.tensor([position], device="cuda")
         for products, chosen_products in (("shipped", shipped), ("earlier", EARLIER_PRODUCTS)):
@@ -196,8 +235,29 @@ def main() -> int:
         for name, chosen_plans, attention in (("shipped", shipped, "shipped"), ("best products", best, "shipped"),
                                               ("best products and attention", best, best_attention), ("shipped products, best attention", shipped, best_attention)):
             record("step, final", f"{name} ({attention})", step(layers, head, chosen_plans, plans[attention], limit), replays=100)
-    if options.output is not None:
-        options.output.write_text(json.dumps(results, indent=1, default=str))
+    return write(results, options.output)
+
+
+def early_tiles_ab(record, layers: list[dict], head: tuple, plans: dict[str, tuple], chosen) -> None:
+    """The step with the updating attention, its first cache tiles read before its wait and after it, alternately."""
+    import torch
+
+    import cuda_runner.compile.attention_kernel as attention_kernels
+
+    position = torch.tensor([STEP_POSITION], device="cuda")
+    try:
+        for round_ in (1, 2):  # alternately: which one a round runs first is not a difference between the two
+            for early in (True, False):
+                attention_kernels.EARLY_CACHE_TILES = early
+                record(f"step with the cache update, position {STEP_POSITION}, round {round_}",
+                       "first tiles read before the wait" if early else "read after it", update_step(layers, head, plans, chosen, position), 100)
+    finally:
+        attention_kernels.EARLY_CACHE_TILES = True
+
+
+def write(results: dict, output: Path | None) -> int:
+    if output is not None:
+        output.write_text(json.dumps(results, indent=1, default=str))
     return 0
 
 
