@@ -35,8 +35,7 @@ def input_bounds(program: Any, written_elsewhere: frozenset[str] = frozenset()) 
         module = program.module()  # module tensors as get_attr, which the position proof reads
     except Exception:  # a program torch cannot unlift is still compiled; its inputs are then unbounded
         return {}
-    placeholders = [node for node in module.graph.nodes if node.op == "placeholder"]
-    names = dict(zip(placeholders, program.graph_signature.user_inputs))
+    names = _input_names(module, list(program.graph_signature.user_inputs))
     proven: dict[tuple[Any, int], Any] = {}
     bounds: dict[str, tuple[int, int]] = {}
     for node in module.graph.nodes:
@@ -51,6 +50,16 @@ def input_bounds(program: Any, written_elsewhere: frozenset[str] = frozenset()) 
             low, high = bounds.get(name, (0, length - 1))
             bounds[name] = (low, min(high, length - 1))
     return bounds
+
+
+def _input_names(module: Any, user_inputs: list[str]) -> dict[Any, str]:
+    """The unlifted module's placeholders by the signature's input names: by
+    name where they carry them (as torch names them), else in order where
+    they are as many; none where neither holds (no input is then bounded)."""
+    placeholders = [node for node in module.graph.nodes if node.op == "placeholder"]
+    if sorted(node.name for node in placeholders) == sorted(user_inputs):
+        return {node: node.name for node in placeholders}
+    return dict(zip(placeholders, user_inputs)) if len(placeholders) == len(user_inputs) else {}
 
 
 def _indexed_write(node: Any) -> tuple[Any, int] | None:
