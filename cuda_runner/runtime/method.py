@@ -470,6 +470,10 @@ class Method:
                 ordered = self._host_arrays(ordered)
             self._accept(ordered, _host_dtype_name, self._accepted_host, screen)
         if self._bounded:  # values, not dtypes and shapes: an array checked before may hold others now
+            # Checked and passed on as copies (a few bytes): the caller's array may change after the check.
+            ordered = list(ordered)
+            for position, _, _ in self._bounded:
+                ordered[position] = np.array(ordered[position])
             check_bounds(self.spec.name, ordered, self._bounded)
         if self._copies_inputs:
             ordered = self._private_copies(ordered, np.array)

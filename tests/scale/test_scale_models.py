@@ -172,6 +172,28 @@ def test_a_position_past_the_cache_is_refused_before_the_library_runs(llama):
         assert refused.value.subject == "bounds"
 
 
+
+def test_the_library_gets_the_value_that_was_checked(llama, monkeypatch):
+    """The check and the library read one copy: a caller's array changed right after the check (another
+    thread) does not reach the library with a position past the cache."""
+    import cuda_runner.runtime.method as method_module
+
+    path, _, config = llama
+    checked = method_module.check_bounds
+    position = np.array([3], np.int64)
+
+    def check_then_change(*args):
+        checked(*args)
+        position[0] = config.max_seq + 8  # what a second thread could write between the check and the run
+
+    with cuda_runner.load(path) as model:
+        want = model.run({"tokens": np.ones((1, 1), np.int64), "input_pos": np.array([3], np.int64)}, "decode")["output_0"]
+        model.reset_state()
+        monkeypatch.setattr(method_module, "check_bounds", check_then_change)
+        got = model.run({"tokens": np.ones((1, 1), np.int64), "input_pos": position}, "decode")["output_0"]
+    np.testing.assert_array_equal(got, want)
+
+
 def test_a_decode_loop_past_the_cache_is_refused_before_anything_loads(llama, monkeypatch):
     path, _, config = llama
     steps = config.max_seq - PROMPT - 2  # the first call and two warm-up steps, then these: one past the cache
