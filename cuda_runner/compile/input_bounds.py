@@ -35,7 +35,7 @@ def input_bounds(program: Any, written_elsewhere: frozenset[str] = frozenset()) 
         module = program.module()  # module tensors as get_attr, which the position proof reads
     except Exception:  # a program torch cannot unlift is still compiled; its inputs are then unbounded
         return {}
-    names = _input_names(module, list(program.graph_signature.user_inputs))
+    names = _input_names(module, [name for name in program.graph_signature.user_inputs if isinstance(name, str)])
     proven: dict[tuple[Any, int], Any] = {}
     bounds: dict[str, tuple[int, int]] = {}
     for node in module.graph.nodes:
@@ -70,6 +70,8 @@ def _indexed_write(node: Any) -> tuple[Any, int] | None:
     target, dim, index, _ = node.args
     shape = static_shape(target)
     if shape is None or not isinstance(dim, int) or not -len(shape) <= dim < len(shape) or not hasattr(index, "op"):
+        return None
+    if 0 in shape:  # eager checks no index against a tensor of no elements
         return None
     return index, shape[dim]
 

@@ -51,7 +51,10 @@ def _equal_at_every_position(index: Any, given: Any, ancestors: list[Any], posit
 
     evaluate = on_cpu(index, [given], ancestors)
     example = recorded_value(given)
-    beyond = (-1, positions, positions + 1, 2 * positions + 3)
+    # And far past them, where the dtype holds it: an index cast through int32 wraps there, one offset past some limit changes.
+    largest = torch.iinfo(example.dtype).max
+    beyond = (-1, positions, positions + 1, 2 * positions + 3,
+              *(far for far in (1003, 65539, 2**31 + 3, 2**32 + 3, -(2**31) - 3, largest - 3) if abs(far) <= largest))
     with torch.no_grad():
         for step in (*range(positions), *beyond):
             if int(evaluate(torch.full(tuple(example.shape), step, dtype=example.dtype)).reshape(-1)[0]) != step:

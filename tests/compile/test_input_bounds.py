@@ -35,6 +35,10 @@ class _Cache(torch.nn.Module):
             index = position % self.cache.shape[2]
         elif self.how == "offset":
             index = position + self.offset
+        elif self.how == "int32":  # wraps past 2**31: eager accepts 2**32 + 3, and writes at 3
+            index = position.to(torch.int32).to(torch.int64)
+        elif self.how == "limited":  # the position within the cache only below 1000
+            index = torch.where(position < 1000, position, position - 1000)
         else:
             index = torch.zeros(1, dtype=torch.int64)
         self.cache.index_copy_(2, index, x)
@@ -57,7 +61,7 @@ def test_two_caches_bound_an_input_by_the_shorter():
     assert _bounds(_Cache("direct", length=16, second=8)) == {"position": (0, 7)}
 
 
-@pytest.mark.parametrize("how", ["ring", "constant"])
+@pytest.mark.parametrize("how", ["ring", "constant", "int32", "limited"])
 def test_an_index_that_wraps_or_is_no_input_bounds_nothing(how):
     assert _bounds(_Cache(how)) == {}
 
@@ -79,3 +83,17 @@ def test_the_decoders_prefill_and_decode_are_bounded_by_their_cache():
     for name in ("prefill", "decode"):
         program = torch.export.export(MethodOf(module, name), examples[name], dynamic_shapes=scale_models.llama_dynamic_shapes(config)[name])
         assert input_bounds(program) == {"input_pos": (0, config.max_seq - 1)}, name
+
+
+def test_a_write_into_a_tensor_of_no_elements_bounds_nothing():
+    class Empty(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.register_buffer("cache", torch.zeros(0, 2, 16, 4))
+
+        def forward(self, x, position):
+            self.cache.index_copy_(2, position, x)
+            return self.cache.sum() + x.sum()
+
+    program = torch.export.export(Empty(), (torch.ones(0, 2, 1, 4), torch.tensor([3])))
+    assert input_bounds(program) == {}
