@@ -39,6 +39,7 @@ MAX_METHOD_NAME_LENGTH = MAX_NAME_LENGTH - len("_sample_outputs")
 _DIGEST_PATTERN = re.compile(rf"^{DIGEST_ALGORITHM}:[0-9a-f]{{32}}$")
 _EXPRESSION_PATTERN = re.compile(r"^[A-Za-z0-9_.+\-*/() ]+$")
 _FORBIDDEN_IN_NAMES = re.compile(r"[/\\\x00-\x1f\x7f-\x9f]")
+_ABSENT = object()  # a tensor without "bounds" (null is refused, as the schema does)
 # The dtypes a tensor's bounds may be given for, with the values each holds.
 _BOUNDED_DTYPES = {"int32": (-(1 << 31), (1 << 31) - 1), "int64": (-(1 << 63), (1 << 63) - 1)}
 
@@ -551,6 +552,8 @@ def _signature(data: Any, where: str, dims: Mapping[str, DimSpec]) -> tuple[Tens
     names = [spec.name for spec in specs]
     if len(set(names)) != len(names):
         raise BundleError(f"{where} has duplicate names")
+    if not where.endswith(".inputs") and any(spec.bounds is not None for spec in specs):
+        raise BundleError(f"{where} gives bounds for an output; only inputs have them")
     return specs
 
 
@@ -570,17 +573,19 @@ def _tensor(data: Any, where: str) -> TensorSpec:
     problem = span_problem([entry for entry in shape if isinstance(entry, int)], itemsize(dtype))
     if problem is not None:
         raise BundleError(f"manifest field {where + '.shape'!r} {shape_text(shape)}: {problem}")
-    bounds = _bounds(obj.get("bounds"), f"{where}.bounds", dtype)
+    bounds = _bounds(obj.get("bounds", _ABSENT), f"{where}.bounds", dtype)
     return TensorSpec(name=_checked_name(obj.get("name"), f"{where}.name"), dtype=dtype, shape=tuple(shape), bounds=bounds)
 
 
 def _bounds(data: Any, where: str, dtype: str) -> tuple[int, int] | None:
     """An integer tensor's accepted values: {"min": low, "max": high}, both held by its dtype."""
-    if data is None:
+    if data is _ABSENT:
         return None
     if dtype not in _BOUNDED_DTYPES:
-        raise BundleError(f"manifest field {where!r} is given for a {dtype} tensor; only integer tensors have bounds")
+        raise BundleError(f"manifest field {where!r} is given for a {dtype} tensor; only int32 and int64 tensors have bounds")
     obj = _object(data, where)
+    if set(obj) != {"min", "max"}:
+        raise BundleError(f"manifest field {where!r} must hold exactly 'min' and 'max'")
     low, high = (_signed_int(obj.get(key), f"{where}.{key}") for key in ("min", "max"))
     lowest, highest = _BOUNDED_DTYPES[dtype]
     if not lowest <= low <= high <= highest:
