@@ -289,7 +289,8 @@ def _check_positions(method: MethodSpec, position: TensorSpec, decode: DecodeLoo
         prompt = f" after a prompt of {first}" if decode.prefill is not None else ""
         raise InputError(f"the loop would run method {method.name!r} at positions {first} to {last} (the first call, {warmup_runs} warm-up "
                          f"and {decode.steps} timed steps{prompt}); its input {position.name!r} accepts {low} to {high}, the positions of its KV "
-                         "cache: ask for fewer --steps, less --warmup or a shorter --prompt-length", subject="steps")
+                         f"cache: ask for fewer --steps, less --warmup{' or a shorter --prompt-length' if decode.prefill is not None else ''}",
+                         subject="steps")
 
 
 def _one_element(tensor: TensorSpec) -> bool:

@@ -32,6 +32,8 @@ def program_signature(program: Any, dim_names: Mapping[tuple[str, int], str] | N
     symbols = _SymbolNames(program, dim_names or {})
     inputs = []
     for name in input_names:
+        if not isinstance(name, str) or name not in placeholders:  # a constant argument export folded into the program
+            raise CompileError(f"the program takes a constant input ({name!r}); cuda-runner supports tensor inputs only: export with tensors")
         value = placeholders[name].meta.get("val")
         _require_tensor(value, f"input {name!r}")
         inputs.append(TensorSpec(_checked(name), torch_dtype_name(value.dtype), symbols.shape_of(name, value)))

@@ -446,7 +446,7 @@ def _random_pending(method: MethodSpec, plan: RandomInputs) -> list[_Pending]:
     concrete = example_shapes(method, plan.shapes)
     pending = []
     for spec in method.inputs:
-        low, high = plan.ranges.get(spec.name, DEFAULT_FLOAT_RANGE if spec.dtype in FLOAT_DTYPES else DEFAULT_INT_RANGE)
+        low, high = plan.ranges.get(spec.name, _default_range(spec))
         bounds = _drawn_bounds(spec, low, high)
         source = InputSource(spec.name, "random", f"seed {plan.seed}, range [{low:g}, {high:g})")
         shape = concrete[spec.name]
@@ -454,6 +454,17 @@ def _random_pending(method: MethodSpec, plan: RandomInputs) -> list[_Pending]:
         draw = functools.partial(_draw, generator, spec.dtype, shape, bounds)
         pending.append(_Pending(source, spec.dtype, shape, draw, functools.partial(_too_large, method, plan, spec, shape)))
     return pending
+
+
+def _default_range(spec: TensorSpec) -> tuple[float, float]:
+    """What to draw an input from where no --range says: DEFAULT_*_RANGE, within
+    the values the input accepts where the bundle bounds them."""
+    if spec.dtype in FLOAT_DTYPES:
+        return DEFAULT_FLOAT_RANGE
+    if spec.bounds is None:
+        return DEFAULT_INT_RANGE
+    low, high = max(DEFAULT_INT_RANGE[0], spec.bounds[0]), min(DEFAULT_INT_RANGE[1], spec.bounds[1] + 1)
+    return (float(low), float(high)) if low < high else (float(spec.bounds[0]), float(spec.bounds[0] + 1))
 
 
 def _too_large(method: MethodSpec, plan: RandomInputs, spec: TensorSpec, shape: tuple[int, ...], problem: str) -> CudaRunnerError:

@@ -22,3 +22,17 @@ def test_unbounded_dimensions_are_recorded_as_unbounded(bound, recorded):
     dim = signature.dims["batch"]
     assert dim.max == recorded and (dim.max is None or type(dim.max) is int)
     assert (dim.min, dim.example) == (0, 3)
+
+
+def test_a_constant_argument_is_refused_as_a_compile_error():
+    import torch
+
+    from cuda_runner.errors import CompileError
+
+    class Scaled(torch.nn.Module):
+        def forward(self, x, times: int):
+            return x * times
+
+    program = torch.export.export(Scaled(), (torch.ones(2), 3))
+    with pytest.raises(CompileError, match="constant input"):
+        program_signature(program)

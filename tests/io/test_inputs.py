@@ -205,6 +205,17 @@ def test_random_inputs_follow_the_signature_and_seed():
     assert default.arrays["x"].min() >= -1 and default.arrays["x"].max() < 1
 
 
+def test_random_positions_stay_within_their_bounds_and_given_values_outside_are_refused():
+    import dataclasses
+
+    bounded = dataclasses.replace(METHOD, inputs=(TensorSpec("pos", "int64", (1,), bounds=(0, 0)),), dims={})
+    for seed in range(20):  # drawn from [0, 2) where the cache allows it; a cache of one position allows only 0
+        assert random_inputs(bounded, seed=seed).arrays["pos"].tolist() == [0]
+    with pytest.raises(InputError, match="holds 1; method 'forward' accepts 0 to 0") as refused:
+        random_inputs(bounded, ranges={"pos": (1, 2)})
+    assert refused.value.subject == "bounds"
+
+
 def test_shapes_outside_the_bounds_or_of_the_wrong_rank_are_refused():
     with pytest.raises(InputError, match="outside the compiled range"):
         random_inputs(METHOD, shapes={"x": (9, 4)})
