@@ -95,17 +95,6 @@ def update_launch(operands: tuple, position, chosen):
     return lambda: launch_attention(query, key, value, None, position, out, 0.125, 4, chosen, pdl=True, launch_pdl=True, update=update)
 
 
-def update_step(layers: list[dict], head: tuple, plans: dict[str, tuple], chosen, position) -> list:
-    """step(), with the attention that writes the caches and rotates (each layer's "update" operands)."""
-    launches = []
-    for layer in layers:
-        launches.append(fused_launch(layer["qkv"], plans["qkv"]))
-        launches.append(update_launch(layer["update"], position, chosen))
-        launches.extend(fused_launch(layer[name], plans[name]) for name in ("o", "gate/up", "down"))
-    launches.append(fused_launch(head, plans["head"]))
-    return launches
-
-
 def attention_error(chosen, position: int) -> float:
     """Max abs difference from SDPA's math form over positions 0..position."""
     import torch
@@ -129,12 +118,13 @@ def fused_launch(operands: tuple, chosen: tuple):
     return lambda: launch_fused(x, weights, gain, 1e-5, added, gated, outputs, chosen, pdl=True, launch_pdl=True)
 
 
-def step(layers: list[dict], head: tuple, plans: dict[str, tuple], attention_plan, limit) -> list:
-    """A step's launches: per layer q/k/v, the attention, o, gate/up, down; the head."""
+def step(layers: list[dict], head: tuple, plans: dict[str, tuple], attention_plan, limit, update: bool = False) -> list:
+    """A step's launches: per layer q/k/v, the attention, o, gate/up, down; the head. `update`: the
+    attention that also writes the caches and rotates (each layer's "update" operands), at `limit`."""
     launches = []
     for layer in layers:
         launches.append(fused_launch(layer["qkv"], plans["qkv"]))
-        launches.append(attention_launch(layer["attention"], limit, attention_plan))
+        launches.append(update_launch(layer["update"], limit, attention_plan) if update else attention_launch(layer["attention"], limit, attention_plan))
         launches.extend(fused_launch(layer[name], plans[name]) for name in ("o", "gate/up", "down"))
     launches.append(fused_launch(head, plans["head"]))
     return launches
@@ -250,7 +240,7 @@ def early_tiles_ab(record, layers: list[dict], head: tuple, plans: dict[str, tup
             for early in (True, False):
                 attention_kernels.EARLY_CACHE_TILES = early
                 record(f"step with the cache update, position {STEP_POSITION}, round {round_}",
-                       "first tiles read before the wait" if early else "read after it", update_step(layers, head, plans, chosen, position), 100)
+                       "first tiles read before the wait" if early else "read after it", step(layers, head, plans, chosen, position, update=True), 100)
     finally:
         attention_kernels.EARLY_CACHE_TILES = True
 
