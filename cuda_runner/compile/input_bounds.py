@@ -1,34 +1,46 @@
 """The values a method's integer inputs may hold, where the graph refuses the
-rest: a decoder writes its step's key and value into a cache of S positions
-at the position it is given (index_copy_), and eager PyTorch raises for a
-position outside 0..S-1. A compiled library does not raise: Inductor's own
-kernel stops the process with a device-side assert, and cuda-runner's fused
-attention writes nothing and returns a result. So the bundle records the
-range (TensorSpec.bounds) and the runtime refuses a value outside it before
-the library runs.
+rest. An input that indexes a dimension of static size (a decoder's position
+into its KV cache, its token ids into the embedding's rows, a position into a
+rotary table) is refused by eager PyTorch outside that dimension. A compiled
+library does not refuse it: Inductor's own kernel stops the process with a
+device-side assert, and cuda-runner's fused attention writes nothing and
+returns a result. So the bundle records the range (TensorSpec.bounds) and the
+runtime refuses a value outside it before the library runs.
 
-An input bounds a write where it is the write's index, or where the index is
-proven equal to it at every position of the cache and a few past either end
-(compile/step_position.py: Hugging Face's exports write at a counter the
-input is copied into). Inputs bounded by several writes take the narrowest
-range.
+The ops, and the values eager accepts for a dimension of S:
+- index_copy(_) writes: 0..S-1;
+- index_put(_) writes and index reads (`cache[:, :, pos] = k`, `table[pos]`):
+  -S..S-1, a negative index counting from the end;
+- embedding lookups: 0..S-1.
+
+An input bounds an op where it is the op's index, or where the index is one
+integer proven equal to it at every position 0..S-1 and a few past either end
+(compile/step_position.py: Hugging Face's exports write at a counter the input
+is copied into); only 0..S-1 is proven then. Inputs bounded by several ops take
+the narrowest range.
 """
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, NamedTuple
 
 from .graph_values import static_shape
 from .step_position import step_position
 
-# The writes whose index eager checks against the size of the dimension written (negative indices included).
-_INDEXED_WRITES = frozenset({"aten.index_copy_.default", "aten.index_copy.default"})
 _INTEGER_DTYPES = frozenset({"torch.int64", "torch.int32"})
 
 
+class _Indexed(NamedTuple):
+    """An index into a dimension of `length`, whose negative values eager takes from the end or not."""
+
+    index: Any
+    length: int
+    negatives: bool
+
+
 def input_bounds(program: Any, written_elsewhere: frozenset[str] = frozenset()) -> dict[str, tuple[int, int]]:
-    """The inputs of an ExportedProgram that index cache writes, by their name
-    in its signature: (lowest, highest) value the graph accepts.
+    """The inputs of an ExportedProgram that index dimensions of static size,
+    by their name in its signature: (lowest, highest) value the graph accepts.
     `written_elsewhere`: module tensors other methods write (an index offset
     by one is not what it was at compile time)."""
     try:
@@ -39,16 +51,17 @@ def input_bounds(program: Any, written_elsewhere: frozenset[str] = frozenset()) 
     proven: dict[tuple[Any, int], Any] = {}
     bounds: dict[str, tuple[int, int]] = {}
     for node in module.graph.nodes:
-        write = _indexed_write(node)
-        if write is None:
-            continue
-        index, length = write
-        if (index, length) not in proven:
-            proven[index, length] = _input_at(index, length, written_elsewhere)
-        name = names.get(proven[index, length])
-        if name is not None:
-            low, high = bounds.get(name, (0, length - 1))
-            bounds[name] = (low, min(high, length - 1))
+        for indexed in _indexed_dims(node):
+            key = (indexed.index, indexed.length)
+            if key not in proven:
+                proven[key] = _input_at(indexed.index, indexed.length, written_elsewhere)
+            name = names.get(proven[key])
+            if name is None:
+                continue
+            # Negative values are the input's own only where it is the index itself.
+            low = -indexed.length if indexed.negatives and proven[key] is indexed.index else 0
+            held_low, held_high = bounds.get(name, (low, indexed.length - 1))
+            bounds[name] = (max(held_low, low), min(held_high, indexed.length - 1))
     return bounds
 
 
@@ -62,24 +75,53 @@ def _input_names(module: Any, user_inputs: list[str]) -> dict[Any, str]:
     return dict(zip(placeholders, user_inputs)) if len(placeholders) == len(user_inputs) else {}
 
 
-def _indexed_write(node: Any) -> tuple[Any, int] | None:
-    """(index, size of the dimension written) of an index_copy into a
-    dimension of static size; None for anything else."""
-    if node.op != "call_function" or str(node.target) not in _INDEXED_WRITES or len(node.args) != 4 or node.kwargs:
-        return None
-    target, dim, index, _ = node.args
-    shape = static_shape(target)
+def _indexed_dims(node: Any) -> list[_Indexed]:
+    """The indices `node` takes into dimensions of static size, for the ops
+    whose eager form refuses an index outside them; none for anything else."""
+    if node.op != "call_function" or node.kwargs:
+        return []
+    target = str(node.target)
+    if target in ("aten.index_copy_.default", "aten.index_copy.default") and len(node.args) == 4:
+        tensor, dim, index, _ = node.args
+        return _one_dim(tensor, dim, index, negatives=False)
+    if target in ("aten.embedding.default",) and len(node.args) >= 2:
+        weight, index = node.args[:2]
+        return _one_dim(weight, 0, index, negatives=False)
+    if target in ("aten.index_put_.default", "aten.index_put.default") and len(node.args) in (3, 4):
+        return _advanced_indices(node.args[0], node.args[1])
+    if target == "aten.index.Tensor" and len(node.args) == 2:
+        return _advanced_indices(node.args[0], node.args[1])
+    return []
+
+
+def _one_dim(tensor: Any, dim: Any, index: Any, negatives: bool) -> list[_Indexed]:
+    shape = static_shape(tensor)
     if shape is None or not isinstance(dim, int) or not -len(shape) <= dim < len(shape) or not hasattr(index, "op"):
-        return None
+        return []
     if 0 in shape:  # eager checks no index against a tensor of no elements
-        return None
-    return index, shape[dim]
+        return []
+    return [_Indexed(index, shape[dim], negatives)]
+
+
+def _advanced_indices(tensor: Any, indices: Any) -> list[_Indexed]:
+    """`tensor[indices]`'s integer index tensors, each into the dimension at
+    its place in the list (None keeps a dimension whole). A mask (bool or
+    uint8) spans as many dimensions as it has, so a list holding one is left."""
+    shape = static_shape(tensor)
+    if shape is None or 0 in shape or not isinstance(indices, (list, tuple)) or len(indices) > len(shape):
+        return []
+    if any(index is not None and not _integer(index) for index in indices):
+        return []
+    return [_Indexed(index, shape[dim], True) for dim, index in enumerate(indices) if index is not None]
+
+
+def _integer(node: Any) -> bool:
+    return hasattr(node, "op") and str(getattr(node.meta.get("val"), "dtype", None)) in _INTEGER_DTYPES
 
 
 def _input_at(index: Any, length: int, written_elsewhere: frozenset[str]) -> Any | None:
     """The graph input every element of `index` is, or that the one integer
-    `index` equals at every position of the cache; None if none is."""
+    `index` equals at every position of the dimension; None if none is."""
     if index.op == "placeholder":
-        value = index.meta.get("val")
-        return index if str(getattr(value, "dtype", None)) in _INTEGER_DTYPES else None
+        return index if _integer(index) else None
     return step_position(index, length, written_elsewhere)

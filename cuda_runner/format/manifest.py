@@ -98,8 +98,8 @@ class TensorSpec:
     name: str
     dtype: str
     shape: tuple[ShapeEntry, ...]
-    # Integer inputs: the lowest and highest value the method accepts (a position in a KV cache
-    # of that many places); the runtime refuses others before the library runs. None: any.
+    # Integer inputs: the lowest and highest value the method accepts (a position in a KV cache,
+    # token ids in an embedding); the runtime refuses others before the library runs. None: any.
     bounds: tuple[int, int] | None = None
 
     @property

@@ -66,9 +66,10 @@ def bounded_inputs(method: MethodSpec) -> list[tuple[int, str, tuple[int, int]]]
 def check_bounds(method: str, arrays: Sequence[Any], bounded: list[tuple[int, str, tuple[int, int]]]) -> None:
     """Refuse a value outside the bounds the bundle records for its input
     (`arrays` in the signature's order, of the dtypes and shapes validated).
-    The library would not refuse it: a compiled write past a KV cache stops
-    the process (Inductor's device-side assert) or writes nothing
-    (cuda-runner's fused attention), where eager PyTorch raises."""
+    The library would not refuse it: a compiled index past its dimension (a
+    position past the KV cache, a token id past the vocabulary) stops the
+    process (Inductor's device-side assert) or writes nothing (cuda-runner's
+    fused attention), where eager PyTorch raises."""
     for position, name, (low, high) in bounded:
         array = arrays[position]
         if array.size == 0:
@@ -79,7 +80,7 @@ def check_bounds(method: str, arrays: Sequence[Any], bounded: list[tuple[int, st
             smallest, largest = int(array.min()), int(array.max())
         if smallest < low or largest > high:
             held = smallest if smallest < low else largest
-            raise InputError(f"input {name!r} holds {held}; method {method!r} accepts {low} to {high} (for a decoder, the positions of its KV cache)",
+            raise InputError(f"input {name!r} holds {held}; method {method!r} accepts {low} to {high} (it indexes a dimension of {high + 1})",
                              subject="bounds")
 
 

@@ -265,9 +265,26 @@ def test_sigterm_during_compile_ends_its_compilers_and_leaves_tmpdir_empty(tmp_p
     assert not (tmp_path / "out").exists() or list((tmp_path / "out").iterdir()) == []
 
 
+def _without_bounds(path: Path, destination: Path) -> Path:
+    """The bundle as a writer that records no input bounds (before format 1.5) would have written it."""
+    from dataclasses import replace
+
+    from cuda_runner.format.bundle import open_bundle, write_bundle
+
+    with open_bundle(path) as reader:
+        manifest = reader.manifest
+        methods = {name: replace(spec, inputs=tuple(replace(tensor, bounds=None) for tensor in spec.inputs))
+                   for name, spec in manifest.methods.items()}
+        segments = {entry.name: bytes(reader.segment(entry.name)) for entry in manifest.segments}
+    features = tuple(feature for feature in manifest.optional_features if feature != "input-bounds")
+    return write_bundle(destination, replace(manifest, methods=methods, optional_features=features), segments)
+
+
 def test_native_errors_reach_the_user_as_one_line(embedder_bundle, tmp_path):
-    """An out-of-range embedding id fails inside the library, which prints C++ frames to fd 2."""
-    result = run_cli("run", str(embedder_bundle.path), "-i", "ids=3x6xi64=1000", "-i", "scale=1.0")
+    """An out-of-range embedding id fails inside the library, which prints C++ frames to fd 2 (a bundle
+    without the ids' bounds: one with them refuses the id before the library runs)."""
+    unbounded = _without_bounds(embedder_bundle.path, tmp_path / "unbounded.bundle")
+    result = run_cli("run", str(unbounded), "-i", "ids=3x6xi64=1000", "-i", "scale=1.0")
     assert result.returncode == 4, result.stderr
     lines = result.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("error: "), result.stderr

@@ -1,7 +1,8 @@
 """compile/input_bounds.py: an input that indexes a cache write is bounded by
 the cache's positions, directly or through a counter the way Hugging Face's
 static cache writes; an index that wraps, or that another method offsets,
-bounds nothing."""
+bounds nothing. Token ids are bounded by the embedding's rows, positions
+written with index_put_ or read from a table by eager's negative range."""
 
 from __future__ import annotations
 
@@ -82,7 +83,7 @@ def test_the_decoders_prefill_and_decode_are_bounded_by_their_cache():
     examples = scale_models.llama_examples(config, 6)
     for name in ("prefill", "decode"):
         program = torch.export.export(MethodOf(module, name), examples[name], dynamic_shapes=scale_models.llama_dynamic_shapes(config)[name])
-        assert input_bounds(program) == {"input_pos": (0, config.max_seq - 1)}, name
+        assert input_bounds(program) == {"input_pos": (0, config.max_seq - 1), "tokens": (0, config.vocab - 1)}, name
 
 
 def test_a_write_into_a_tensor_of_no_elements_bounds_nothing():
@@ -97,3 +98,51 @@ def test_a_write_into_a_tensor_of_no_elements_bounds_nothing():
 
     program = torch.export.export(Empty(), (torch.ones(0, 2, 1, 4), torch.tensor([3])))
     assert input_bounds(program) == {}
+
+
+class _Indexing(torch.nn.Module):
+    """A cache written with index_put_ (`cache[:, :, pos] = x`, ExecuTorch's Llama), a table read at the
+    position, and token ids into an embedding: eager refuses an index outside each dimension."""
+
+    def __init__(self, how: str):
+        super().__init__()
+        self.how = how
+        self.register_buffer("cache", torch.zeros(1, 2, 16, 4))
+        self.register_buffer("table", torch.zeros(12, 4))
+        self.register_buffer("counter", torch.zeros((), dtype=torch.int64))
+        self.embedding = torch.nn.Embedding(100, 4)
+
+    def forward(self, x, position, tokens):
+        if self.how == "counter":
+            self.counter.copy_(position[0])
+            index = torch.arange(1) + self.counter
+        else:
+            index = position
+        self.cache[:, :, index] = x
+        out = self.cache.sum(dim=2) + self.embedding(tokens).sum()
+        if self.how == "table":
+            out = out + self.table[position].sum()
+        if self.how == "mask":  # a mask spans dimensions: the index after it is left
+            out = out + self.cache[torch.ones(1, 2, dtype=torch.bool), position].sum()
+        return out
+
+
+def _indexing_bounds(how):
+    program = torch.export.export(_Indexing(how), (torch.ones(1, 2, 1, 4), torch.tensor([3]), torch.tensor([[5, 6]])))
+    return input_bounds(program)
+
+
+def test_an_index_put_write_accepts_negative_positions_as_eager_does():
+    assert _indexing_bounds("direct") == {"position": (-16, 15), "tokens": (0, 99)}
+
+
+def test_a_read_of_a_shorter_table_narrows_the_bounds():
+    assert _indexing_bounds("table") == {"position": (-12, 11), "tokens": (0, 99)}
+
+
+def test_an_index_proven_through_a_counter_is_bounded_on_the_positions_proven():
+    assert _indexing_bounds("counter") == {"position": (0, 15), "tokens": (0, 99)}
+
+
+def test_an_index_beside_a_mask_is_left_to_the_write():
+    assert _indexing_bounds("mask") == {"position": (-16, 15), "tokens": (0, 99)}

@@ -142,26 +142,30 @@ def test_a_decode_loop_refuses_what_it_cannot_drive(llama, dict_mlp_bundle):
     assert cli("bench", str(path), "--prefill", "prefill").returncode == 2  # --prefill without --steps
 
 
-def test_a_position_past_the_cache_is_refused_before_the_library_runs(llama):
-    """Eager raises for a cache write past the cache; the compiled library would not (Inductor's kernel
-    stops the process on a GPU, the fused attention writes nothing), so the bundle bounds the position."""
+def test_a_position_past_the_cache_or_a_token_past_the_vocabulary_is_refused_before_the_library_runs(llama):
+    """Eager raises for a cache write past the cache and a token id past the embedding; the compiled library
+    would not (Inductor's kernel stops the process on a GPU, the fused attention writes nothing), so the
+    bundle bounds both."""
     path, _, config = llama
     last = config.max_seq - 1
     manifest = cuda_runner.read_manifest(path)
     assert "input-bounds" in manifest.optional_features
     for spec in manifest.methods.values():
-        assert spec.input("input_pos").bounds == (0, last) and spec.input("tokens").bounds is None
+        assert spec.input("input_pos").bounds == (0, last) and spec.input("tokens").bounds == (0, config.vocab - 1)
     shown = cli("inspect", str(path))
     assert shown.returncode == 0 and f"0 to {last}" in shown.stdout
     assert json.loads(cli("inspect", str(path), "--json").stdout)["methods"]["decode"]["inputs"][1]["bounds"] == {"min": 0, "max": last}
 
     past = cli("run", str(path), "--method", "decode", "-i", "tokens=[[1]]", "-i", f"input_pos=[{last + 1}]")
     assert past.returncode == 2
-    assert past.error_lines == [f"error: input 'input_pos' holds {last + 1}; method 'decode' accepts 0 to {last} (for a decoder, the positions of its KV cache)"]
+    assert past.error_lines == [f"error: input 'input_pos' holds {last + 1}; method 'decode' accepts 0 to {last} (it indexes a dimension of {last + 1})"]
     assert cli("run", str(path), "--method", "decode", "-i", "tokens=[[1]]", "-i", "input_pos=[-1]").returncode == 2
     prompt = ",".join(str(position) for position in range(last - 2, last + 2))
     assert "holds 32" in cli("run", str(path), "--method", "prefill", "-i", "tokens=[[1,2,3,4]]", "-i", f"input_pos=[{prompt}]").stderr
     assert cli("run", str(path), "--method", "decode", "-i", "tokens=[[1]]", "-i", f"input_pos=[{last}]").returncode == 0
+    vocab = cli("run", str(path), "--method", "decode", "-i", f"tokens=[[{config.vocab}]]", "-i", "input_pos=[0]")  # past the embedding
+    assert vocab.returncode == 2
+    assert vocab.error_lines == [f"error: input 'tokens' holds {config.vocab}; method 'decode' accepts 0 to {config.vocab - 1} (it indexes a dimension of {config.vocab})"]
 
     with cuda_runner.load(path) as model:  # the Python API checks every call: an array may hold another value since
         position = np.array([last], np.int64)
