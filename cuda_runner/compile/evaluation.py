@@ -43,6 +43,7 @@ def on_cpu(output: Any, inputs: list[Any], nodes: Iterable[Any], in_float64: fro
         if node in in_float64:
             copied.args, copied.kwargs = _in_float64(copied.args), _in_float64(copied.kwargs)
         copied.args, copied.kwargs = _on_cpu(copied.args), _on_cpu(copied.kwargs)
+        _devices_on_cpu(copied)
         copies[node] = copied
     graph.output(copies[output])
     module = fx.GraphModule(root, graph)
@@ -65,6 +66,27 @@ def _on_cpu(argument: Any) -> Any:
     if isinstance(argument, torch.device):
         return torch.device("cpu")
     return _each(argument, _on_cpu)
+
+
+def _devices_on_cpu(node: Any) -> None:
+    """Every argument the op's schema types as a device made the CPU, however
+    it is written: torch.export's move_to_device_pass writes a device as a
+    string ('cuda:0'), which _on_cpu cannot tell from any other string."""
+    import torch
+
+    schema = getattr(node.target, "_schema", None)
+    if schema is None:
+        return
+    args, kwargs = list(node.args), dict(node.kwargs)
+    for position, argument in enumerate(schema.arguments):
+        if "Device" not in str(argument.type):
+            continue
+        if argument.kwarg_only or position >= len(args):
+            if kwargs.get(argument.name) is not None:
+                kwargs[argument.name] = torch.device("cpu")
+        elif args[position] is not None:
+            args[position] = torch.device("cpu")
+    node.args, node.kwargs = tuple(args), kwargs
 
 
 def _each(argument: Any, change: Callable[[Any], Any]) -> Any:

@@ -47,10 +47,14 @@ NOT_POSITION_MASKS = {
 }
 
 
-def _site(make, rows: int = 1):
+def _site(make, rows: int = 1, moved_to: str | None = None):
     q, k, v = torch.randn(1, 4, rows, 8), torch.randn(1, 4, LENGTH, 8), torch.randn(1, 4, LENGTH, 8)
-    graph = torch.export.export(_Masked(make, rows), (q, k, v, torch.tensor([5]), torch.tensor([0]))).module().graph
-    (site,) = decode_attention_sites(graph)
+    program = torch.export.export(_Masked(make, rows), (q, k, v, torch.tensor([5]), torch.tensor([0])))
+    if moved_to is not None:  # as compile moves every program it builds for a GPU
+        from torch.export.passes import move_to_device_pass
+
+        program = move_to_device_pass(program, moved_to)
+    (site,) = decode_attention_sites(program.module().graph)
     return site
 
 
@@ -243,3 +247,12 @@ def test_every_method_is_compiled_knowing_what_the_bundle_writes(monkeypatch, tm
     with pytest.raises(_Stop):
         compile_package.compile_sources(sources, tmp_path / "padded.bundle", device="cpu")
     assert heard == {"prefill": {"valid"}, "decode": {"valid"}}
+
+
+@pytest.mark.parametrize("make", [MASKS["arange compare"], MASKS["additive, -inf"]], ids=["arange compare", "additive, -inf"])
+def test_a_program_moved_to_another_device_is_proven_as_exported(make):
+    """move_to_device_pass writes the devices the graph names as strings ("cuda:0"; "meta" here, which
+    this machine has): the proof, on the CPU, must still take them for the CPU. It did not, and no
+    CUDA build proved a mask."""
+    site = _site(make, moved_to="meta")
+    assert position_limit(site.mask, _mask_target(site)) is not None
