@@ -13,10 +13,10 @@ The ops, and the values eager accepts for a dimension of S:
   -S..S-1, a negative index counting from the end;
 - embedding lookups: 0..S-1.
 
-An input bounds an op where it is the op's index, or where the index is one
-integer proven equal to it at every position 0..S-1 and a few past either end
-(compile/step_position.py: Hugging Face's exports write at a counter the input
-is copied into); only 0..S-1 is proven then. Inputs bounded by several ops take
+An input bounds an op where it is the op's index, or, for a write, where the
+index is one integer proven equal to it at every position 0..S-1 and a few
+past either end (compile/step_position.py: Hugging Face's exports write at a
+counter the input is copied into); only 0..S-1 is proven then. Inputs bounded by several ops take
 the narrowest range.
 """
 
@@ -31,11 +31,14 @@ _INTEGER_DTYPES = frozenset({"torch.int64", "torch.int32"})
 
 
 class _Indexed(NamedTuple):
-    """An index into a dimension of `length`, whose negative values eager takes from the end or not."""
+    """An index into a dimension of `length`, whose negative values eager takes from the end or not.
+    `write`: a cache write, whose index may be proven equal to an input; a read's must be the input
+    itself (proving a token id into a vocabulary of 150,000 would take as many evaluations)."""
 
     index: Any
     length: int
     negatives: bool
+    write: bool = False
 
 
 def input_bounds(program: Any, written_elsewhere: frozenset[str] = frozenset()) -> dict[str, tuple[int, int]]:
@@ -53,8 +56,8 @@ def input_bounds(program: Any, written_elsewhere: frozenset[str] = frozenset()) 
     for node in module.graph.nodes:
         for indexed in _indexed_dims(node):
             key = (indexed.index, indexed.length)
-            if key not in proven:
-                proven[key] = _input_at(indexed.index, indexed.length, written_elsewhere)
+            if key not in proven or (proven[key] is None and indexed.write):
+                proven[key] = _input_at(indexed.index, indexed.length, written_elsewhere if indexed.write else None)
             name = names.get(proven[key])
             if name is None:
                 continue
@@ -83,27 +86,27 @@ def _indexed_dims(node: Any) -> list[_Indexed]:
     target = str(node.target)
     if target in ("aten.index_copy_.default", "aten.index_copy.default") and len(node.args) == 4:
         tensor, dim, index, _ = node.args
-        return _one_dim(tensor, dim, index, negatives=False)
+        return _one_dim(tensor, dim, index, negatives=False, write=True)
     if target in ("aten.embedding.default",) and len(node.args) >= 2:
         weight, index = node.args[:2]
         return _one_dim(weight, 0, index, negatives=False)
     if target in ("aten.index_put_.default", "aten.index_put.default") and len(node.args) in (3, 4):
-        return _advanced_indices(node.args[0], node.args[1])
+        return _advanced_indices(node.args[0], node.args[1], write=True)
     if target == "aten.index.Tensor" and len(node.args) == 2:
-        return _advanced_indices(node.args[0], node.args[1])
+        return _advanced_indices(node.args[0], node.args[1], write=False)
     return []
 
 
-def _one_dim(tensor: Any, dim: Any, index: Any, negatives: bool) -> list[_Indexed]:
+def _one_dim(tensor: Any, dim: Any, index: Any, negatives: bool, write: bool = False) -> list[_Indexed]:
     shape = static_shape(tensor)
     if shape is None or not isinstance(dim, int) or not -len(shape) <= dim < len(shape) or not hasattr(index, "op"):
         return []
     if 0 in shape:  # eager checks no index against a tensor of no elements
         return []
-    return [_Indexed(index, shape[dim], negatives)]
+    return [_Indexed(index, shape[dim], negatives, write)]
 
 
-def _advanced_indices(tensor: Any, indices: Any) -> list[_Indexed]:
+def _advanced_indices(tensor: Any, indices: Any, write: bool) -> list[_Indexed]:
     """`tensor[indices]`'s integer index tensors, each into the dimension at
     its place in the list (None keeps a dimension whole). A mask (bool or
     uint8) spans as many dimensions as it has, so a list holding one is left."""
@@ -112,16 +115,17 @@ def _advanced_indices(tensor: Any, indices: Any) -> list[_Indexed]:
         return []
     if any(index is not None and not _integer(index) for index in indices):
         return []
-    return [_Indexed(index, shape[dim], True) for dim, index in enumerate(indices) if index is not None]
+    return [_Indexed(index, shape[dim], True, write) for dim, index in enumerate(indices) if index is not None]
 
 
 def _integer(node: Any) -> bool:
     return hasattr(node, "op") and str(getattr(node.meta.get("val"), "dtype", None)) in _INTEGER_DTYPES
 
 
-def _input_at(index: Any, length: int, written_elsewhere: frozenset[str]) -> Any | None:
-    """The graph input every element of `index` is, or that the one integer
-    `index` equals at every position of the dimension; None if none is."""
+def _input_at(index: Any, length: int, written_elsewhere: frozenset[str] | None) -> Any | None:
+    """The graph input every element of `index` is, or (`written_elsewhere`
+    given) that the one integer `index` equals at every position of the
+    dimension; None if none is."""
     if index.op == "placeholder":
         return index if _integer(index) else None
-    return step_position(index, length, written_elsewhere)
+    return step_position(index, length, written_elsewhere) if written_elsewhere is not None else None

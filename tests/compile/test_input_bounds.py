@@ -146,3 +146,27 @@ def test_an_index_proven_through_a_counter_is_bounded_on_the_positions_proven():
 
 def test_an_index_beside_a_mask_is_left_to_the_write():
     assert _indexing_bounds("mask") == {"position": (-16, 15), "tokens": (0, 99)}
+
+
+def test_a_token_id_computed_from_the_input_bounds_nothing():
+    """Only a write's index is proven equal to an input: a read's proof would evaluate the graph once per row."""
+
+    class Computed(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.embedding = torch.nn.Embedding(100, 4)
+
+        def forward(self, tokens):
+            return self.embedding(tokens * 1)
+
+    assert input_bounds(torch.export.export(Computed(), (torch.tensor([5]),))) == {}
+
+
+def test_a_counter_in_a_program_moved_to_another_device_still_bounds_the_position():
+    """compile moves a program it builds for a GPU with move_to_device_pass, which writes the devices the
+    graph names as strings: the proof, run on the CPU, takes them for the CPU too."""
+    program = torch.export.export(_Cache("counter"), (torch.ones(1, 2, 1, 4), torch.tensor([3])))
+    for node in program.graph.nodes:
+        if "device" in node.kwargs:  # as the pass writes them ("cuda:0"), to a device this machine has
+            node.kwargs = {**node.kwargs, "device": "meta"}
+    assert input_bounds(program) == {"position": (0, 15)}
