@@ -54,7 +54,10 @@ class _Attention(torch.nn.Module):
 def _under_interpreter(script: str) -> subprocess.CompletedProcess:
     """`script` run in a new interpreter with Triton's CPU interpreter on and this process's import path."""
     env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": os.pathsep.join(sys.path)}
-    return subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=300)
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=300)
+    if result.returncode and "wrap_triton only works on functions annotated with triton.jit" in result.stderr:
+        pytest.skip("this torch's wrap_triton refuses the interpreter's kernels (torch 2.11 for an operator that writes its inputs)")
+    return result
 
 
 def _inputs(rows=1, heads=8, kv_heads=2, length=32, dim=16, dtype=torch.float32):
