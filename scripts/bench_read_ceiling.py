@@ -17,6 +17,10 @@ operands of the 1B decoder's shapes (16 layers and the head, bf16):
                     the same, each loading its first tile, then waiting for
                     the launch before (griddepcontrol.wait), launched as a
                     programmatic dependent: the products' own launch pattern
+  reads, programmatic, every tile before the wait
+                    the same with every tile read before the wait: whether
+                    what the boundaries cost is the wait (reads held back
+                    until the launch before ends) or the launches themselves
   products          the 65 fused products as shipped (norms, SwiGLU,
                     residuals), programmatic
   products and attention
@@ -56,18 +60,22 @@ def read_kernel():
 
     @triton.jit
     def cudarunner_read_rows(w0, w1, out, K: tl.constexpr, GATED: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                             PDL: tl.constexpr):
+                             PDL: tl.constexpr, ALL_EARLY: tl.constexpr):
         rows = tl.program_id(0).to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)
         columns = tl.arange(0, BLOCK_K)
         sums = tl.load(w0 + rows[:, None] * K + columns[None, :], eviction_policy="evict_first").to(tl.float32)
         if GATED:
             sums += tl.load(w1 + rows[:, None] * K + columns[None, :], eviction_policy="evict_first").to(tl.float32)
-        ready = _await_inputs(PDL)  # the products' own wait for the launch before
+        ready = 0
+        if not ALL_EARLY:
+            ready = _await_inputs(PDL)  # the products' own wait for the launch before
         for start in range(BLOCK_K, K, BLOCK_K):
             at = start + columns
             sums += tl.load(w0 + rows[:, None] * K + at[None, :], eviction_policy="evict_first").to(tl.float32)
             if GATED:
                 sums += tl.load(w1 + rows[:, None] * K + at[None, :], eviction_policy="evict_first").to(tl.float32)
+        if ALL_EARLY:
+            ready = _await_inputs(PDL)  # every tile read before the wait: what no dependency on the launch before would give
         tl.store(out + rows + ready, tl.sum(sums, axis=1))  # the wait's value used: kept, and ordered before the store
 
     return cudarunner_read_rows
@@ -88,7 +96,7 @@ def flat_read_kernel():
     return read_all
 
 
-def read_launches(layers: list[dict], head: tuple, plans: dict[str, tuple], pdl: bool) -> list:
+def read_launches(layers: list[dict], head: tuple, plans: dict[str, tuple], pdl: bool, all_early: bool = False) -> list:
     """The step's 65 launches as reads of the same weights with the same plans."""
     import torch
     import triton
@@ -106,7 +114,7 @@ def read_launches(layers: list[dict], head: tuple, plans: dict[str, tuple], pdl:
         second = stacked[1] if gated else stacked[0]
         launches.append(lambda w0=stacked[0], w1=second, out=out, rows=rows, k=k, gated=gated, block_n=block_n, block_k=block_k,
                         warps=warps: kernel[(triton.cdiv(rows, block_n),)](
-            w0, w1, out, K=k, GATED=gated, BLOCK_N=block_n, BLOCK_K=block_k, PDL=pdl, num_warps=warps,
+            w0, w1, out, K=k, GATED=gated, BLOCK_N=block_n, BLOCK_K=block_k, PDL=pdl, ALL_EARLY=all_early, num_warps=warps,
             **({"launch_pdl": True} if pdl else {})))
     return launches
 
@@ -153,6 +161,7 @@ def main() -> int:
     results["plans"] = {name: list(chosen) for name, chosen in plans.items()}
     record("reads, plain", read_launches(layers, head, plans, pdl=False))
     record("reads, programmatic", read_launches(layers, head, plans, pdl=True))
+    record("reads, programmatic, every tile before the wait", read_launches(layers, head, plans, pdl=True, all_early=True))
     products = [fused_launch(layer[name], plans[name]) for layer in layers for name in LAYER_LAUNCHES] + [fused_launch(head, plans["head"])]
     record("products", products)
     limit = torch.tensor([STEP_POSITION], device="cuda")
