@@ -23,6 +23,9 @@ programmatic dependents:
               value and rotates its query and key (decode_attention_update,
               as the default build has it), its first tiles of the caches read
               before its wait and after it, alternately
+  scale after the same step with the normed products' RMS scale applied to
+              their sums (matvec_kernel.SCALE_AFTER_PRODUCTS) and to their row
+              first, as shipped, alternately
 
 Medians of the replays with p10-p90, microseconds.
 
@@ -172,6 +175,7 @@ def main() -> int:
     parser.add_argument("--replays", type=int, default=30)
     parser.add_argument("--no-sweep", action="store_true", help="leave out the products' plan sweep")
     parser.add_argument("--early-tiles-only", action="store_true", help="time only the updating attention's early cache tiles, on and off")
+    parser.add_argument("--scale-after-only", action="store_true", help="time only the normed products' scale on their sums and on their row")
     options = parser.parse_args()
     here = Path(__file__).resolve().parent
     sys.path[:0] = [str(here.parent), str(here)]
@@ -192,8 +196,11 @@ def main() -> int:
     plans = attention_plans()
     layers, head = step_operands()
     shipped = shipped_plans()
-    early_tiles_ab(record, layers, head, shipped, plans["shipped"])
-    if options.early_tiles_only:
+    if not options.scale_after_only:
+        early_tiles_ab(record, layers, head, shipped, plans["shipped"])
+    if not options.early_tiles_only:
+        scale_after_ab(record, layers, head, shipped, plans["shipped"])
+    if options.early_tiles_only or options.scale_after_only:
         return write(results, options.output)
     errors = {name: {str(p): round(attention_error(chosen, p), 5) for p in POSITIONS} for name, chosen in plans.items()}
     results["attention max abs error vs SDPA"] = errors
@@ -230,19 +237,36 @@ def main() -> int:
 
 def early_tiles_ab(record, layers: list[dict], head: tuple, plans: dict[str, tuple], chosen) -> None:
     """The step with the updating attention, its first cache tiles read before its wait and after it, alternately."""
-    import torch
-
     import cuda_runner.compile.attention_kernel as attention_kernels
 
+    switch_ab(record, f"step with the cache update, position {STEP_POSITION}", attention_kernels, "EARLY_CACHE_TILES",
+              {True: "first tiles read before the wait", False: "read after it"}, layers, head, plans, chosen)
+
+
+def scale_after_ab(record, layers: list[dict], head: tuple, plans: dict[str, tuple], chosen) -> None:
+    """The step with the normed products' sums scaled (the scale beside them) and their row scaled first, alternately."""
+    import cuda_runner.compile.matvec_kernel as matvec_kernels
+
+    switch_ab(record, f"step with the cache update, position {STEP_POSITION}, normed products", matvec_kernels, "SCALE_AFTER_PRODUCTS",
+              {True: "sums scaled", False: "row scaled first"}, layers, head, plans, chosen)
+
+
+def switch_ab(record, section: str, module, switch: str, labels: dict[bool, str], layers: list[dict], head: tuple,
+              plans: dict[str, tuple], chosen) -> None:
+    """The step with the updating attention, captured with a kernel module's switch on and off, alternately
+    in two rounds (which one a round runs first is then no difference between the two); the switch is
+    left as it was."""
+    import torch
+
     position = torch.tensor([STEP_POSITION], device="cuda")
+    was = getattr(module, switch)
     try:
-        for round_ in (1, 2):  # alternately: which one a round runs first is not a difference between the two
-            for early in (True, False):
-                attention_kernels.EARLY_CACHE_TILES = early
-                record(f"step with the cache update, position {STEP_POSITION}, round {round_}",
-                       "first tiles read before the wait" if early else "read after it", step(layers, head, plans, chosen, position, update=True), 100)
+        for round_ in (1, 2):
+            for setting in (not was, was):
+                setattr(module, switch, setting)
+                record(f"{section}, round {round_}", labels[setting], step(layers, head, plans, chosen, position, update=True), 100)
     finally:
-        attention_kernels.EARLY_CACHE_TILES = True
+        setattr(module, switch, was)
 
 
 def write(results: dict, output: Path | None) -> int:
