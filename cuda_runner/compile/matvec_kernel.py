@@ -216,16 +216,15 @@ def _store_rows(out, rows, sums, residual, ROWS_N: tl.constexpr, RESIDUAL: tl.co
 
 @triton.jit
 def _normed_products(
-    x, norm_weight, weight, rows, first, ROWS_N: tl.constexpr, COLUMNS_K: tl.constexpr, ROW_STRIDE: tl.constexpr, NORM: tl.constexpr,
-    EPS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SCALE_AFTER: tl.constexpr,
+    x, norm_weight, scale, weight, rows, first, ROWS_N: tl.constexpr, COLUMNS_K: tl.constexpr, ROW_STRIDE: tl.constexpr,
+    NORM: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SCALE_AFTER: tl.constexpr,
 ):
-    """_row_products of the row as the norm leaves it: scaled first, as the graph
-    rounds it, or (SCALE_AFTER) the sums scaled, the scale computed beside them."""
+    """_row_products of the row as the norm's `scale` leaves it: the row scaled
+    first, as the graph rounds it, or (SCALE_AFTER) the sums scaled, which
+    need not wait for the scale to start."""
     if SCALE_AFTER and NORM:
-        sums = _row_products(x, norm_weight, 1.0, weight, rows, first, ROWS_N, COLUMNS_K, ROW_STRIDE, NORM, BLOCK_N, BLOCK_K)
-        sums = sums * _norm_scale(x, COLUMNS_K, NORM, EPS, BLOCK_K)
+        sums = _row_products(x, norm_weight, 1.0, weight, rows, first, ROWS_N, COLUMNS_K, ROW_STRIDE, NORM, BLOCK_N, BLOCK_K) * scale
     else:
-        scale = _norm_scale(x, COLUMNS_K, NORM, EPS, BLOCK_K)
         sums = _row_products(x, norm_weight, scale, weight, rows, first, ROWS_N, COLUMNS_K, ROW_STRIDE, NORM, BLOCK_N, BLOCK_K)
     return sums
 
@@ -240,7 +239,8 @@ def _one_weight(
     rows = index * BLOCK_N + tl.arange(0, BLOCK_N)
     first = _first_tile(weight, rows, ROWS_N, COLUMNS_K, ROW_STRIDE, BLOCK_N, BLOCK_K)
     ready = _await_inputs(PDL)
-    sums = _normed_products(x + ready, norm_weight + ready, weight, rows, first, ROWS_N, COLUMNS_K, ROW_STRIDE, NORM, EPS, BLOCK_N, BLOCK_K,
+    scale = _norm_scale(x + ready, COLUMNS_K, NORM, EPS, BLOCK_K)
+    sums = _normed_products(x + ready, norm_weight + ready, scale, weight, rows, first, ROWS_N, COLUMNS_K, ROW_STRIDE, NORM, BLOCK_N, BLOCK_K,
                             SCALE_AFTER)
     _store_rows(out, rows, sums, residual + ready, ROWS_N, RESIDUAL)
 
@@ -286,10 +286,11 @@ def _matvec_fused(
         first_gate = _first_tile(weight0, rows, ROWS0, COLUMNS_K, STRIDE0, BLOCK_N, BLOCK_K)
         first_up = _first_tile(weight1, rows, ROWS0, COLUMNS_K, STRIDE1, BLOCK_N, BLOCK_K)
         ready = _await_inputs(PDL)
-        gate = _normed_products(x + ready, norm_weight + ready, weight0, rows, first_gate, ROWS0, COLUMNS_K, STRIDE0, NORM, EPS, BLOCK_N, BLOCK_K,
-                                SCALE_AFTER)
-        up = _normed_products(x + ready, norm_weight + ready, weight1, rows, first_up, ROWS0, COLUMNS_K, STRIDE1, NORM, EPS, BLOCK_N, BLOCK_K,
-                              SCALE_AFTER)
+        scale = _norm_scale(x + ready, COLUMNS_K, NORM, EPS, BLOCK_K)
+        gate = _normed_products(x + ready, norm_weight + ready, scale, weight0, rows, first_gate, ROWS0, COLUMNS_K, STRIDE0, NORM, BLOCK_N,
+                                BLOCK_K, SCALE_AFTER)
+        up = _normed_products(x + ready, norm_weight + ready, scale, weight1, rows, first_up, ROWS0, COLUMNS_K, STRIDE1, NORM, BLOCK_N,
+                              BLOCK_K, SCALE_AFTER)
         dtype = out0.dtype.element_ty
         gate = gate.to(dtype).to(tl.float32)
         activated = (gate / (1.0 + tl.exp(-gate))).to(dtype).to(tl.float32)
@@ -432,6 +433,7 @@ def launch_fused(
         COLUMNS_K=vector.shape[-1], ROWS0=rows[0], ROWS1=rows[1], ROWS2=rows[2],
         STRIDE0=padded[0].stride(0), STRIDE1=padded[1].stride(0), STRIDE2=padded[2].stride(0), WEIGHTS=count, GATED=gated,
         NORM=gain is not None, EPS=float(norm_eps), RESIDUAL=added is not None, BLOCK_N=block_n, BLOCK_K=block_k,
-        SCALE_AFTER=SCALE_AFTER_PRODUCTS and gain is not None, num_warps=warps,
+        # float16 rounds x * gain before the scale, where a residual stream's large values overflow it
+        SCALE_AFTER=SCALE_AFTER_PRODUCTS and gain is not None and vector.dtype != torch.float16, num_warps=warps,
         **({"launch_pdl": True} if launch_pdl else {}),
     )
