@@ -24,6 +24,7 @@ from __future__ import annotations
 
 from typing import Any, NamedTuple
 
+from .graph_memory import GraphMemory
 from .graph_values import static_shape
 from .step_position import step_position
 
@@ -51,6 +52,7 @@ def input_bounds(program: Any, written_elsewhere: frozenset[str] = frozenset()) 
     except Exception:  # a program torch cannot unlift is still compiled; its inputs are then unbounded
         return {}
     names = _input_names(module, [name for name in program.graph_signature.user_inputs if isinstance(name, str)])
+    memory = GraphMemory(module.graph)
     proven: dict[tuple[Any, int], Any] = {}
     bounds: dict[str, tuple[int, int]] = {}
     for node in module.graph.nodes:
@@ -59,7 +61,7 @@ def input_bounds(program: Any, written_elsewhere: frozenset[str] = frozenset()) 
             if key not in proven or (proven[key] is None and indexed.write):
                 proven[key] = _input_at(indexed.index, indexed.length, written_elsewhere if indexed.write else None)
             name = names.get(proven[key])
-            if name is None:
+            if name is None or memory.written(proven[key]):  # an input the method changes in place (tokens[:, 0] = bos) is not what it indexes with
                 continue
             # Negative values are the input's own only where it is the index itself.
             low = -indexed.length if indexed.negatives and proven[key] is indexed.index else 0
@@ -115,7 +117,15 @@ def _advanced_indices(tensor: Any, indices: Any, write: bool) -> list[_Indexed]:
         return []
     if any(index is not None and not _integer(index) for index in indices):
         return []
+    given = [index for index in indices if index is not None]
+    if len(given) > 1 and not all(_never_empty(index) for index in given):
+        return []  # indices broadcast together: beside one that may be empty, eager checks none of them
     return [_Indexed(index, shape[dim], True, write) for dim, index in enumerate(indices) if index is not None]
+
+
+def _never_empty(node: Any) -> bool:
+    shape = static_shape(node)
+    return shape is not None and 0 not in shape
 
 
 def _integer(node: Any) -> bool:

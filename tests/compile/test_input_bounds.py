@@ -170,3 +170,36 @@ def test_a_counter_in_a_program_moved_to_another_device_still_bounds_the_positio
         if "device" in node.kwargs:  # as the pass writes them ("cuda:0"), to a device this machine has
             node.kwargs = {**node.kwargs, "device": "meta"}
     assert input_bounds(program) == {"position": (0, 15)}
+
+
+def test_an_input_the_method_changes_in_place_bounds_nothing():
+    """tokens[:, 0] = bos before the embedding: eager indexes with what the method wrote, not what it was given."""
+
+    class Bos(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.embedding = torch.nn.Embedding(10, 4)
+
+        def forward(self, tokens):
+            tokens[:, 0] = 1
+            return self.embedding(tokens)
+
+    assert input_bounds(torch.export.export(Bos(), (torch.tensor([[3, 4]]),))) == {}
+
+
+def test_an_index_beside_one_that_may_be_empty_bounds_nothing():
+    """t[rows, col] with no rows is empty: eager checks no column then."""
+
+    class Pick(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.register_buffer("table", torch.zeros(8, 8))
+
+        def forward(self, rows, col):
+            return self.table[rows, col]
+
+    rows = torch.export.Dim("rows", min=0, max=16)
+    program = torch.export.export(Pick(), (torch.tensor([1, 2]), torch.tensor([3])), dynamic_shapes={"rows": {0: rows}, "col": None})
+    assert input_bounds(program) == {}
+    both_static = torch.export.export(Pick(), (torch.tensor([1, 2]), torch.tensor([3])))
+    assert input_bounds(both_static) == {"rows": (-8, 7), "col": (-8, 7)}
