@@ -44,7 +44,7 @@ from .aot import (
 from .check import NotChecked, disagreement
 from .graph_values import may_write
 from .input_bounds import input_bounds
-from .signature import dim_names_from_dynamic_shapes, program_signature, with_bounds
+from .signature import dim_names_from_dynamic_shapes, program_signature, with_bounds, with_positions
 from .written_constants import written_constants_as_buffers
 
 __all__ = ["MethodSource", "check_programs", "compile_methods", "compile_module", "compile_programs", "export_method", "export_module"]
@@ -487,6 +487,7 @@ def _compile_method(
 def _method_spec(torch: Any, method: str, signature: Any, compiled: CompiledLibrary, written: _WrittenState | None, device: str,
                  ) -> tuple[MethodSpec, dict[str, Any]]:
     """The spec of a method compiled into `compiled`, and its library and weights segments."""
+    signature = with_positions(signature, compiled.positions)
     if written is not None:
         written = _with_library_buffers(written, compiled.library, device)
     segments: dict[str, Any] = {f"{method}_so_blob": compiled.library, f"{method}_weights_blob": compiled.weights}

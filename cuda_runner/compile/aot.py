@@ -178,6 +178,7 @@ class CompiledLibrary:
     options: dict[str, Any]
     note: str | None = None  # what the user should hear of this compile (a fallback to libtorch)
     added_constants: Mapping[str, Any] = dataclasses.field(default_factory=dict)  # tensors the build added to the program, by name
+    positions: tuple[tuple[str, int], ...] = ()  # inputs the fused attention takes as its position, proven for 0..length-1 (Fused)
 
 
 # What a compiled library may need at run time (compile_module's `runtime`).
@@ -392,6 +393,7 @@ def _compile_once(
             device=_device_spec(torch, device, metadata, cpu_build),
             options=recorded,
             added_constants=dict(kernels.added_constants),
+            positions=kernels.positions,
         )
     finally:
         isa_pin.close()  # the one place the pin is released, however the compile ended
@@ -518,6 +520,7 @@ class OwnKernels:
     cache_updates: int = 0  # of those, the ones that write the step's key and value into the caches
     rotations: int = 0  # the queries and keys they rotate
     added_constants: dict[str, Any] = dataclasses.field(default_factory=dict)  # the rotation tables the last apply() added, by name
+    positions: tuple[tuple[str, int], ...] = ()  # the inputs the last apply()'s attention took as its position (Fused.positions)
     products: int = 0  # products of one row the matvec took
     launches: int = 0  # the kernel launches they became (several share one where it fused them)
     programmatic: int = 0  # Inductor's kernels the last build named for programmatic launches
@@ -544,7 +547,7 @@ class OwnKernels:
         """Put the kernels in `module`'s graph, each named in `in_use` (newest last)
         before its rewrite starts: a failure from then on may be the kernel's."""
         self.fused = self.products = self.launches = self.position_limits = self.cache_updates = self.rotations = 0
-        self.added_constants = {}
+        self.added_constants, self.positions = {}, ()
         if self.attention:
             in_use.append("attention")
             if self.update:
@@ -554,7 +557,7 @@ class OwnKernels:
                 in_use.pop()  # back below, as the newest of the build's kernels, where it was taken
             self.fused, self.position_limits = fused.calls, fused.position_limits
             self.cache_updates, self.rotations = fused.cache_updates, fused.rotations
-            self.added_constants = dict(fused.tables)
+            self.added_constants, self.positions = dict(fused.tables), fused.positions
             if not self.fused:
                 in_use.pop()
         if self.matvec:

@@ -91,6 +91,9 @@ class Fused:
     cache_updates: int = 0
     rotations: int = 0
     tables: tuple[tuple[str, Any], ...] = ()  # the rotation tables added to the module: (buffer name, tensor)
+    # The inputs that became a position limit, and the length of the cache each limits: the proof
+    # holds for positions 0..length-1 only (graph input name, length).
+    positions: tuple[tuple[str, int], ...] = ()
 
 
 @dataclass(frozen=True)
@@ -123,6 +126,7 @@ def fuse_decode_attention(graph_module: Any, written_elsewhere: frozenset[str] =
     limits: dict[Any, Any] = {}  # (mask, its [B, H, L, S]) -> the position that stands for it (the layers share one mask)
     masks = set()
     position_limits = cache_updates = rotations = 0
+    positions: set[tuple[str, int]] = set()
     shared = _Shared(graph_module)
     for site in sites:
         mask, limit = site.mask, None
@@ -134,6 +138,7 @@ def fuse_decode_attention(graph_module: Any, written_elsewhere: frozenset[str] =
             if limit is not None:
                 masks.add(mask)
                 mask, position_limits = None, position_limits + 1
+                positions.add((str(limit.name), key[1][3]))
         cache_write = _cache_write(site, shared, written_elsewhere) if update_caches else None
         with graph.inserting_before(site.node):
             if cache_write is None:
@@ -155,7 +160,7 @@ def fuse_decode_attention(graph_module: Any, written_elsewhere: frozenset[str] =
     _erase_dead(list(masks))
     graph.lint()
     graph_module.recompile()
-    return Fused(len(sites), position_limits, cache_updates, rotations, shared.added())
+    return Fused(len(sites), position_limits, cache_updates, rotations, shared.added(), tuple(sorted(positions)))
 
 
 def _updating_call(graph: Any, site: AttentionSite, cache_write: CacheWrite, mask: Any, limit: Any, shared: _Shared,

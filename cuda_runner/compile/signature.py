@@ -51,6 +51,26 @@ def with_bounds(signature: Signature, bounds: Mapping[str, tuple[int, int]]) -> 
     return dataclasses.replace(signature, inputs=inputs)
 
 
+def with_positions(signature: Signature, positions: Sequence[tuple[str, int]]) -> Signature:
+    """The signature with each input the fused attention takes as its position
+    (name, the cache's length) limited to 0..length-1, within any bounds it
+    had: the kernel is proven there only (a cache written with index_put_
+    accepts -1 in eager, which picks a causal buffer's last row as the mask)."""
+    limits: dict[str, tuple[int, int]] = {}
+    for name, length in positions:
+        low, high = limits.get(name, (0, length - 1))
+        limits[name] = (low, min(high, length - 1))
+    inputs = []
+    for spec in signature.inputs:
+        if spec.name in limits:
+            low, high = limits[spec.name]
+            if spec.bounds is not None:
+                low, high = max(low, spec.bounds[0]), min(high, spec.bounds[1])
+            spec = dataclasses.replace(spec, bounds=(low, high))
+        inputs.append(spec)
+    return dataclasses.replace(signature, inputs=tuple(inputs))
+
+
 def output_names(program: Any) -> list[str]:
     """Key paths for a (nested) dict result ('logits', 'aux.loss'), else output_<i>."""
     import torch.utils._pytree as pytree

@@ -36,3 +36,19 @@ def test_a_constant_argument_is_refused_as_a_compile_error():
     program = torch.export.export(Scaled(), (torch.ones(2), 3))
     with pytest.raises(CompileError, match="constant input"):
         program_signature(program)
+
+
+def test_an_input_the_fused_attention_takes_as_its_position_is_bounded_by_its_cache():
+    """The position-limit proof covers 0..S-1: an index_put_ cache's bounds (-S..S-1, as eager takes
+    them) are narrowed to it, an input with none gets it, and two caches give the shorter."""
+    import dataclasses
+
+    from cuda_runner.compile.signature import Signature, with_positions
+    from cuda_runner.format.manifest import TensorSpec
+
+    inputs = (TensorSpec("input_pos", "int64", (1,), bounds=(-32, 31)), TensorSpec("other", "int64", (1,)), TensorSpec("x", "float32", (4,)))
+    signature = Signature(inputs=inputs, outputs=(), dims={})
+    narrowed = with_positions(signature, [("input_pos", 32), ("other", 16), ("other", 8)])
+    assert [spec.bounds for spec in narrowed.inputs] == [(0, 31), (0, 7), None]
+    assert with_positions(signature, []) == signature
+    assert dataclasses.replace(narrowed.inputs[0], bounds=(-32, 31)) == inputs[0]
