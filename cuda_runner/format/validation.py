@@ -80,7 +80,7 @@ def check_bounds(method: str, arrays: Sequence[Any], bounded: list[tuple[int, st
             smallest, largest = int(array.min()), int(array.max())
         if smallest < low or largest > high:
             held = smallest if smallest < low else largest
-            raise InputError(f"input {name!r} holds {held}; method {method!r} accepts {low} to {high} (it indexes a dimension of {high + 1})",
+            raise InputError(f"input {name!r} holds {held}; method {method!r} accepts {low} to {high} (an index into the model's tensors)",
                              subject="bounds")
 
 

@@ -283,6 +283,8 @@ def _without_bounds(path: Path, destination: Path) -> Path:
 def test_native_errors_reach_the_user_as_one_line(embedder_bundle, tmp_path):
     """An out-of-range embedding id fails inside the library, which prints C++ frames to fd 2 (a bundle
     without the ids' bounds: one with them refuses the id before the library runs)."""
+    bounded = run_cli("run", str(embedder_bundle.path), "-i", "ids=3x6xi64=1000", "-i", "scale=1.0")
+    assert bounded.returncode == 2 and "accepts 0 to 49" in bounded.stderr, bounded.stderr
     unbounded = _without_bounds(embedder_bundle.path, tmp_path / "unbounded.bundle")
     result = run_cli("run", str(unbounded), "-i", "ids=3x6xi64=1000", "-i", "scale=1.0")
     assert result.returncode == 4, result.stderr

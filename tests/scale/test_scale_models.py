@@ -158,14 +158,14 @@ def test_a_position_past_the_cache_or_a_token_past_the_vocabulary_is_refused_bef
 
     past = cli("run", str(path), "--method", "decode", "-i", "tokens=[[1]]", "-i", f"input_pos=[{last + 1}]")
     assert past.returncode == 2
-    assert past.error_lines == [f"error: input 'input_pos' holds {last + 1}; method 'decode' accepts 0 to {last} (it indexes a dimension of {last + 1})"]
+    assert past.error_lines == [f"error: input 'input_pos' holds {last + 1}; method 'decode' accepts 0 to {last} (an index into the model's tensors)"]
     assert cli("run", str(path), "--method", "decode", "-i", "tokens=[[1]]", "-i", "input_pos=[-1]").returncode == 2
     prompt = ",".join(str(position) for position in range(last - 2, last + 2))
     assert "holds 32" in cli("run", str(path), "--method", "prefill", "-i", "tokens=[[1,2,3,4]]", "-i", f"input_pos=[{prompt}]").stderr
     assert cli("run", str(path), "--method", "decode", "-i", "tokens=[[1]]", "-i", f"input_pos=[{last}]").returncode == 0
     vocab = cli("run", str(path), "--method", "decode", "-i", f"tokens=[[{config.vocab}]]", "-i", "input_pos=[0]")  # past the embedding
     assert vocab.returncode == 2
-    assert vocab.error_lines == [f"error: input 'tokens' holds {config.vocab}; method 'decode' accepts 0 to {config.vocab - 1} (it indexes a dimension of {config.vocab})"]
+    assert vocab.error_lines == [f"error: input 'tokens' holds {config.vocab}; method 'decode' accepts 0 to {config.vocab - 1} (an index into the model's tensors)"]
 
     with cuda_runner.load(path) as model:  # the Python API checks every call: an array may hold another value since
         position = np.array([last], np.int64)
