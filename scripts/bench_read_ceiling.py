@@ -69,13 +69,15 @@ def read_kernel():
         ready = 0
         if not ALL_EARLY:
             ready = _await_inputs(PDL)  # the products' own wait for the launch before
+        elif PDL:  # the launch after may start as early as with the products' wait; only the wait moves
+            tl.inline_asm_elementwise("griddepcontrol.launch_dependents; mov.u32 $0, 0;", "=r", [], dtype=tl.int32, is_pure=False, pack=1)
         for start in range(BLOCK_K, K, BLOCK_K):
             at = start + columns
             sums += tl.load(w0 + rows[:, None] * K + at[None, :], eviction_policy="evict_first").to(tl.float32)
             if GATED:
                 sums += tl.load(w1 + rows[:, None] * K + at[None, :], eviction_policy="evict_first").to(tl.float32)
-        if ALL_EARLY:
-            ready = _await_inputs(PDL)  # every tile read before the wait: what no dependency on the launch before would give
+        if ALL_EARLY and PDL:  # every tile read before the wait: what no dependency on the launch before would give
+            ready = tl.inline_asm_elementwise("griddepcontrol.wait; mov.u32 $0, 0;", "=r", [], dtype=tl.int32, is_pure=True, pack=1)
         tl.store(out + rows + ready, tl.sum(sums, axis=1))  # the wait's value used: kept, and ordered before the store
 
     return cudarunner_read_rows

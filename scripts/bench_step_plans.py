@@ -177,6 +177,8 @@ def main() -> int:
     parser.add_argument("--early-tiles-only", action="store_true", help="time only the updating attention's early cache tiles, on and off")
     parser.add_argument("--scale-after-only", action="store_true", help="time only the normed products' scale on their sums and on their row")
     options = parser.parse_args()
+    if options.early_tiles_only and options.scale_after_only:
+        parser.error("--early-tiles-only and --scale-after-only each time one A/B alone; give one")
     here = Path(__file__).resolve().parent
     sys.path[:0] = [str(here.parent), str(here)]
     import torch
@@ -253,16 +255,16 @@ def scale_after_ab(record, layers: list[dict], head: tuple, plans: dict[str, tup
 
 def switch_ab(record, section: str, module, switch: str, labels: dict[bool, str], layers: list[dict], head: tuple,
               plans: dict[str, tuple], chosen) -> None:
-    """The step with the updating attention, captured with a kernel module's switch on and off, alternately
-    in two rounds (which one a round runs first is then no difference between the two); the switch is
-    left as it was."""
+    """The step with the updating attention, captured with a kernel module's switch on and off, in two
+    rounds, the second in the other order (A B B A: a drift over the run weighs on both alike); the
+    switch is left as it was."""
     import torch
 
     position = torch.tensor([STEP_POSITION], device="cuda")
     was = getattr(module, switch)
     try:
-        for round_ in (1, 2):
-            for setting in (not was, was):
+        for round_, order in ((1, (not was, was)), (2, (was, not was))):
+            for setting in order:
                 setattr(module, switch, setting)
                 record(f"{section}, round {round_}", labels[setting], step(layers, head, plans, chosen, position, update=True), 100)
     finally:
