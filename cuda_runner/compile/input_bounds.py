@@ -16,8 +16,8 @@ The ops, and the values eager accepts for a dimension of S:
 An input bounds an op where it is the op's index, or, for a write, where the
 index is one integer proven equal to it at every position 0..S-1 and a few
 past either end (compile/step_position.py: Hugging Face's exports write at a
-counter the input is copied into); only 0..S-1 is proven then. Inputs bounded by several ops take
-the narrowest range.
+counter the input is copied into); only 0..S-1 is proven then. Inputs
+bounded by several ops take the narrowest range.
 """
 
 from __future__ import annotations

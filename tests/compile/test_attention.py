@@ -14,6 +14,7 @@ import textwrap
 import pytest
 import torch
 import torch.nn.functional as F
+from helpers import as_moved_to_a_gpu
 from models import MethodOf, scale_models
 
 from cuda_runner.compile import attention
@@ -890,15 +891,6 @@ def test_an_index_that_wraps_or_clamps_past_the_cache_keeps_its_cache_writes(wra
     assert step_position(index, 16) is None
 
 
-def _as_moved_to_a_gpu(program):
-    """The program with every device its graph names written as move_to_device_pass writes it for a
-    GPU build (a string, 'cuda:0'), without moving a tensor: what compile hands the rewrite on a GPU."""
-    for node in program.graph.nodes:
-        if "device" in node.kwargs:
-            node.kwargs = {**node.kwargs, "device": "cuda:0"}
-    return program
-
-
 def test_a_program_as_compile_moves_it_to_a_gpu_is_fused_whole():
     """The H200 found no position limit in any CUDA build, and no cache update or rotation in Hugging
     Face's: the proofs, run on the CPU, left the devices move_to_device_pass writes as strings on the GPU."""
@@ -907,8 +899,8 @@ def test_a_program_as_compile_moves_it_to_a_gpu_is_fused_whole():
 
     config = scale_models.LLAMA_TINY
     model = scale_models.LlamaDecoder(config, torch.float32).eval()
-    decoder = _as_moved_to_a_gpu(torch.export.export(MethodOf(model, "decode"), scale_models.llama_examples(config, 6)["decode"]))
-    counting = _as_moved_to_a_gpu(torch.export.export(_CountingStep(), (torch.randn(1, 1, 32), torch.tensor([3]))))
+    decoder = as_moved_to_a_gpu(torch.export.export(MethodOf(model, "decode"), scale_models.llama_examples(config, 6)["decode"]))
+    counting = as_moved_to_a_gpu(torch.export.export(_CountingStep(), (torch.randn(1, 1, 32), torch.tensor([3]))))
     for program, layers in ((decoder, config.layers), (counting, 2)):
         fused = fuse_decode_attention(program.module())
         assert (fused.calls, fused.position_limits, fused.cache_updates, fused.rotations) == (layers, layers, layers, 2 * layers)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from helpers import as_moved_to_a_gpu
 from models import MethodOf, scale_models
 
 from cuda_runner.compile.input_bounds import input_bounds
@@ -165,10 +166,7 @@ def test_a_token_id_computed_from_the_input_bounds_nothing():
 def test_a_counter_in_a_program_moved_to_another_device_still_bounds_the_position():
     """compile moves a program it builds for a GPU with move_to_device_pass, which writes the devices the
     graph names as strings: the proof, run on the CPU, takes them for the CPU too."""
-    program = torch.export.export(_Cache("counter"), (torch.ones(1, 2, 1, 4), torch.tensor([3])))
-    for node in program.graph.nodes:
-        if "device" in node.kwargs:  # as the pass writes them ("cuda:0"), to a device this machine has
-            node.kwargs = {**node.kwargs, "device": "meta"}
+    program = as_moved_to_a_gpu(torch.export.export(_Cache("counter"), (torch.ones(1, 2, 1, 4), torch.tensor([3]))))
     assert input_bounds(program) == {"position": (0, 15)}
 
 
