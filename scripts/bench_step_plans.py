@@ -26,6 +26,11 @@ programmatic dependents:
   scale after the same step with the normed products' RMS scale applied to
               their sums (matvec_kernel.SCALE_AFTER_PRODUCTS) and to their row
               first, as shipped, alternately
+  prefetch    the same step with each product asking the L2 cache for the rest
+              of its weights before its wait (matvec_kernel.PREFETCH_WEIGHTS_L2)
+              and with its first tiles alone, as shipped, alternately
+
+`--only NAME` times one of the last three alone.
 
 Medians of the replays with p10-p90, microseconds.
 
@@ -174,11 +179,8 @@ def main() -> int:
     parser.add_argument("--output", type=Path, default=None)
     parser.add_argument("--replays", type=int, default=30)
     parser.add_argument("--no-sweep", action="store_true", help="leave out the products' plan sweep")
-    parser.add_argument("--early-tiles-only", action="store_true", help="time only the updating attention's early cache tiles, on and off")
-    parser.add_argument("--scale-after-only", action="store_true", help="time only the normed products' scale on their sums and on their row")
+    parser.add_argument("--only", choices=sorted(SWITCHES), default=None, help="time only this A/B of a kernel switch, on and off")
     options = parser.parse_args()
-    if options.early_tiles_only and options.scale_after_only:
-        parser.error("--early-tiles-only and --scale-after-only each time one A/B alone; give one")
     here = Path(__file__).resolve().parent
     sys.path[:0] = [str(here.parent), str(here)]
     import torch
@@ -198,11 +200,10 @@ def main() -> int:
     plans = attention_plans()
     layers, head = step_operands()
     shipped = shipped_plans()
-    if not options.scale_after_only:
-        early_tiles_ab(record, layers, head, shipped, plans["shipped"])
-    if not options.early_tiles_only:
-        scale_after_ab(record, layers, head, shipped, plans["shipped"])
-    if options.early_tiles_only or options.scale_after_only:
+    for name, ab in SWITCHES.items():
+        if options.only in (None, name):
+            ab(record, layers, head, shipped, plans["shipped"])
+    if options.only is not None:
         return write(results, options.output)
     errors = {name: {str(p): round(attention_error(chosen, p), 5) for p in POSITIONS} for name, chosen in plans.items()}
     results["attention max abs error vs SDPA"] = errors
@@ -251,6 +252,17 @@ def scale_after_ab(record, layers: list[dict], head: tuple, plans: dict[str, tup
 
     switch_ab(record, f"step with the cache update, position {STEP_POSITION}, normed products", matvec_kernels, "SCALE_AFTER_PRODUCTS",
               {True: "sums scaled", False: "row scaled first"}, layers, head, plans, chosen)
+
+
+def prefetch_ab(record, layers: list[dict], head: tuple, plans: dict[str, tuple], chosen) -> None:
+    """The step with the products' remaining weights prefetched to the L2 before their wait, and without, alternately."""
+    import cuda_runner.compile.matvec_kernel as matvec_kernels
+
+    switch_ab(record, f"step with the cache update, position {STEP_POSITION}, products' weights", matvec_kernels, "PREFETCH_WEIGHTS_L2",
+              {True: "the rest prefetched to the L2 before the wait", False: "first tiles alone"}, layers, head, plans, chosen)
+
+
+SWITCHES = {"early-tiles": early_tiles_ab, "scale-after": scale_after_ab, "prefetch": prefetch_ab}
 
 
 def switch_ab(record, section: str, module, switch: str, labels: dict[bool, str], layers: list[dict], head: tuple,

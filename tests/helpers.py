@@ -138,9 +138,20 @@ def compile_with_option(program: Path, bundle: Path, option: str, setting: str |
 # ---------------------------------------------------------------------------
 # PTX of a programmatic-dependent kernel, read as basic blocks
 
+def ptx_statements(line: str) -> list[str]:
+    """The statements of one line of PTX, without their predicates: an inline
+    asm is one line of several, some in a { } scope of their own."""
+    statements = []
+    for piece in line.split("//")[0].split(";"):
+        statement = re.sub(r"^[{}\s]*(@!?%?\w+\s+)?", "", piece).strip()
+        if statement and statement != "}":
+            statements.append(statement)
+    return statements
+
+
 def ptx_blocks(ptx: str) -> dict[str, tuple[list[str], list[str]]]:
-    """The kernel's basic blocks in order: label -> (its memory operations and
-    waits, the labels it may go to next)."""
+    """The kernel's basic blocks in order: label -> (its memory operations,
+    waits and L2 prefetches, the labels it may go to next)."""
     blocks: dict[str, tuple[list[str], list[str]]] = {}
     label, ops, order = "entry", [], []
     for raw in ptx.splitlines():
@@ -150,13 +161,15 @@ def ptx_blocks(ptx: str) -> dict[str, tuple[list[str], list[str]]]:
             order.append(label)
             label, ops = line.split()[0][:-1], []
             continue
-        statement = line.lstrip("@%p0123456789! ")
-        if statement.startswith(("ld.global", "st.global")):
-            ops.append(statement.split()[0])
-        elif statement.startswith("griddepcontrol.wait"):
-            ops.append("griddepcontrol.wait")
-        elif statement.startswith("bra"):
-            ops.append(("goto " if statement.startswith("bra.uni") else "branch ") + statement.split()[-1].rstrip(";"))
+        for statement in ptx_statements(line):
+            if statement.startswith(("ld.global", "st.global")):
+                ops.append(statement.split()[0])
+            elif statement.startswith("griddepcontrol.wait"):
+                ops.append("griddepcontrol.wait")
+            elif statement.startswith("cp.async.bulk.prefetch.L2"):
+                ops.append("prefetch.L2")
+            elif statement.startswith("bra"):
+                ops.append(("goto " if statement.startswith("bra.uni") else "branch ") + statement.split()[-1])
     blocks[label] = (ops, [])
     order.append(label)
     for position, name in enumerate(order):
@@ -181,7 +194,7 @@ def parameters_read_before_wait(ptx: str) -> tuple[set[int], int]:
     loads = 0
     for raw in ptx.splitlines():
         line = raw.strip()
-        if line.startswith("$L__BB") or line.startswith("griddepcontrol.wait"):
+        if line.startswith("$L__BB") or "griddepcontrol.wait" in line:
             break
         statement = line.lstrip("@%p0123456789! ")
         parameter = re.match(r"ld\.param\.\w+\s+(%\w+),\s*\[\w+_param_(\d+)\]", statement)
