@@ -11,13 +11,19 @@ The ops, and the values eager accepts for a dimension of S:
 - index_copy(_) writes: 0..S-1;
 - index_put(_) writes and index reads (`cache[:, :, pos] = k`, `table[pos]`):
   -S..S-1, a negative index counting from the end;
-- embedding lookups: 0..S-1.
+- embedding lookups, index_select, gather, scatter(_), scatter_add(_) and
+  index_add(_): 0..S-1 along their dimension;
+- index_fill(_): -S..S-1.
 
-An input bounds an op where it is the op's index, or, for a write, where the
-index is one integer proven equal to it at every position 0..S-1 and a few
-past either end (compile/step_position.py: Hugging Face's exports write at a
-counter the input is copied into); only 0..S-1 is proven then. Inputs
-bounded by several ops take the narrowest range.
+An input bounds an op where the op's index holds the input's values element
+for element: the input itself, or a view, reshape, expand or copy of it (of
+one dtype, written by nothing; an expand only where the index it makes has
+elements, since eager checks none of an empty one). For a write, it also
+bounds the op where the index is one integer proven equal to the input at
+every position 0..S-1 and a few past either end (compile/step_position.py:
+Hugging Face's exports write at a counter the input is copied into); only
+0..S-1 is proven then. Inputs bounded by several ops take the narrowest
+range.
 """
 
 from __future__ import annotations
@@ -29,6 +35,20 @@ from .graph_values import static_shape
 from .step_position import step_position
 
 _INTEGER_DTYPES = frozenset({"torch.int64", "torch.int32"})
+# Ops whose result holds the values of their first argument element for element, and no others:
+# an index made by them from an input holds the input's values (an expand, where it has elements).
+_SAME_VALUES = frozenset({
+    "aten.view.default", "aten._unsafe_view.default", "aten.reshape.default", "aten.unsqueeze.default", "aten.squeeze.default",
+    "aten.squeeze.dim", "aten.squeeze.dims", "aten.flatten.using_ints", "aten.permute.default", "aten.transpose.int", "aten.t.default",
+    "aten.expand.default", "aten.clone.default", "aten.alias.default", "aten.contiguous.default",
+})
+# Ops that take an index into one dimension (self, dim, index, ...): whether eager takes negative values from the end.
+_ALONG_DIM = {
+    "aten.index_select.default": False, "aten.gather.default": False, "aten.scatter.src": False, "aten.scatter.value": False,
+    "aten.scatter_.src": False, "aten.scatter_.value": False, "aten.scatter_add.default": False, "aten.scatter_add_.default": False,
+    "aten.index_add.default": False, "aten.index_add_.default": False, "aten.index_fill.int_Scalar": True,
+    "aten.index_fill.int_Tensor": True, "aten.index_fill_.int_Scalar": True, "aten.index_fill_.int_Tensor": True,
+}
 
 
 class _Indexed(NamedTuple):
@@ -53,18 +73,22 @@ def input_bounds(program: Any, written_elsewhere: frozenset[str] = frozenset()) 
         return {}
     names = _input_names(module, [name for name in program.graph_signature.user_inputs if isinstance(name, str)])
     memory = GraphMemory(module.graph)
-    proven: dict[tuple[Any, int], Any] = {}
+    proven: dict[tuple[Any, int], tuple[Any, bool] | None] = {}
     bounds: dict[str, tuple[int, int]] = {}
     for node in module.graph.nodes:
         for indexed in _indexed_dims(node):
             key = (indexed.index, indexed.length)
             if key not in proven or (proven[key] is None and indexed.write):
-                proven[key] = _input_at(indexed.index, indexed.length, written_elsewhere if indexed.write else None)
-            name = names.get(proven[key])
-            if name is None or memory.written(proven[key]):  # an input the method changes in place (tokens[:, 0] = bos) is not what it indexes with
+                proven[key] = _input_at(indexed.index, indexed.length, memory, written_elsewhere if indexed.write else None)
+            found = proven[key]
+            if found is None:
                 continue
-            # Negative values are the input's own only where it is the index itself.
-            low = -indexed.length if indexed.negatives and proven[key] is indexed.index else 0
+            source, same_values = found
+            name = names.get(source)
+            if name is None or memory.written(source):  # an input the method changes in place (tokens[:, 0] = bos) is not what it indexes with
+                continue
+            # Negative values are the input's own only where the index holds its values, not where it was proven equal on 0..S-1.
+            low = -indexed.length if indexed.negatives and same_values else 0
             held_low, held_high = bounds.get(name, (low, indexed.length - 1))
             bounds[name] = (max(held_low, low), min(held_high, indexed.length - 1))
     return bounds
@@ -92,6 +116,9 @@ def _indexed_dims(node: Any) -> list[_Indexed]:
     if target in ("aten.embedding.default",) and len(node.args) >= 2:
         weight, index = node.args[:2]
         return _one_dim(weight, 0, index, negatives=False)
+    if target in _ALONG_DIM and len(node.args) >= 3:
+        tensor, dim, index = node.args[:3]
+        return _one_dim(tensor, dim, index, negatives=_ALONG_DIM[target])
     if target in ("aten.index_put_.default", "aten.index_put.default") and len(node.args) in (3, 4):
         return _advanced_indices(node.args[0], node.args[1], write=True)
     if target == "aten.index.Tensor" and len(node.args) == 2:
@@ -132,10 +159,31 @@ def _integer(node: Any) -> bool:
     return hasattr(node, "op") and str(getattr(node.meta.get("val"), "dtype", None)) in _INTEGER_DTYPES
 
 
-def _input_at(index: Any, length: int, written_elsewhere: frozenset[str] | None) -> Any | None:
-    """The graph input every element of `index` is, or (`written_elsewhere`
-    given) that the one integer `index` equals at every position of the
-    dimension; None if none is."""
-    if index.op == "placeholder":
-        return index if _integer(index) else None
-    return step_position(index, length, written_elsewhere) if written_elsewhere is not None else None
+def _input_at(index: Any, length: int, memory: GraphMemory, written_elsewhere: frozenset[str] | None) -> tuple[Any, bool] | None:
+    """(the graph input whose values `index` holds, True), or (`written_elsewhere`
+    given) (the input the one integer `index` equals at every position of the
+    dimension, False); None if neither is found."""
+    source = _values_of_input(index, memory)
+    if source is not None:
+        return source, True
+    position = step_position(index, length, written_elsewhere) if written_elsewhere is not None else None
+    return (position, False) if position is not None else None
+
+
+def _values_of_input(index: Any, memory: GraphMemory) -> Any | None:
+    """The integer graph input `index` holds the values of, element for
+    element, through _SAME_VALUES ops none of whose results the graph writes
+    (a copy added to in place holds other values); None if there is none.
+    Through an expand only where the index has elements: expanded to none,
+    eager checks nothing, and the input's values would still be checked."""
+    node, expanded = index, False
+    while node.op != "placeholder":
+        if node.op != "call_function" or str(node.target) not in _SAME_VALUES or not node.args or not hasattr(node.args[0], "op"):
+            return None
+        if memory.written(node):
+            return None
+        expanded = expanded or str(node.target) == "aten.expand.default"
+        node = node.args[0]
+    if not _integer(node) or (expanded and not _never_empty(index)):
+        return None
+    return node

@@ -201,3 +201,57 @@ def test_an_index_beside_one_that_may_be_empty_bounds_nothing():
     assert input_bounds(program) == {}
     both_static = torch.export.export(Pick(), (torch.tensor([1, 2]), torch.tensor([3])))
     assert input_bounds(both_static) == {"rows": (-8, 7), "col": (-8, 7)}
+
+
+class _AlongDim(torch.nn.Module):
+    """A table of 12 rows read or written at an index made from the position by `how`."""
+
+    def __init__(self, how: str):
+        super().__init__()
+        self.how = how
+        self.register_buffer("table", torch.zeros(12, 4))
+
+    def forward(self, position):
+        how = self.how
+        if how == "index_select of a view":
+            return self.table.index_select(0, position.view(-1))
+        if how == "gather of an expand":
+            return self.table.gather(0, position.view(1, 1).expand(3, 4))
+        if how == "gather of an expand to nothing":
+            return self.table.gather(0, position.view(1, 1).expand(0, 4)).sum() + position.sum()
+        if how == "scatter_add_ of an expand":
+            return self.table.clone().scatter_add_(0, position.view(1, 1).expand(1, 4), torch.ones(1, 4))
+        if how == "index_fill_":
+            return self.table.clone().index_fill_(0, position, 1.0)
+        if how == "read of a reshape":
+            return self.table[position.reshape(1, 1)]
+        if how == "a copy written through a view first":
+            index = position.clone()
+            index.view(-1).add_(1)
+            return self.table.index_select(0, index)
+        if how == "a slice":  # drops values: those past it are the input's own, not the index's
+            return self.table.index_select(0, position[:1])
+        return self.table.index_select(0, position.to(torch.int32))  # a cast may wrap: 2**32 + 3 reads row 3
+
+
+@pytest.mark.parametrize("how, expected", [
+    ("index_select of a view", (0, 11)), ("gather of an expand", (0, 11)), ("scatter_add_ of an expand", (0, 11)),
+    ("index_fill_", (-12, 11)), ("read of a reshape", (-12, 11)),
+])
+def test_an_index_holding_the_inputs_values_bounds_it_as_eager_does(how, expected):
+    """Each range is the one eager accepts for that op (-1 is refused by index_select, gather and scatter_add_,
+    taken from the end by index_fill_ and indexing): checked against eager itself on the CPU."""
+    module = _AlongDim(how)
+    assert input_bounds(torch.export.export(module, (torch.tensor([3]),))) == {"position": expected}
+    low, high = expected
+    for accepted in (low, high):
+        module(torch.tensor([accepted]))
+    for refused in (low - 1, high + 1):
+        with pytest.raises((IndexError, RuntimeError)):
+            module(torch.tensor([refused]))
+
+
+@pytest.mark.parametrize("how", ["gather of an expand to nothing", "a copy written through a view first", "a slice", "a cast"])
+def test_an_index_that_may_not_hold_the_inputs_values_bounds_nothing(how):
+    position = torch.tensor([3, 3]) if how == "a slice" else torch.tensor([3])
+    assert input_bounds(torch.export.export(_AlongDim(how), (position,))) == {}
