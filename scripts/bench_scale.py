@@ -681,6 +681,8 @@ def graph_breakdown(work: Path, count: int) -> dict[str, Any]:
             end.synchronize()
             parts["GPU replay alone"].append(cupy.cuda.get_elapsed_time(start, end) / 1e3)
         results.update({name: summary(samples) for name, samples in parts.items()})
+        if hasattr(captured.graph, "node_kinds"):  # a driver capture (cuda-runner's shim): what each launch walks
+            results["graph nodes"] = captured.graph.node_kinds()
     log(f"graph breakdown: {json.dumps(results)}")
     return results
 

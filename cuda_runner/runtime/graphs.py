@@ -241,6 +241,10 @@ class _TorchGraph:
         self._graph.reset()
 
 
+# CUgraphNodeType's values, as cuda.h numbers them.
+_NODE_KINDS = {0: "kernel", 1: "memcpy", 2: "memset", 3: "host", 4: "child graph", 5: "empty", 6: "event wait", 7: "event record",
+               8: "semaphore signal", 9: "semaphore wait", 10: "memory allocation", 11: "memory free", 12: "memory operations",
+               13: "conditional"}
 _CAPTURE_MODE_RELAXED = 2  # CU_STREAM_CAPTURE_MODE_RELAXED: other threads may go on using CUDA
 _AUTO_FREE_ON_LAUNCH = 1  # CUDA_GRAPH_INSTANTIATE_FLAG_AUTO_FREE_ON_LAUNCH
 
@@ -280,6 +284,21 @@ class _DriverGraph:
 
     def replay(self) -> None:
         self._check("cuGraphLaunch", self._launch(self._exec, self._stream))
+
+    def node_kinds(self) -> dict[str, int]:
+        """How many nodes of each kind the captured graph holds (kernels, copies,
+        memory allocations and frees, ...): what a launch of it walks."""
+        count = ctypes.c_size_t()
+        self._call("cuGraphGetNodes", self._graph, None, ctypes.byref(count))
+        nodes = (ctypes.c_void_p * count.value)()
+        self._call("cuGraphGetNodes", self._graph, nodes, ctypes.byref(count))
+        kinds: dict[str, int] = {}
+        for node in nodes[:count.value]:
+            kind = ctypes.c_int()
+            self._call("cuGraphNodeGetType", ctypes.c_void_p(node), ctypes.byref(kind))
+            name = _NODE_KINDS.get(kind.value, f"kind {kind.value}")
+            kinds[name] = kinds.get(name, 0) + 1
+        return kinds
 
     def reset(self) -> None:
         if self._exec.value:

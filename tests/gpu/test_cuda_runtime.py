@@ -195,6 +195,9 @@ def test_cuda_graph_copies_small_inputs_itself_and_uploads_large_ones_beside_it(
                 np.testing.assert_allclose(got[name], expected[name], rtol=1e-6, atol=1e-6)
         (captured,) = executor._graphs.values()
         assert [staging is None for staging in captured.staged_inputs] == [True, False]
+        # What a launch walks: the bias's copy in and each output's copy out beside the library's kernels.
+        kinds = captured.graph.node_kinds()
+        assert kinds["memcpy"] == 1 + sum(staging is not None for staging in captured.staged_outputs) and kinds["kernel"] >= 1, kinds
 
 
 def test_pinned_input_skips_the_staging_copy_and_gives_the_same_result(cuda_dict_mlp, monkeypatch):
