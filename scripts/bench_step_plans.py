@@ -29,8 +29,12 @@ programmatic dependents:
   prefetch    the same step with each product asking the L2 cache for the rest
               of its weights before its wait (matvec_kernel.PREFETCH_WEIGHTS_L2)
               and with its first tiles alone, as shipped, alternately
+  early position
+              the same step with the attention reading its position and the
+              rotation tables' rows before its wait (attention_kernel.
+              EARLY_POSITION) and after it, as shipped, alternately
 
-`--only NAME` times one of the last three alone.
+`--only NAME` times one of the last four alone.
 
 Medians of the replays with p10-p90, microseconds.
 
@@ -99,7 +103,7 @@ def update_launch(operands: tuple, position, chosen):
     from cuda_runner.compile.attention_kernel import CacheUpdate, launch_attention
 
     query, key, value, out, new_key, new_value, cos, sin = operands
-    update = CacheUpdate(new_key, new_value, position, (cos, sin, 1), (cos, sin, 1))
+    update = CacheUpdate(new_key, new_value, position, (cos, sin, 1), (cos, sin, 1), inputs_unwritten=True)  # nothing in the step writes them
     return lambda: launch_attention(query, key, value, None, position, out, 0.125, 4, chosen, pdl=True, launch_pdl=True, update=update)
 
 
@@ -262,7 +266,15 @@ def prefetch_ab(record, layers: list[dict], head: tuple, plans: dict[str, tuple]
               {True: "the rest prefetched to the L2 before the wait", False: "first tiles alone"}, layers, head, plans, chosen)
 
 
-SWITCHES = {"early-tiles": early_tiles_ab, "scale-after": scale_after_ab, "prefetch": prefetch_ab}
+def early_position_ab(record, layers: list[dict], head: tuple, plans: dict[str, tuple], chosen) -> None:
+    """The step with the updating attention's position and tables' rows read before its wait, and after it, alternately."""
+    import cuda_runner.compile.attention_kernel as attention_kernels
+
+    switch_ab(record, f"step with the cache update, position {STEP_POSITION}, its position", attention_kernels, "EARLY_POSITION",
+              {True: "position and tables read before the wait", False: "after it"}, layers, head, plans, chosen)
+
+
+SWITCHES = {"early-tiles": early_tiles_ab, "scale-after": scale_after_ab, "prefetch": prefetch_ab, "early-position": early_position_ab}
 
 
 def switch_ab(record, section: str, module, switch: str, labels: dict[bool, str], layers: list[dict], head: tuple,

@@ -177,9 +177,12 @@ def _updating_call(graph: Any, site: AttentionSite, cache_write: CacheWrite, mas
         operands.append((node, None, None, rotary.NO_ROTATION) if found is None else
                         (found.source, shared.node(found.cos, device), shared.node(found.sin, device), found.pairs))
     (query, query_cos, query_sin, query_pairs), (key, key_cos, key_sin, key_pairs) = operands
+    # The tables are the rewrite's own constants; the position and the limit, graph inputs the step does not write?
+    memory = GraphMemory(graph)
+    unwritten = all(node.op == "placeholder" and not memory.written(node) for node in (cache_write.position, limit) if node is not None)
     call = graph.call_function(torch.ops.cuda_runner.decode_attention_update.default, (
         query, key, cache_write.value, cache_write.key_cache, cache_write.value_cache, cache_write.position, mask, site.scale, site.group,
-        limit, query_cos, query_sin, key_cos, key_sin, query_pairs, key_pairs))
+        limit, query_cos, query_sin, key_cos, key_sin, query_pairs, key_pairs, unwritten))
     return call, (query_pairs != rotary.NO_ROTATION) + (key_pairs != rotary.NO_ROTATION)
 
 

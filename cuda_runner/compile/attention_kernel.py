@@ -54,6 +54,11 @@ _MIN_SPLIT_KEYS = 32
 # Whether an updating launch reads its stretch's first tiles of the caches before it waits for the
 # launch before (True), or after, as it reads everything else (scripts/bench_step_plans.py times both).
 EARLY_CACHE_TILES = True
+# Whether an updating launch whose position (and limit) is a graph input no launch of the step writes
+# reads it, and the rotation tables' rows at it, before it waits (True), or after, taking two memory
+# round trips, one after the other, into the path from the q/k/v product to its result
+# (scripts/bench_step_plans.py --only early-position times both; off until it has run on a GPU).
+EARLY_POSITION = False
 
 
 @triton.jit
@@ -63,12 +68,13 @@ def _decode_attention_kernel(
     new_key, new_value, position, query_cos, query_sin, key_cos, key_sin, table_rows, n_b, n_h, n_d, w_b, w_h, w_d,
     HEADS: tl.constexpr, ROWS: tl.constexpr, HEAD_DIM: tl.constexpr, VALUE_DIM: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, MASK_KIND: tl.constexpr, SPLITS: tl.constexpr,
-    UPDATE: tl.constexpr, QUERY_PAIRS: tl.constexpr, KEY_PAIRS: tl.constexpr, EARLY: tl.constexpr,
+    UPDATE: tl.constexpr, QUERY_PAIRS: tl.constexpr, KEY_PAIRS: tl.constexpr, EARLY: tl.constexpr, EARLY_POSITION: tl.constexpr,
 ):
     _decode_attention(query, key, value, mask, out, part_max, part_sum, part_acc, scale, kv_length, group, split_keys,
                       q_b, q_h, q_l, q_d, k_b, k_h, k_s, k_d, v_b, v_h, v_s, v_d, m_b, m_h, m_l, m_s, o_b, o_h, o_l, o_d,
                       new_key, new_value, position, query_cos, query_sin, key_cos, key_sin, table_rows, n_b, n_h, n_d, w_b, w_h, w_d,
-                      HEADS, ROWS, HEAD_DIM, VALUE_DIM, BLOCK_N, BLOCK_D, BLOCK_DV, MASK_KIND, SPLITS, UPDATE, QUERY_PAIRS, KEY_PAIRS, EARLY, False)
+                      HEADS, ROWS, HEAD_DIM, VALUE_DIM, BLOCK_N, BLOCK_D, BLOCK_DV, MASK_KIND, SPLITS, UPDATE, QUERY_PAIRS, KEY_PAIRS, EARLY, EARLY_POSITION,
+                      False)
 
 
 # The same, for a launch as a programmatic dependent: cuda-runner's shim launches
@@ -80,12 +86,13 @@ def cudarunner_pdl_decode_attention(
     new_key, new_value, position, query_cos, query_sin, key_cos, key_sin, table_rows, n_b, n_h, n_d, w_b, w_h, w_d,
     HEADS: tl.constexpr, ROWS: tl.constexpr, HEAD_DIM: tl.constexpr, VALUE_DIM: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, MASK_KIND: tl.constexpr, SPLITS: tl.constexpr,
-    UPDATE: tl.constexpr, QUERY_PAIRS: tl.constexpr, KEY_PAIRS: tl.constexpr, EARLY: tl.constexpr,
+    UPDATE: tl.constexpr, QUERY_PAIRS: tl.constexpr, KEY_PAIRS: tl.constexpr, EARLY: tl.constexpr, EARLY_POSITION: tl.constexpr,
 ):
     _decode_attention(query, key, value, mask, out, part_max, part_sum, part_acc, scale, kv_length, group, split_keys,
                       q_b, q_h, q_l, q_d, k_b, k_h, k_s, k_d, v_b, v_h, v_s, v_d, m_b, m_h, m_l, m_s, o_b, o_h, o_l, o_d,
                       new_key, new_value, position, query_cos, query_sin, key_cos, key_sin, table_rows, n_b, n_h, n_d, w_b, w_h, w_d,
-                      HEADS, ROWS, HEAD_DIM, VALUE_DIM, BLOCK_N, BLOCK_D, BLOCK_DV, MASK_KIND, SPLITS, UPDATE, QUERY_PAIRS, KEY_PAIRS, EARLY, True)
+                      HEADS, ROWS, HEAD_DIM, VALUE_DIM, BLOCK_N, BLOCK_D, BLOCK_DV, MASK_KIND, SPLITS, UPDATE, QUERY_PAIRS, KEY_PAIRS, EARLY, EARLY_POSITION,
+                      True)
 
 
 @triton.jit
@@ -95,7 +102,8 @@ def _decode_attention(
     new_key, new_value, position, query_cos, query_sin, key_cos, key_sin, table_rows, n_b, n_h, n_d, w_b, w_h, w_d,
     HEADS: tl.constexpr, ROWS: tl.constexpr, HEAD_DIM: tl.constexpr, VALUE_DIM: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, MASK_KIND: tl.constexpr, SPLITS: tl.constexpr,
-    UPDATE: tl.constexpr, QUERY_PAIRS: tl.constexpr, KEY_PAIRS: tl.constexpr, EARLY: tl.constexpr, PDL: tl.constexpr,
+    UPDATE: tl.constexpr, QUERY_PAIRS: tl.constexpr, KEY_PAIRS: tl.constexpr, EARLY: tl.constexpr, EARLY_POSITION: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     program = tl.program_id(0).to(tl.int64)  # 64-bit offsets: a layer's cache may pass 2**31 elements
     split = tl.program_id(1).to(tl.int64)
@@ -115,6 +123,15 @@ def _decode_attention(
     else:  # never chosen below (`first` is false): the tiles are read in the loop
         early_keys = tl.zeros([BLOCK_N, BLOCK_D], dtype=key.dtype.element_ty)
         early_values = tl.zeros([BLOCK_N, BLOCK_DV], dtype=value.dtype.element_ty)
+    if EARLY_POSITION:  # only with UPDATE
+        # The position, the limit and the tables are graph inputs and constants that no launch of the
+        # step writes (compile/attention.py): every launch of the step lets the one after it start only
+        # once it has waited itself, so all of them were complete when the step's first launch began.
+        early_step = tl.load(position).to(tl.int64)
+        early_row = tl.minimum(tl.maximum(early_step, 0), table_rows - 1)
+        early_key_cos, early_key_sin = _rotation_row(key_cos, key_sin, early_row, HEAD_DIM, BLOCK_D, KEY_PAIRS)
+        early_query_cos, early_query_sin = _rotation_row(query_cos, query_sin, early_row, HEAD_DIM, BLOCK_D, QUERY_PAIRS)
+        early_limit = tl.load(mask + batch * m_b + head * m_h + row * m_l).to(tl.int64) if MASK_KIND == 3 else early_step
     # Everything else this touches, written tensors too, is addressed through `ready`:
     # nothing of it is read or written before the launch before it is done.
     ready = _await_inputs(PDL)
@@ -123,9 +140,16 @@ def _decode_attention(
     if UPDATE:
         # The step's own key and value, at its position (one row): this launch writes them into
         # the caches, and reads them from here instead (see decode_attention_update).
-        step = tl.load(position + ready).to(tl.int64)
-        table_row = tl.minimum(tl.maximum(step, 0), table_rows - 1)  # a position out of range writes nothing below
-        fresh_key = _load_rotated(new_key + ready + batch * n_b + kv_head * n_h, n_d, key_cos + ready, key_sin + ready, table_row,
+        if EARLY_POSITION:
+            step, table_row = early_step, early_row
+            key_cos_row, key_sin_row = early_key_cos, early_key_sin
+            query_cos_row, query_sin_row = early_query_cos, early_query_sin
+        else:
+            step = tl.load(position + ready).to(tl.int64)
+            table_row = tl.minimum(tl.maximum(step, 0), table_rows - 1)  # a position out of range writes nothing below
+            key_cos_row, key_sin_row = _rotation_row(key_cos + ready, key_sin + ready, table_row, HEAD_DIM, BLOCK_D, KEY_PAIRS)
+            query_cos_row, query_sin_row = _rotation_row(query_cos + ready, query_sin + ready, table_row, HEAD_DIM, BLOCK_D, QUERY_PAIRS)
+        fresh_key = _load_rotated(new_key + ready + batch * n_b + kv_head * n_h, n_d, key_cos_row, key_sin_row,
                                   HEAD_DIM, BLOCK_D, KEY_PAIRS).to(key.dtype.element_ty)
         fresh_value = tl.load(new_value + ready + batch * w_b + kv_head * w_h + value_dims * w_d, mask=value_dims < VALUE_DIM,
                               other=0.0).to(value.dtype.element_ty)
@@ -133,7 +157,7 @@ def _decode_attention(
         writer = (head % group == 0) & (split == step // split_keys) & (step >= 0) & (step < kv_length)
         tl.store(key_base + step * k_s + dims * k_d, fresh_key, mask=writer & (dims < HEAD_DIM))
         tl.store(value_base + step * v_s + value_dims * v_d, fresh_value, mask=writer & (value_dims < VALUE_DIM))
-        q = _load_rotated(query + ready + batch * q_b + head * q_h + row * q_l, q_d, query_cos + ready, query_sin + ready, table_row,
+        q = _load_rotated(query + ready + batch * q_b + head * q_h + row * q_l, q_d, query_cos_row, query_sin_row,
                           HEAD_DIM, BLOCK_D, QUERY_PAIRS)
         q = q.to(query.dtype.element_ty)  # rounded as the model's rotated query was
     else:
@@ -149,7 +173,8 @@ def _decode_attention(
     if MASK_KIND == 3:
         # Keys past the row's position are masked: they are not read at all (a stretch wholly past it reads nothing).
         # Clamped before the + 1: a position of int64's largest value would wrap to the smallest.
-        end = tl.minimum(end, tl.minimum(tl.load(mask_base).to(tl.int64), kv_length - 1) + 1)
+        limit = early_limit if EARLY_POSITION else tl.load(mask_base).to(tl.int64)
+        end = tl.minimum(end, tl.minimum(limit, kv_length - 1) + 1)
     for start in range(begin, end, BLOCK_N):
         positions = start + tl.arange(0, BLOCK_N).to(tl.int64)
         inside = positions < end
@@ -217,18 +242,32 @@ def _first_cache_tiles(key_head, value_head, begin, kv_length, k_s, k_d, v_s, v_
 
 
 @triton.jit
-def _load_rotated(base, d_stride, cos_table, sin_table, table_row, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, PAIRS: tl.constexpr):
-    """One head's vector at `base` (float32), rotated by row `table_row` of the
-    tables where PAIRS says how its elements pair (compile/rotary.py): x[d] * cos
-    + x[partner(d)] * sin, partner(d) = d ^ 1 (1) or d + D/2 mod D (2); 0: as it is."""
+def _rotation_row(cos_table, sin_table, table_row, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, PAIRS: tl.constexpr):
+    """Row `table_row` of the cos and sin tables [positions, HEAD_DIM] (float32),
+    where PAIRS says a head is rotated (0: zeros, never used)."""
+    dims = tl.arange(0, BLOCK_D)
+    if PAIRS != 0:
+        inside = dims < HEAD_DIM
+        cos = tl.load(cos_table + table_row * HEAD_DIM + dims, mask=inside, other=0.0)
+        sin = tl.load(sin_table + table_row * HEAD_DIM + dims, mask=inside, other=0.0)
+    else:
+        cos = tl.zeros([BLOCK_D], dtype=tl.float32)
+        sin = tl.zeros([BLOCK_D], dtype=tl.float32)
+    return cos, sin
+
+
+@triton.jit
+def _load_rotated(base, d_stride, cos, sin, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, PAIRS: tl.constexpr):
+    """One head's vector at `base` (float32), rotated by a row of the tables
+    (_rotation_row) where PAIRS says how its elements pair (compile/rotary.py):
+    x[d] * cos + x[partner(d)] * sin, partner(d) = d ^ 1 (1) or d + D/2 mod D
+    (2); 0: as it is."""
     dims = tl.arange(0, BLOCK_D)
     inside = dims < HEAD_DIM
     x = tl.load(base + dims * d_stride, mask=inside, other=0.0).to(tl.float32)
     if PAIRS != 0:
         partners = dims ^ 1 if PAIRS == 1 else (dims + HEAD_DIM // 2) % HEAD_DIM
         other = tl.load(base + partners * d_stride, mask=inside, other=0.0).to(tl.float32)
-        cos = tl.load(cos_table + table_row * HEAD_DIM + dims, mask=inside, other=0.0)
-        sin = tl.load(sin_table + table_row * HEAD_DIM + dims, mask=inside, other=0.0)
         x = x * cos + other * sin
     return x
 
@@ -336,7 +375,8 @@ def decode_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor
 def decode_attention_update(query: torch.Tensor, new_key: torch.Tensor, new_value: torch.Tensor, key_cache: torch.Tensor,
                             value_cache: torch.Tensor, position: torch.Tensor, mask: torch.Tensor | None, scale: float, group: int,
                             limit: torch.Tensor | None, query_cos: torch.Tensor | None, query_sin: torch.Tensor | None,
-                            key_cos: torch.Tensor | None, key_sin: torch.Tensor | None, query_pairs: int, key_pairs: int) -> torch.Tensor:
+                            key_cos: torch.Tensor | None, key_sin: torch.Tensor | None, query_pairs: int, key_pairs: int,
+                            inputs_unwritten: bool = False) -> torch.Tensor:
     """A decode step's cache write and its attention in one launch:
     key_cache.index_copy_(2, position, rotate(new_key)), the same for the
     value (unrotated), then decode_attention of rotate(query) over the
@@ -344,11 +384,13 @@ def decode_attention_update(query: torch.Tensor, new_key: torch.Tensor, new_valu
     pairs are 0 (rotary.NO_ROTATION), else x * cos[position] + x[partner] *
     sin[position] with the tables [positions, D] (float32) and the pairing of
     compile/rotary.py, computed in float32 and rounded to the tensor's dtype.
-    A position outside the cache writes nothing."""
+    A position outside the cache writes nothing. `inputs_unwritten`: the
+    position and the limit are graph inputs no launch of the step writes, and
+    the tables are constants (the kernel may read them before it waits)."""
     batch, heads, rows, head_dim = query.shape
     out = torch.empty((batch, heads, rows, value_cache.shape[3]), dtype=query.dtype, device=query.device)
     chosen = attention_plan(batch * heads * rows, key_cache.shape[2], head_dim, value_cache.shape[3])
-    update = CacheUpdate(new_key, new_value, position, (query_cos, query_sin, query_pairs), (key_cos, key_sin, key_pairs))
+    update = CacheUpdate(new_key, new_value, position, (query_cos, query_sin, query_pairs), (key_cos, key_sin, key_pairs), inputs_unwritten)
     launch_attention(query, key_cache, value_cache, mask, limit, out, scale, group, chosen, pdl=waits_for_inputs(query.device), update=update)
     return out
 
@@ -363,6 +405,7 @@ class CacheUpdate:
     position: torch.Tensor  # one integer
     query_rotation: tuple[torch.Tensor | None, torch.Tensor | None, int]
     key_rotation: tuple[torch.Tensor | None, torch.Tensor | None, int]
+    inputs_unwritten: bool = False  # the position, the limit and the tables: nothing in the step writes them
 
     def operands(self, query: torch.Tensor) -> tuple[object, ...]:
         """The kernel's update operands; the query stands in for a table not given (never read)."""
@@ -418,6 +461,7 @@ def launch_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor
         BLOCK_N=chosen.block_n, BLOCK_D=block_d, BLOCK_DV=block_dv, MASK_KIND=kind, SPLITS=chosen.splits,
         UPDATE=update is not None, QUERY_PAIRS=update.query_rotation[2] if update is not None else 0,
         KEY_PAIRS=update.key_rotation[2] if update is not None else 0, EARLY=update is not None and EARLY_CACHE_TILES,
+        EARLY_POSITION=update is not None and update.inputs_unwritten and EARLY_POSITION,
         num_warps=chosen.warps, **extra,
     )
     if chosen.splits > 1:

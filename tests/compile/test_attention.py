@@ -324,16 +324,19 @@ def test_the_decoders_cache_is_split_among_programs_and_merged_and_few_keys_are_
 
 @pytest.mark.triton
 @pytest.mark.skipif(not __import__("importlib").util.find_spec("triton"), reason="Triton is not installed (CPU torch)")
-@pytest.mark.parametrize("mask_kind, splits, pairs, early", [(0, 16, None, False), (1, 16, None, False), (2, 1, None, False),
-                                                             (3, 16, None, False), (3, 1, None, False), (3, 16, 1, True), (2, 1, 2, True),
-                                                             (3, 16, 0, True), (3, 16, 1, False)])
-def test_the_programmatic_attention_kernels_touch_memory_only_after_their_wait(mask_kind, splits, pairs, early):
+@pytest.mark.parametrize("mask_kind, splits, pairs, early, early_position", [
+    (0, 16, None, False, False), (1, 16, None, False, False), (2, 1, None, False, False), (3, 16, None, False, False),
+    (3, 1, None, False, False), (3, 16, 1, True, False), (2, 1, 2, True, False), (3, 16, 0, True, False), (3, 16, 1, False, False),
+    (3, 16, 1, True, True), (3, 1, 2, False, True), (2, 16, 1, True, True), (0, 16, 0, False, True),
+])
+def test_the_programmatic_attention_kernels_touch_memory_only_after_their_wait(mask_kind, splits, pairs, early, early_position):
     """Built for sm90 on the CPU: on every path through the PTX of the
     attention kernel and of the merge, no load and no store comes before
     griddepcontrol.wait (the launch before may still be writing what they
     read, or reading what they write), but for the first tiles of the caches
-    an updating kernel reads early: it is the one launch of the step that
-    writes them."""
+    an updating kernel reads early (it is the one launch of the step that
+    writes them) and, where asked, its position, limit and tables' rows
+    (graph inputs and constants no launch of the step writes)."""
     import inspect
 
     import triton
@@ -345,7 +348,8 @@ def test_the_programmatic_attention_kernels_touch_memory_only_after_their_wait(m
 
     mask_type = {0: "*bf16", 1: "*i1", 2: "*bf16", 3: "*i64"}[mask_kind]
     # pairs None: no cache update; else the update, with the query and key rotated so (0: not at all)
-    update = {"UPDATE": pairs is not None, "QUERY_PAIRS": pairs or 0, "KEY_PAIRS": pairs or 0, "EARLY": pairs is not None and early}
+    update = {"UPDATE": pairs is not None, "QUERY_PAIRS": pairs or 0, "KEY_PAIRS": pairs or 0, "EARLY": pairs is not None and early,
+              "EARLY_POSITION": pairs is not None and early_position}
     update_pointers = {"new_key": "*bf16", "new_value": "*bf16", "position": "*i64", "query_cos": "*fp32", "query_sin": "*fp32",
                        "key_cos": "*fp32", "key_sin": "*fp32"} if pairs is not None else {}
     builds = [
@@ -363,11 +367,15 @@ def test_the_programmatic_attention_kernels_touch_memory_only_after_their_wait(m
         ptx = triton.compile(source, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4}).asm["ptx"]
         blocks = ptx_blocks(ptx)
         waited = waited_on_entry(blocks)
-        early = constants.get("EARLY", False)
+        early_tiles, early_inputs = constants.get("EARLY", False), constants.get("EARLY_POSITION", False)
         read_early, early_loads = parameters_read_before_wait(ptx)
         passed = [name for name in parameters if types[name] != "constexpr"]  # the PTX's parameters, in order
         pointers_read = {passed[index] for index in read_early if index < len(passed) and types[passed[index]].startswith("*")}
-        assert pointers_read == ({"key", "value"} if early else set()), kernel.fn.__name__
+        expected = {"key", "value"} if early_tiles else set()
+        if early_inputs:
+            expected |= {"position"} | ({"mask"} if mask_kind == 3 else set()) | ({"query_cos", "query_sin", "key_cos", "key_sin"} if pairs else set())
+        assert pointers_read == expected, kernel.fn.__name__
+        early = early_tiles or early_inputs
         touched = 0
         for label, (ops, _) in blocks.items():
             done = waited[label]
@@ -419,15 +427,25 @@ def test_one_mask_shared_by_caches_of_two_lengths_is_proven_for_each():
 
 def test_every_access_of_the_attention_kernels_is_addressed_through_the_wait():
     """Read from the source, where the design puts the guarantee (the PTX test sees only where the
-    compiler happened to put the wait): each tl.load and tl.store address is computed from `ready`."""
+    compiler happened to put the wait): each tl.load and tl.store address is computed from `ready`,
+    but in the block an updating kernel runs before its wait where its position is unwritten, which
+    reads only the position, the limit (`mask`) and the tables' rows."""
     import ast
     from pathlib import Path
 
     source = (Path(__file__).resolve().parents[2] / "cuda_runner" / "compile" / "attention_kernel.py").read_text()
     bodies = {node.name: node for node in ast.walk(ast.parse(source)) if isinstance(node, ast.FunctionDef)}
+    early_blocks = [node for node in bodies["_decode_attention"].body if isinstance(node, ast.If) and ast.unparse(node.test) == "EARLY_POSITION"]
+    assert len(early_blocks) == 1
+    early = {id(node) for node in ast.walk(early_blocks[0])}
+    for call in (node for node in ast.walk(early_blocks[0]) if isinstance(node, ast.Call)):
+        pointers = call.args[:1] if ast.unparse(call.func) == "tl.load" else call.args[:2] if ast.unparse(call.func) == "_rotation_row" else []
+        for pointer in pointers:
+            assert {node.id for node in ast.walk(pointer) if isinstance(node, ast.Name)} & {"position", "mask", "key_cos", "key_sin", "query_cos",
+                                                                                           "query_sin"}, ast.unparse(call)
     for name, given in (("_decode_attention", {"ready"}), ("_merge_splits", {"ready"}),
                         # called by _decode_attention with its pointers derived from ready (checked below with its own loads)
-                        ("_load_rotated", {"base", "cos_table", "sin_table"})):
+                        ("_load_rotated", {"base"}), ("_rotation_row", {"cos_table", "sin_table"})):
         derived = set(given)
         assignments = [node for node in ast.walk(bodies[name]) if isinstance(node, ast.Assign)]
         changed = True
@@ -439,16 +457,20 @@ def test_every_access_of_the_attention_kernels_is_addressed_through_the_wait():
                     if isinstance(target, ast.Name) and used & derived and target.id not in derived:
                         derived.add(target.id)
                         changed = True
-        accesses = [node for node in ast.walk(bodies[name]) if isinstance(node, ast.Call) and ast.unparse(node.func) in ("tl.load", "tl.store")]
+        calls = [node for node in ast.walk(bodies[name]) if isinstance(node, ast.Call) and id(node) not in early]
+        accesses = [node for node in calls if ast.unparse(node.func) in ("tl.load", "tl.store")]
         assert accesses
         for access in accesses:
             names = {node.id for node in ast.walk(access.args[0]) if isinstance(node, ast.Name)}
             assert names & derived, f"{name}: {ast.unparse(access)}"
-        rotations = [node for node in ast.walk(bodies[name]) if isinstance(node, ast.Call) and ast.unparse(node.func) == "_load_rotated"]
-        for call in rotations:  # the pointers the helper reads through: base, cos_table, sin_table
-            for pointer in (call.args[0], call.args[2], call.args[3]):
+        rotations = [node for node in calls if ast.unparse(node.func) == "_load_rotated"]
+        for call in rotations:  # the pointer the helper reads through
+            assert {node.id for node in ast.walk(call.args[0]) if isinstance(node, ast.Name)} & derived, f"{name}: {ast.unparse(call)}"
+        rows = [node for node in calls if ast.unparse(node.func) == "_rotation_row"]
+        for call in rows:  # the tables it reads a row of
+            for pointer in call.args[:2]:
                 assert {node.id for node in ast.walk(pointer) if isinstance(node, ast.Name)} & derived, f"{name}: {ast.unparse(call)}"
-        assert name != "_decode_attention" or len(rotations) == 2
+        assert name != "_decode_attention" or (len(rotations) == 2 and len(rows) == 2)
 
 
 def _fused_update_calls(module):
@@ -475,7 +497,7 @@ def test_the_decoders_cache_writes_and_rotations_move_into_the_fused_call():
         query, key, _, key_cache, value_cache, position = call.args[:6]
         assert (query.target, key.target) == (torch.ops.aten.transpose.int, torch.ops.aten.transpose.int)  # the projections, unrotated
         assert key_cache.target.endswith("k_cache") and value_cache.target.endswith("v_cache") and position.name == "input_pos"
-        assert call.args[-2:] == (1, 1)  # both rotated in neighbouring pairs
+        assert call.args[-3:] == (1, 1, True)  # both rotated in neighbouring pairs; the position a graph input nothing writes
 
 
 class _CachedStep(torch.nn.Module):
@@ -495,6 +517,8 @@ class _CachedStep(torch.nn.Module):
         out = F.scaled_dot_product_attention(q, self.k_cache, self.v_cache, enable_gqa=True)
         if self.also == "the cache read again":
             return out, self.k_cache.sum()
+        if self.also == "the position advanced after":
+            position.add_(1)
         return out
 
 
@@ -508,6 +532,22 @@ def test_cache_writes_the_kernel_would_make_out_of_order_stay_the_graphs(rows, a
     fused = fuse_decode_attention(module)
     assert (fused.calls, fused.cache_updates, fused.rotations) == (1, updated, 0)
     assert (sum(str(node.target) == "aten.index_copy_.default" for node in module.graph.nodes) == 0) is bool(updated)
+
+
+def test_a_position_the_step_writes_is_read_after_the_kernels_wait():
+    """The kernel may read its position before it waits for the launch before only where no launch of
+    the step writes it (attention_kernel.EARLY_POSITION): a position advanced in place is not such."""
+    pytest.importorskip("triton")
+    from cuda_runner.compile.attention import fuse_decode_attention
+
+    args = (torch.randn(1, 4, 1, 8), torch.randn(1, 2, 1, 8), torch.randn(1, 2, 1, 8), torch.tensor([3]))
+    unwritten = {}
+    for also in ("nothing", "the position advanced after"):
+        module = torch.export.export(_CachedStep(1, also), tuple(arg.clone() for arg in args)).module()
+        assert fuse_decode_attention(module).cache_updates == 1
+        (call,) = _fused_update_calls(module)
+        unwritten[also] = call.args[-1]
+    assert unwritten == {"nothing": True, "the position advanced after": False}
 
 
 @pytest.mark.triton
@@ -617,6 +657,21 @@ def test_the_updating_kernel_split_over_the_keys_writes_once_and_reads_what_it_w
             torch.testing.assert_close(out, want, atol=1e-5, rtol=1e-5)
             torch.testing.assert_close(key_cache[:, :, :step + 1], want_keys[:, :, :step + 1], atol=1e-6, rtol=1e-6)
             assert torch.equal(value_cache[:, :, :step + 1], want_values[:, :, :step + 1])
+        # The position, the limit and the tables' rows read before the wait (inputs the step does not
+        # write): the same bits, and the same caches, as read after it.
+        kernels.EARLY_POSITION = True
+        for pairs, step, masked in itertools.product((1, 2), (0, 32, 511, 600), ("limit", "bool")):
+            caches = (torch.randn(1, H // G, S, D), torch.randn(1, H // G, S, D))
+            q, k, v = torch.randn(1, H, 1, D), torch.randn(1, H // G, 1, D), torch.randn(1, H // G, 1, D)
+            position = torch.tensor([step])
+            mask = None if masked == "limit" else (torch.arange(S) <= step).view(1, 1, 1, S)
+            results = []
+            for unwritten in (False, True):
+                key_cache, value_cache = (cache.clone() for cache in caches)
+                got = decode_attention_update(q, k, v, key_cache, value_cache, position, mask, 0.3, G, position if mask is None else None,
+                                              *tables[pairs], *tables[pairs], pairs, pairs, unwritten)
+                results.append((got, key_cache, value_cache))
+            assert all(torch.equal(late, early) for late, early in zip(*results)), (pairs, step, masked)
         print("ok")
     """)
     result = _under_interpreter(script)
@@ -625,8 +680,8 @@ def test_the_updating_kernel_split_over_the_keys_writes_once_and_reads_what_it_w
 
 @pytest.mark.triton
 @pytest.mark.skipif(not __import__("importlib").util.find_spec("triton"), reason="Triton is not installed (CPU torch)")
-@pytest.mark.parametrize("update", [False, True])
-def test_inductor_sees_the_kernels_write_only_their_outputs_and_the_caches(update):
+@pytest.mark.parametrize("update, early_position", [(False, False), (True, False), (True, True)])
+def test_inductor_sees_the_kernels_write_only_their_outputs_and_the_caches(update, early_position):
     """What Inductor's analysis of a user Triton kernel finds written decides what it copies
     around the launch: were the position, the tables or the query taken for written (the analysis
     failing, as it does on a machine without a GPU driver), every step would copy them. Run here
@@ -654,7 +709,8 @@ def test_inductor_sees_the_kernels_write_only_their_outputs_and_the_caches(updat
         keys, values = (torch.randn(1, 8, 512, 64, dtype=torch.bfloat16) for _ in range(2))
         new_key, new_value = (torch.randn(1, 8, 1, 64, dtype=torch.bfloat16) for _ in range(2))
         position, cos, sin = torch.tensor([7]), torch.randn(512, 64), torch.randn(512, 64)
-        update = attention_kernel.CacheUpdate(new_key, new_value, position, (cos, sin, 1), (cos, sin, 2)) if {update} else None
+        attention_kernel.EARLY_POSITION = True
+        update = attention_kernel.CacheUpdate(new_key, new_value, position, (cos, sin, 1), (cos, sin, 2), {early_position}) if {update} else None
         for pdl in (False, True):
             attention_kernel.launch_attention(q, keys, values, None, position, torch.empty_like(q), 0.125, 4,
                                               attention_kernel.attention_plan(32, 512, 64, 64), pdl=pdl, update=update)

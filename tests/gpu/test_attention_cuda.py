@@ -73,13 +73,18 @@ def test_every_plan_of_the_decoders_call_computes_what_sdpa_does(plan):
         torch.testing.assert_close(out.float(), want, atol=2e-2, rtol=2e-2)
 
 
+@pytest.mark.parametrize("early_position", [False, True], ids=["position read after the wait", "before it, launched programmatically"])
 @pytest.mark.parametrize("pairs", [0, 1, 2])
 @pytest.mark.parametrize("plan", [(32, 16, 32, 2), (512, 1, 512, 8)], ids=["split", "one program a row"])
-def test_the_updating_kernel_writes_the_step_and_attends_to_it_as_index_copy_and_sdpa_do(plan, pairs):
+def test_the_updating_kernel_writes_the_step_and_attends_to_it_as_index_copy_and_sdpa_do(plan, pairs, early_position, monkeypatch):
     """The 1B decoder's call with the step's key and value written by the kernel: rotated in
     neighbouring pairs or halves, or not; at the first position, the edges of the stretches, the
-    last, and past the cache (nothing written); the kernels that wait for the launch before."""
+    last, and past the cache (nothing written); the kernels that wait for the launch before, and
+    (attention_kernel.EARLY_POSITION) that read the position and the tables' rows before the wait."""
+    from cuda_runner.compile import attention_kernel
     from cuda_runner.compile.attention_kernel import AttentionPlan, CacheUpdate, launch_attention
+
+    monkeypatch.setattr(attention_kernel, "EARLY_POSITION", early_position)
 
     generator = torch.Generator("cuda").manual_seed(7)
     angles = torch.rand(512, 32, device="cuda", generator=generator) * 6.0
@@ -105,8 +110,8 @@ def test_the_updating_kernel_writes_the_step_and_attends_to_it_as_index_copy_and
         want = F.scaled_dot_product_attention(rotate(q, min(position, 511)).float(), want_keys.float().repeat_interleave(4, 1),
                                               want_values.float().repeat_interleave(4, 1), attn_mask=allowed, scale=0.125)
         out = torch.full_like(q, float("nan"))
-        update = CacheUpdate(k, v, step, (*tables, pairs), (*tables, pairs))
-        launch_attention(q, keys, values, None, step, out, 0.125, 4, AttentionPlan(*plan), pdl=True, update=update)
+        update = CacheUpdate(k, v, step, (*tables, pairs), (*tables, pairs), inputs_unwritten=True)
+        launch_attention(q, keys, values, None, step, out, 0.125, 4, AttentionPlan(*plan), pdl=True, launch_pdl=early_position, update=update)
         torch.cuda.synchronize()
         torch.testing.assert_close(out.float(), want, atol=2e-2, rtol=2e-2)
         assert torch.equal(keys, want_keys) or (keys.float() - want_keys.float()).abs().max().item() <= 2 ** -7
