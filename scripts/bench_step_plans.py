@@ -34,7 +34,7 @@ programmatic dependents:
               rotation tables' rows before its wait (attention_kernel.
               EARLY_POSITION) and after it, as shipped, alternately
 
-`--only NAME` times one of the last four alone.
+`--only NAME` times one of the last four alone (repeated, several).
 
 Medians of the replays with p10-p90, microseconds.
 
@@ -183,7 +183,8 @@ def main() -> int:
     parser.add_argument("--output", type=Path, default=None)
     parser.add_argument("--replays", type=int, default=30)
     parser.add_argument("--no-sweep", action="store_true", help="leave out the products' plan sweep")
-    parser.add_argument("--only", choices=sorted(SWITCHES), default=None, help="time only this A/B of a kernel switch, on and off")
+    parser.add_argument("--only", choices=sorted(SWITCHES), action="append", default=None,
+                        help="time only this A/B of a kernel switch, on and off (repeat for several, in one set of operands)")
     options = parser.parse_args()
     here = Path(__file__).resolve().parent
     sys.path[:0] = [str(here.parent), str(here)]
@@ -205,7 +206,7 @@ def main() -> int:
     layers, head = step_operands()
     shipped = shipped_plans()
     for name, ab in SWITCHES.items():
-        if options.only in (None, name):
+        if options.only is None or name in options.only:
             ab(record, layers, head, shipped, plans["shipped"])
     if options.only is not None:
         return write(results, options.output)
