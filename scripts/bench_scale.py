@@ -81,7 +81,10 @@ BIG = ("vit_b16", "resnet50", "resnet50-quick", "whisper_base")  # the big model
 SETTINGS: dict[str, Any] = {"size": "1b", "device": "cuda", "prompt": 32, "steps": 128, "builds": ["default", "libtorch", "quick", "executorch"],
                             "peers": True, "big": list(BIG)}
 # The builds of the decoder: compile_methods keywords beyond the common ones.
-# options: a Python expression (aot is cuda_runner.compile.aot).
+# options: a Python expression (aot is cuda_runner.compile.aot); switches: cuda-runner's kernel
+# switches set in the compiling process (module -> {name: value}), read when the kernels are built.
+SWITCHED = {"cuda_runner.compile.matvec_kernel": {"PREFETCH_WEIGHTS_L2": True},
+            "cuda_runner.compile.attention_kernel": {"EARLY_POSITION": True}}
 BUILDS: dict[str, dict[str, Any]] = {
     "default": {"runtime": "auto", "options": "None"},
     "libtorch": {"runtime": "libtorch", "options": "None"},
@@ -91,13 +94,15 @@ BUILDS: dict[str, dict[str, Any]] = {
     "no-combo": {"runtime": "auto", "options": "{'combo_kernels': False}"},
     "no-update": {"runtime": "auto", "options": "{'cuda_runner.fuse_cache_update': False}"},
     "pdl-inductor": {"runtime": "auto", "options": "{'cuda_runner.programmatic_inductor_kernels': True}"},
+    "switched": {"runtime": "auto", "options": "None", "switches": SWITCHED},
 }
 LABELS = {"default": "default bundle", "libtorch": "--libtorch bundle", "quick": "--quick bundle", "executorch": "ExecuTorch 1.5 program",
           "unfused": "default bundle without the fused decode attention (cuda_runner.fuse_decode_attention=false)",
           "no-matvec": "default bundle without the matrix-vector kernel (cuda_runner.matvec=false)",
           "no-combo": "default bundle without Inductor's combo kernels (combo_kernels=false)",
           "no-update": "default bundle with the cache writes and rotations left to Inductor (cuda_runner.fuse_cache_update=false)",
-          "pdl-inductor": "default bundle with Inductor's kernels as programmatic dependents (cuda_runner.programmatic_inductor_kernels=true)"}
+          "pdl-inductor": "default bundle with Inductor's kernels as programmatic dependents (cuda_runner.programmatic_inductor_kernels=true)",
+          "switched": "default bundle with the products' L2 prefetch and the attention's early position (PREFETCH_WEIGHTS_L2, EARLY_POSITION)"}
 COMPILE_TIMEOUT_S = float(os.environ.get("BENCH_SCALE_COMPILE_TIMEOUT", "480"))  # each side-by-side batch of compiles
 
 
@@ -163,6 +168,7 @@ from cuda_runner.compile import aot
 bench_scale.SETTINGS.update({settings!r})
 module = bench_scale.build_llama()
 options = {options}
+bench_scale.set_switches({switches!r})
 notes = []
 started = time.perf_counter()
 manifest = cuda_runner.compile_methods(module, scale_models.llama_examples(module.config, bench_scale.SETTINGS["prompt"], {device!r}), {path!r},
@@ -257,6 +263,18 @@ def export_executorch(folder: str) -> dict[str, Any]:
     return {"seconds": round(time.perf_counter() - started, 1), "export_s": round(exported, 1), "executorch": version("executorch"), "files": files}
 
 
+def set_switches(switches: dict[str, dict[str, Any]]) -> None:
+    """Set kernel switches (module -> {name: value}) in this process, each checked to exist."""
+    import importlib
+
+    for module_name, values in switches.items():
+        module = importlib.import_module(module_name)
+        for name, value in values.items():
+            if not hasattr(module, name):
+                raise AttributeError(f"{module_name} has no switch {name}")
+            setattr(module, name, value)
+
+
 def _has_executorch() -> bool:
     import importlib.util
 
@@ -272,7 +290,7 @@ def stage_compile(work: Path) -> dict[str, Any]:
         path = artifact(work, build)
         path.unlink(missing_ok=True)
         jobs[build] = COMPILE_BUNDLE.format(**common, path=str(path), device=SETTINGS["device"], runtime=keywords["runtime"],
-                                            options=keywords["options"])
+                                            options=keywords["options"], switches=keywords.get("switches", {}))
     if cuda() and SETTINGS["peers"]:
         jobs["torch package"] = COMPILE_TORCH_PACKAGE.format(**common, path=str(work / "decode.pt2"))
     if cuda() and "executorch" in SETTINGS["builds"] and _has_executorch():

@@ -6,6 +6,7 @@ import ast
 import json
 import sys
 
+import pytest
 from helpers import ROOT
 
 sys.path.insert(0, str(ROOT / "scripts"))
@@ -20,6 +21,14 @@ def test_a_stage_saves_what_it_has_so_far_and_the_compile_jobs_still_get_setting
     # The compile jobs are Python source with SETTINGS written into it: a value
     # that is not a literal (a Path once) broke every compile job with a NameError.
     code = bench_scale.COMPILE_BUNDLE.format(scripts="s", root="r", settings=dict(bench_scale.SETTINGS), path="p", device="cpu",
-                                             runtime="auto", options="None")
-    written = next(node for node in ast.walk(ast.parse(code)) if isinstance(node, ast.Call) and ast.unparse(node.func).endswith("SETTINGS.update"))
+                                             runtime="auto", options="None", switches=bench_scale.BUILDS["switched"]["switches"])
+    calls = [node for node in ast.walk(ast.parse(code)) if isinstance(node, ast.Call)]
+    written = next(node for node in calls if ast.unparse(node.func).endswith("SETTINGS.update"))
     assert ast.literal_eval(written.args[0]) == bench_scale.SETTINGS
+    switched = next(node for node in calls if ast.unparse(node.func).endswith("set_switches"))
+    assert ast.literal_eval(switched.args[0]) == bench_scale.SWITCHED
+
+
+def test_a_switch_that_does_not_exist_is_refused():
+    with pytest.raises(AttributeError, match="no switch NOT_A_SWITCH"):
+        bench_scale.set_switches({"bench_scale": {"NOT_A_SWITCH": True}})
