@@ -14,6 +14,9 @@ The ops, and the values eager accepts for a dimension of S:
 - embedding lookups, index_select, gather, scatter(_), scatter_add(_) and
   index_add(_): 0..S-1 along their dimension;
 - index_fill(_): -S..S-1.
+These are eager's ranges in its default mode; with deterministic algorithms on
+a GPU, eager's scatter, scatter_add and index_add go through index_put_ and
+take negative indices too, which the bounds refuse.
 
 An input bounds an op where the op's index holds the input's values element
 for element: the input itself, or a view, reshape, expand or copy of it (of

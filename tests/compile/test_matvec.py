@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import itertools
 import os
+import re
 import subprocess
 import sys
 import textwrap
@@ -682,6 +683,9 @@ def test_the_programmatic_kernel_loads_weights_then_waits_then_reads_the_row(k, 
                 assert not done, (label, op)
     assert waits and "griddepcontrol.launch_dependents;" in ptx
     assert ("cp.async.bulk.prefetch.L2" in ptx) == fetches
+    if fetches:  # the rest of the program's rows past its first row's first tile, in bytes, as a constant
+        size = (block_n * k - block_k) * 2
+        assert re.search(rf"mov\.b32\s+%r\d+,\s*{size};", ptx), size
 
 
 def test_no_kernel_source_holds_a_backslash():
