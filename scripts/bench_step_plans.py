@@ -44,6 +44,7 @@ Medians of the replays with p10-p90, microseconds.
 from __future__ import annotations
 
 import argparse
+import importlib
 import itertools
 import json
 import sys
@@ -205,9 +206,10 @@ def main() -> int:
     plans = attention_plans()
     layers, head = step_operands()
     shipped = shipped_plans()
-    for name, ab in SWITCHES.items():
+    for name, (module_name, switch, subject, labels) in SWITCHES.items():
         if options.only is None or name in options.only:
-            ab(record, layers, head, shipped, plans["shipped"])
+            switch_ab(record, f"step with the cache update, position {STEP_POSITION}{subject}", importlib.import_module(module_name), switch,
+                      labels, layers, head, shipped, plans["shipped"])
     if options.only is not None:
         return write(results, options.output)
     errors = {name: {str(p): round(attention_error(chosen, p), 5) for p in POSITIONS} for name, chosen in plans.items()}
@@ -243,39 +245,17 @@ def main() -> int:
     return write(results, options.output)
 
 
-def early_tiles_ab(record, layers: list[dict], head: tuple, plans: dict[str, tuple], chosen) -> None:
-    """The step with the updating attention, its first cache tiles read before its wait and after it, alternately."""
-    import cuda_runner.compile.attention_kernel as attention_kernels
-
-    switch_ab(record, f"step with the cache update, position {STEP_POSITION}", attention_kernels, "EARLY_CACHE_TILES",
-              {True: "first tiles read before the wait", False: "read after it"}, layers, head, plans, chosen)
-
-
-def scale_after_ab(record, layers: list[dict], head: tuple, plans: dict[str, tuple], chosen) -> None:
-    """The step with the normed products' sums scaled (the scale beside them) and their row scaled first, alternately."""
-    import cuda_runner.compile.matvec_kernel as matvec_kernels
-
-    switch_ab(record, f"step with the cache update, position {STEP_POSITION}, normed products", matvec_kernels, "SCALE_AFTER_PRODUCTS",
-              {True: "sums scaled", False: "row scaled first"}, layers, head, plans, chosen)
-
-
-def prefetch_ab(record, layers: list[dict], head: tuple, plans: dict[str, tuple], chosen) -> None:
-    """The step with the products' remaining weights prefetched to the L2 before their wait, and without, alternately."""
-    import cuda_runner.compile.matvec_kernel as matvec_kernels
-
-    switch_ab(record, f"step with the cache update, position {STEP_POSITION}, products' weights", matvec_kernels, "PREFETCH_WEIGHTS_L2",
-              {True: "the rest prefetched to the L2 before the wait", False: "first tiles alone"}, layers, head, plans, chosen)
-
-
-def early_position_ab(record, layers: list[dict], head: tuple, plans: dict[str, tuple], chosen) -> None:
-    """The step with the updating attention's position and tables' rows read before its wait, and after it, alternately."""
-    import cuda_runner.compile.attention_kernel as attention_kernels
-
-    switch_ab(record, f"step with the cache update, position {STEP_POSITION}, its position", attention_kernels, "EARLY_POSITION",
-              {True: "position and tables read before the wait", False: "after it"}, layers, head, plans, chosen)
-
-
-SWITCHES = {"early-tiles": early_tiles_ab, "scale-after": scale_after_ab, "prefetch": prefetch_ab, "early-position": early_position_ab}
+# The kernel switches timed A B B A (--only NAME): (module, switch, what the section says of it, its labels on and off).
+SWITCHES = {
+    "early-tiles": ("cuda_runner.compile.attention_kernel", "EARLY_CACHE_TILES", "",
+                    {True: "first tiles read before the wait", False: "read after it"}),
+    "scale-after": ("cuda_runner.compile.matvec_kernel", "SCALE_AFTER_PRODUCTS", ", normed products",
+                    {True: "sums scaled", False: "row scaled first"}),
+    "prefetch": ("cuda_runner.compile.matvec_kernel", "PREFETCH_WEIGHTS_L2", ", products' weights",
+                 {True: "the rest prefetched to the L2 before the wait", False: "first tiles alone"}),
+    "early-position": ("cuda_runner.compile.attention_kernel", "EARLY_POSITION", ", its position",
+                       {True: "position and tables read before the wait", False: "after it"}),
+}
 
 
 def switch_ab(record, section: str, module, switch: str, labels: dict[bool, str], layers: list[dict], head: tuple,
