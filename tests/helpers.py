@@ -32,6 +32,20 @@ class CompiledModel:
             return self.module(*tensors)
 
 
+def run_under_triton_interpreter(script: str) -> subprocess.CompletedProcess:
+    """`script` run in a new interpreter with Triton's CPU interpreter on and this process's import path;
+    the test skipped where this torch's wrap_triton refuses the interpreter's kernels."""
+    import pytest
+    import torch
+
+    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": os.pathsep.join(sys.path)}
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=300)
+    older_torch = tuple(int(part) for part in torch.__version__.split("+")[0].split(".")[:2]) < (2, 13)
+    if older_torch and result.returncode and "wrap_triton only works on functions annotated with triton.jit" in result.stderr:
+        pytest.skip("this torch's wrap_triton refuses the interpreter's kernels (torch 2.11 for an operator that writes its inputs; 2.13 takes them)")
+    return result
+
+
 def to_tensor(torch: Any, array: np.ndarray) -> Any:
     import ml_dtypes
 

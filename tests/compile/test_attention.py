@@ -14,7 +14,7 @@ import textwrap
 import pytest
 import torch
 import torch.nn.functional as F
-from helpers import as_moved_to_a_gpu
+from helpers import as_moved_to_a_gpu, run_under_triton_interpreter
 from models import MethodOf, scale_models
 
 from cuda_runner.compile import attention
@@ -50,16 +50,6 @@ class _Attention(torch.nn.Module):
             k = k[:, :, None, :, :].expand(b, h, group, s, d).reshape(b, h * group, s, d)
             v = v[:, :, None, :, :].expand(b, h, group, s, d).reshape(b, h * group, s, d)
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, **self.sdpa)
-
-
-def _under_interpreter(script: str) -> subprocess.CompletedProcess:
-    """`script` run in a new interpreter with Triton's CPU interpreter on and this process's import path."""
-    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": os.pathsep.join(sys.path)}
-    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=300)
-    older_torch = tuple(int(part) for part in torch.__version__.split("+")[0].split(".")[:2]) < (2, 13)
-    if older_torch and result.returncode and "wrap_triton only works on functions annotated with triton.jit" in result.stderr:
-        pytest.skip("this torch's wrap_triton refuses the interpreter's kernels (torch 2.11 for an operator that writes its inputs; 2.13 takes them)")
-    return result
 
 
 def _inputs(rows=1, heads=8, kv_heads=2, length=32, dim=16, dtype=torch.float32):
@@ -175,7 +165,7 @@ def test_the_fused_graph_computes_what_sdpa_does_under_tritons_interpreter(tmp_p
         assert error < 1e-4, error
         print("ok", error)
     """)
-    result = _under_interpreter(script)
+    result = run_under_triton_interpreter(script)
     assert result.returncode == 0 and "ok" in result.stdout, result.stderr[-2000:]
 
 
@@ -275,7 +265,7 @@ def test_the_kernel_split_over_the_keys_computes_what_sdpa_does_under_tritons_in
         assert worst < 1e-5, worst
         print("ok", worst)
     """)
-    result = _under_interpreter(script)
+    result = run_under_triton_interpreter(script)
     assert result.returncode == 0 and "ok" in result.stdout, result.stderr[-2000:]
 
 
@@ -589,7 +579,7 @@ def test_the_fused_step_writes_and_reads_its_caches_as_the_graph_did_under_trito
                     assert (held.float() - wanted[name].float()).abs().max().item() <= tolerance, name
         print("ok")
     """)
-    result = _under_interpreter(script)
+    result = run_under_triton_interpreter(script)
     assert result.returncode == 0 and "ok" in result.stdout, result.stderr[-2000:]
 
 
@@ -674,7 +664,7 @@ def test_the_updating_kernel_split_over_the_keys_writes_once_and_reads_what_it_w
             assert all(torch.equal(late, early) for late, early in zip(*results)), (pairs, step, masked)
         print("ok")
     """)
-    result = _under_interpreter(script)
+    result = run_under_triton_interpreter(script)
     assert result.returncode == 0 and "ok" in result.stdout, result.stderr[-2000:]
 
 
@@ -891,7 +881,7 @@ def test_the_counting_step_and_hugging_faces_own_export_compute_what_they_did_un
                     assert torch.equal(held, wanted[name]) or (held - wanted[name]).abs().max().item() <= 1e-6, name
             print("ok", type(module).__name__)
     """)
-    result = _under_interpreter(script)
+    result = run_under_triton_interpreter(script)
     assert result.returncode == 0 and "ok _CountingStep" in result.stdout, result.stderr[-2000:]
     print(result.stdout)
 

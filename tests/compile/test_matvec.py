@@ -8,16 +8,13 @@ Triton is installed."""
 from __future__ import annotations
 
 import itertools
-import os
 import re
-import subprocess
-import sys
 import textwrap
 from types import SimpleNamespace
 
 import pytest
 import torch
-from helpers import ptx_blocks, waited_on_entry
+from helpers import ptx_blocks, run_under_triton_interpreter, waited_on_entry
 from models import MethodOf, scale_models
 
 from cuda_runner.compile import aot, attention, matvec, matvec_fusion
@@ -497,8 +494,7 @@ def test_the_rewritten_decoder_computes_what_it_did_under_tritons_interpreter():
         assert worst < 1e-4, worst
         print("ok", worst)
     """)
-    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": os.pathsep.join(sys.path)}
-    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=300)
+    result = run_under_triton_interpreter(script)
     assert result.returncode == 0 and "ok" in result.stdout, result.stderr[-2000:]
 
 
@@ -536,8 +532,7 @@ def test_the_norms_scale_applied_to_the_sums_computes_what_the_graph_does_under_
         assert torch.isfinite(got).all() and ((got.float() - want.float()).abs().max() / want.float().abs().max()).item() < 2e-2
         print("ok", after, before)
     """)
-    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": os.pathsep.join(sys.path)}
-    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=300)
+    result = run_under_triton_interpreter(script)
     assert result.returncode == 0 and "ok" in result.stdout, result.stderr[-2000:]
 
 
