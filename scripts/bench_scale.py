@@ -26,7 +26,8 @@ and big model; later stages use what earlier ones left in WORK):
            program (host arrays, with and without --cuda-graph; device arrays),
            eager PyTorch, torch.compile(mode="reduce-overhead"), torch's
            aoti_load_package of the decode program, and the HBM floor (bytes a
-           step must read / 4.8 TB/s); a CUPTI kernel profile; and
+           step must read / the card's HBM bandwidth: 4.8 TB/s on an H200,
+           3.35 on an H100); a CUPTI kernel profile; and
            `cuda-runner bench --steps` through the CLI, with --cuda-graph
            also with the shim's programmatic launches off and on, alternately.
   breakdown  where a graphed decode call of the first build goes: model.run,
@@ -72,7 +73,16 @@ sys.path.insert(0, str(ROOT))
 
 import scale_models  # noqa: E402
 
-HBM_BYTES_PER_S = 4.8e12  # H200
+# The HBM's peak bandwidth by card: the floor is quoted for the card the run has (the lent machines give H200s or H100s).
+HBM_BYTES_PER_S = {"H200": 4.8e12, "H100": 3.35e12}
+
+
+def hbm_bytes_per_s() -> float:
+    """The peak HBM bandwidth of GPU 0 (an H200's where the card is neither)."""
+    import torch
+
+    name = torch.cuda.get_device_name(0) if torch.cuda.is_available() else ""
+    return next((rate for card, rate in HBM_BYTES_PER_S.items() if card in name), HBM_BYTES_PER_S["H200"])
 # What the run sets (--size, --device); the compile subprocesses get them as arguments.
 SIZES = {"1b": scale_models.LLAMA_1B, "tiny": scale_models.LLAMA_TINY,
          # The 1B decoder's layers at full width, 4 of them: a build compiles and is measured sooner, per layer alike.
@@ -764,8 +774,9 @@ def stage_decode(work: Path, count: int) -> dict[str, Any]:
     # What one decode step must read at least: every weight but the embedding table (one row of it), and the KV cache.
     embedding = module.embedding.weight.numel() * module.embedding.weight.element_size()
     floor_bytes = module.parameter_bytes() - embedding + module.cache_bytes()
-    results: dict[str, Any] = {"hbm_floor_ms": round(module.parameter_bytes() / HBM_BYTES_PER_S * 1e3, 4),
-                               "hbm_floor_step_bytes_ms": round(floor_bytes / HBM_BYTES_PER_S * 1e3, 4)}
+    rate = hbm_bytes_per_s()
+    results: dict[str, Any] = {"hbm_bytes_per_s": rate, "hbm_floor_ms": round(module.parameter_bytes() / rate * 1e3, 4),
+                               "hbm_floor_step_bytes_ms": round(floor_bytes / rate * 1e3, 4)}
     results.update(runner_paths(work, count))
     if SETTINGS["peers"]:
         results.update(peers(work, module, count))
