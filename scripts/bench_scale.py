@@ -83,6 +83,8 @@ def hbm_bytes_per_s() -> float:
 
     name = torch.cuda.get_device_name(0) if torch.cuda.is_available() else ""
     return next((rate for card, rate in HBM_BYTES_PER_S.items() if card in name), HBM_BYTES_PER_S["H200"])
+
+
 # What the run sets (--size, --device); the compile subprocesses get them as arguments.
 SIZES = {"1b": scale_models.LLAMA_1B, "tiny": scale_models.LLAMA_TINY,
          # The 1B decoder's layers at full width, 4 of them: a build compiles and is measured sooner, per layer alike.
