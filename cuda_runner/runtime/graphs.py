@@ -32,14 +32,21 @@ Who allocates the Run's tensors decides how to capture:
 - cuda-runner's shim: it allocates stream-ordered (cuMemAllocAsync) on the
   capturing stream, so allocations become the graph's own memory nodes, and
   the graph is captured and replayed through the CUDA driver API with no
-  torch at all. Instantiated with auto-free-on-launch, each replay frees the
-  last replay's outputs and allocates them again at the same addresses.
+  torch at all. The capture's allocations come from an arena of the graph's
+  own (GRAPH_ARENA): without it each allocation and free would be a memory
+  node of the graph, 81 of them beside a 1B decoder step's 98 kernels, each a
+  step of the replay and a break between two kernels that could otherwise
+  overlap as programmatic dependents. CUDA_RUNNER_GRAPH_ARENA=0 captures
+  them as memory nodes, instantiated with auto-free-on-launch so that each
+  replay frees the last replay's outputs and allocates them again at the
+  same addresses.
 """
 
 from __future__ import annotations
 
 import contextlib
 import ctypes
+import os
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -52,6 +59,7 @@ from ..format.manifest import MethodSpec
 from .cuda import DEVICE_TO_HOST, HOST_TO_DEVICE, CudaExecutor
 from .executor import Executor
 from .pinned import PIPELINE_MIN_BYTES, POOLED_MIN_BYTES
+from .shim import GraphArena
 from .tensors import Describer, OwnedHandles, TensorView, contiguous_strides, gather, span_nbytes, wrap_memory
 from .upload import wait_for_releases
 
@@ -62,6 +70,9 @@ MAX_GRAPHS = 8
 #: Whether graphs captured from now on hold their copies (False: each replay queues them, the earlier way;
 #: scripts/bench_graph_copies.py times both).
 COPIES_IN_GRAPH = True
+#: Whether captures through the driver take their device memory from an arena of the graph's own (see the module
+#: docstring); CUDA_RUNNER_GRAPH_ARENA=0 turns it off.
+GRAPH_ARENA = os.environ.get("CUDA_RUNNER_GRAPH_ARENA", "1") != "0"
 
 Shapes = tuple[tuple[int, ...], ...]
 
@@ -76,6 +87,14 @@ class _Captured:
     # into (None: downloaded after the launch, as libtorch's graphs and large outputs are).
     staged_inputs: list[np.ndarray | None]
     staged_outputs: list[np.ndarray | None]
+    arena: GraphArena | None  # the device memory the capture allocated, where it has its own
+
+    def release(self) -> None:
+        """Free the outputs, the graph and its memory, in that order (the stream idle)."""
+        self.outputs.release()
+        self.graph.reset()
+        if self.arena is not None:
+            self.arena.release()
 
 
 class CudaGraphExecutor(Executor):
@@ -96,6 +115,11 @@ class CudaGraphExecutor(Executor):
     def graphs(self) -> int:
         """How many shapes have a graph."""
         return len(self._graphs)
+
+    @property
+    def arena_bytes(self) -> int:
+        """Device memory the graphs' arenas hold (0 where captures allocate through the stream-ordered allocator)."""
+        return sum(captured.arena.nbytes for captured in self._graphs.values() if captured.arena is not None)
 
     def run(self, arrays: list[np.ndarray], phases: dict[str, float] | None = None) -> list[np.ndarray]:
         shapes = tuple(tuple(int(size) for size in array.shape) for array in arrays)
@@ -159,13 +183,20 @@ class CudaGraphExecutor(Executor):
             produced[:] = outputs
             return list(outputs)
 
+        arena = shim.open_arena(executor.device_index) if isinstance(graph, _DriverGraph) and GRAPH_ARENA else None
         try:
             outputs = OwnedHandles(shim, graph.capture(run))
         except BaseException:
+            if arena is not None:
+                arena.close()
             if produced:  # the Run went through and the capture failed after it: its outputs are still ours to free
                 OwnedHandles(shim, produced).release()
+            if arena is not None:
+                arena.release()
             raise
-        return _Captured(graph, inputs, outputs, views, staged_inputs, staged_outputs)
+        if arena is not None:
+            arena.close()
+        return _Captured(graph, inputs, outputs, views, staged_inputs, staged_outputs, arena)
 
     def _replay(self, captured: _Captured, arrays: list[np.ndarray]) -> list[np.ndarray]:
         executor = self._executor
@@ -207,8 +238,7 @@ class CudaGraphExecutor(Executor):
     def close(self) -> None:
         self._executor.stream.synchronize()
         for captured in self._graphs.values():
-            captured.outputs.release()
-            captured.graph.reset()
+            captured.release()
         self._graphs.clear()
         self._executor.close()
 

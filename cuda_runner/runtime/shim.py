@@ -87,6 +87,7 @@ class Shim:
         self.layout_strided = self._code(torch_cpu, "aoti_torch_layout_strided")
         self.library_dir = Path(library._name).parent
         self._capture = _Capture.of(library)
+        self._arena = _ArenaFunctions.of(library)
 
     @contextlib.contextmanager
     def capture(self, keep: Callable[[Callable[[], None]], None]) -> Iterator[None]:
@@ -105,6 +106,14 @@ class Shim:
         finally:
             capture.end(group)
             keep(lambda: capture.release(group))
+
+    def open_arena(self, device_index: int) -> GraphArena | None:
+        """A graph arena serving this thread's device memory on `device_index`
+        until it is closed (cuda-runner's shim: aoti_shim.cpp, `Arena`); None
+        from libtorch, whose graphs take memory from its own allocator's pool."""
+        if self._arena is None:
+            return None
+        return GraphArena(self._arena, device_index)
 
     @staticmethod
     def _code(library: Any, symbol: str) -> int:
@@ -146,6 +155,55 @@ class _Capture:
             return _Capture(library)
         except AttributeError:
             return None
+
+
+class _ArenaFunctions:
+    """cuda-runner's shim's graph arenas (aoti_shim.cpp, `Arena`)."""
+
+    def __init__(self, library: ctypes.CDLL):
+        self.open = library.cudarunner_shim_arena_open
+        self.open.restype, self.open.argtypes = ctypes.c_void_p, (ctypes.c_int32,)
+        self.close = library.cudarunner_shim_arena_close
+        self.close.restype, self.close.argtypes = None, ()
+        self.release = library.cudarunner_shim_arena_release
+        self.release.restype, self.release.argtypes = None, (ctypes.c_void_p,)
+        self.bytes = library.cudarunner_shim_arena_bytes
+        self.bytes.restype, self.bytes.argtypes = ctypes.c_int64, (ctypes.c_void_p,)
+
+    @staticmethod
+    def of(library: ctypes.CDLL) -> _ArenaFunctions | None:
+        try:
+            return _ArenaFunctions(library)
+        except AttributeError:
+            return None
+
+
+class GraphArena:
+    """Device memory of one CUDA graph's own. From `Shim.open_arena` until
+    `close`, the shim serves the opening thread's device allocations from it,
+    so a capture records no allocation or free nodes; the memory stays until
+    `release` and the last tensor holding a block of it are gone."""
+
+    def __init__(self, functions: _ArenaFunctions, device_index: int):
+        self._functions = functions
+        self._handle: int | None = functions.open(device_index)
+        if not self._handle:
+            raise ModelRuntimeError("out of host memory opening a graph arena")
+
+    @property
+    def nbytes(self) -> int:
+        """Device memory the arena holds."""
+        return int(self._functions.bytes(self._handle)) if self._handle else 0
+
+    def close(self) -> None:
+        """Stop serving allocations; the blocks handed out stay valid."""
+        self._functions.close()
+
+    def release(self) -> None:
+        """Give up this hold on the memory (once; the last holder frees it)."""
+        handle, self._handle = self._handle, None
+        if handle:
+            self._functions.release(handle)
 
 
 class _Prefixed:

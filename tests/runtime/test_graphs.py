@@ -20,13 +20,36 @@ class Stream:
         self.events.append("synchronize")
 
 
+class Arena:
+    def __init__(self, events: list[str]):
+        self.events = events
+
+    def close(self) -> None:
+        self.events.append("close arena")
+
+    def release(self) -> None:
+        self.events.append("release arena")
+
+
+class Shim:
+    label = "cuda-runner shim"
+    device_cuda = 1
+
+    def __init__(self, events: list[str]):
+        self.events = events
+
+    def open_arena(self, device_index: int) -> Arena:
+        self.events.append(f"open arena on {device_index}")
+        return Arena(self.events)
+
+
 class Executor:
     device_index = 0
 
     def __init__(self, events: list[str]):
         self.events = events
         self.stream = Stream(events)
-        self.shim = type("Shim", (), {"label": "cuda-runner shim"})()
+        self.shim = Shim(events)
         self.device_buffers = type("Buffers", (), {"get": lambda self, key, size: 0})()
         self.pinned = type("Pinned", (), {"get": lambda self, key, size: np.zeros(size, np.uint8)})()
         self.uploads: list[tuple[int, int]] = []
@@ -61,12 +84,12 @@ def test_a_capture_starts_once_the_loads_registrations_are_let_go(monkeypatch):
     executor._executor, executor._dtypes, executor._graphs = Executor(events), [], {}
     with pytest.raises(Captured):
         executor._capture(())
-    assert events == ["use_device", "synchronize", "wait_for_releases", "capture"]
+    assert events == ["use_device", "synchronize", "wait_for_releases", "open arena on 0", "capture", "close arena", "release arena"]
 
 
 def _captured(staged: list[np.ndarray | None], graph: object = None, views: list | None = None) -> graphs._Captured:
     return graphs._Captured(graph=graph, inputs=[100 + index for index in range(len(staged))], outputs=None,  # type: ignore[arg-type]
-                            views=views or [], staged_inputs=staged, staged_outputs=[None] * len(views or []))
+                            views=views or [], staged_inputs=staged, staged_outputs=[None] * len(views or []), arena=None)
 
 
 def test_a_replay_writes_the_native_row_major_bytes_of_each_small_input_where_the_graph_copies_them_from():
@@ -121,27 +144,25 @@ def test_a_replay_interrupted_before_its_wait_still_waits_for_the_launch():
     assert events == ["use_device", "replay", "synchronize"]
 
 
-def test_outputs_of_a_run_whose_capture_then_failed_are_released(monkeypatch):
-    released: list[list[int]] = []
+def _fake_run_capture(monkeypatch, events: list, capture) -> graphs.CudaGraphExecutor:
+    """A CudaGraphExecutor whose container's Run returns handles 41 and 42, captured by `capture(run)`."""
 
     class Handles:
         def __init__(self, shim: object, handles: list[int]):
             self.handles = handles
 
         def release(self) -> None:
-            released.append(self.handles)
+            events.append(("release outputs", self.handles))
 
     class DriverGraph:
         def __init__(self, stream: int):
             pass
 
         def capture(self, run):
-            run()
-            raise graphs.ModelRuntimeError("CUDA graph: cuStreamEndCapture failed")
+            return capture(run)
 
-    inner = Executor([])
+    inner = Executor(events)
     inner.runtime = type("Runtime", (), {"memcpyAsync": lambda *args: None})()
-    inner.shim.device_cuda = 1
     monkeypatch.setattr(graphs, "_DriverGraph", DriverGraph)
     monkeypatch.setattr(graphs, "OwnedHandles", Handles)
     monkeypatch.setattr(graphs, "wait_for_releases", lambda: None)
@@ -150,6 +171,46 @@ def test_outputs_of_a_run_whose_capture_then_failed_are_released(monkeypatch):
     executor._executor, executor._dtypes, executor._graphs = inner, ["float32"], {}
     executor._container = type("Container", (), {"run": lambda self, handles, stream, single_threaded: [41, 42]})()
     executor._describe = lambda handle: graphs.TensorView.of(4096, "float32", (2,), (1,))
+    return executor
+
+
+def test_a_capture_takes_its_memory_from_an_arena_open_only_while_it_runs(monkeypatch):
+    """Its allocations would otherwise be memory nodes of the graph; the arena
+    stops serving once the capture ends and is kept with the graph."""
+    events: list = []
+
+    def capture(run):
+        events.append("capture")
+        return run()
+
+    executor = _fake_run_capture(monkeypatch, events, capture)
+    captured = executor._capture(((2,),))
+    assert [event for event in events if "arena" in str(event) or event == "capture"] == ["open arena on 0", "capture", "close arena"]
+    assert captured.arena is not None
+    events.clear()
+    captured.graph = type("Graph", (), {"reset": lambda self: events.append("reset graph")})()
+    captured.release()
+    assert events == [("release outputs", [41, 42]), "reset graph", "release arena"]  # the memory goes last
+
+
+def test_with_the_arena_off_a_capture_opens_none(monkeypatch):
+    events: list = []
+    monkeypatch.setattr(graphs, "GRAPH_ARENA", False)
+    executor = _fake_run_capture(monkeypatch, events, lambda run: run())
+    assert executor._capture(((2,),)).arena is None
+    assert not [event for event in events if "arena" in str(event)]
+
+
+def test_outputs_of_a_run_whose_capture_then_failed_are_released(monkeypatch):
+    events: list = []
+
+    def capture(run):
+        run()
+        raise graphs.ModelRuntimeError("CUDA graph: cuStreamEndCapture failed")
+
+    executor = _fake_run_capture(monkeypatch, events, capture)
     with pytest.raises(graphs.ModelRuntimeError, match="EndCapture"):
         executor._capture(((2,),))
-    assert released == [[41, 42]]
+    # The outputs go back to the arena before its last hold is given up.
+    assert [event for event in events if "arena" in str(event) or "outputs" in str(event)] == [
+        "open arena on 0", "close arena", ("release outputs", [41, 42]), "release arena"]
