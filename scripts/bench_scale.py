@@ -15,8 +15,8 @@ and big model; later stages use what earlier ones left in WORK):
            time of each (they share the machine's 16 cores: side by side).
   check    each build against eager: a prefill of 32 tokens, 128 decode steps
            fed eager's greedy tokens, logits compared at every step; then
-           reset_state and a second prompt. Peak GPU memory against weights +
-           KV cache.
+           reset_state and a second prompt; on a GPU the first build again with
+           --cuda-graph. Peak GPU memory against weights + KV cache.
   load     the first build's load, warm page cache and cold (the file's
            pages dropped with posix_fadvise), against a plain read of the file;
            the load_weights phase broken into its parts (LOAD_PARTS).
@@ -34,6 +34,9 @@ and big model; later stages use what earlier ones left in WORK):
            the graph executor's part, its pieces (the inputs' bytes staged,
            the launch, the wait, the copy into NumPy), and the GPU's time for
            the replay alone (CUDA events).
+  arena    the first build's graphed decode step with the capture's memory
+           from the graph's arena and as memory nodes of the graph, A B B A
+           twice in one process: model.run, the replay alone, the graph's nodes.
   whisper  Whisper-base's decoder alone, built three ways (the default, --libtorch,
            no coordinate descent), each stepped against eager on eager's
            encoding of the same audio: the error of every step.
@@ -382,12 +385,12 @@ def first_output(outputs: dict[str, np.ndarray]) -> np.ndarray:
     return next(iter(outputs.values()))
 
 
-def check_build(path: Path, module, prompts: list[np.ndarray], references) -> dict[str, Any]:
+def check_build(path: Path, module, prompts: list[np.ndarray], references, cuda_graph: bool = False) -> dict[str, Any]:
     import cuda_runner
 
     free_before = free_bytes()
     started = time.perf_counter()
-    with cuda_runner.load(path, SETTINGS["device"]) as model:
+    with cuda_runner.load(path, SETTINGS["device"], cuda_graph=cuda_graph) as model:
         load_s = time.perf_counter() - started
         timings = {name: model.load_timings(name) for name in model.methods}
         lowest = free_bytes()
@@ -430,6 +433,14 @@ def stage_check(work: Path) -> dict[str, Any]:
             except Exception as error:  # reported, and the next build is still checked
                 results[build] = {"error": f"{type(error).__name__}: {error}"}
             log(f"check {build}: {json.dumps(results[build])[:600]}")
+    first = artifact(work, SETTINGS["builds"][0])
+    if cuda() and first.exists():  # the same generations replayed from CUDA graphs (their memory from the graphs' arenas)
+        label = f"{SETTINGS['builds'][0]}, CUDA graph"
+        try:
+            results[label] = check_build(first, module, prompts, references, cuda_graph=True)
+        except Exception as error:
+            results[label] = {"error": f"{type(error).__name__}: {error}"}
+        log(f"check {label}: {json.dumps(results[label])[:600]}")
     return results
 
 
@@ -669,8 +680,6 @@ def graph_breakdown(work: Path, count: int) -> dict[str, Any]:
     inputs' bytes written where the graph copies them from, the launch, the
     wait, the copy into NumPy), beside the GPU's time for the replay alone
     (CUDA events around the graph launch). Reaches into the runtime's graph executor."""
-    import cupy
-
     import cuda_runner
     from cuda_runner.runtime.tensors import gather
 
@@ -688,10 +697,7 @@ def graph_breakdown(work: Path, count: int) -> dict[str, Any]:
         if order != ["tokens", "input_pos"]:
             arrays = arrays[::-1]
         results["graph executor run"] = summary(time_steps(lambda index: executor.run(arrays), count))
-        parts: dict[str, list[float]] = {name: [] for name in ("inputs staged", "launch", "wait", "into NumPy", "GPU replay alone")}
-        # The replay alone holds the graph's copies in and out since the graph does them (runtime/graphs.py).
-        start, end = cupy.cuda.Event(), cupy.cuda.Event()
-        stream = cupy.cuda.ExternalStream(inner.stream.ptr)
+        parts: dict[str, list[float]] = {name: [] for name in ("inputs staged", "launch", "wait", "into NumPy")}
         for _ in range(count):
             marks = [time.perf_counter()]
             executor.stage_inputs(captured, arrays)
@@ -703,17 +709,61 @@ def graph_breakdown(work: Path, count: int) -> dict[str, Any]:
             marks.append(time.perf_counter())
             [gather(buffer, view) for buffer, view in zip(staged, captured.views)]
             marks.append(time.perf_counter())
-            for name, (before, after) in zip(list(parts)[:4], itertools.pairwise(marks)):
+            for name, (before, after) in zip(parts, itertools.pairwise(marks)):
                 parts[name].append(after - before)
-            start.record(stream)
-            captured.graph.replay()
-            end.record(stream)
-            end.synchronize()
-            parts["GPU replay alone"].append(cupy.cuda.get_elapsed_time(start, end) / 1e3)
         results.update({name: summary(samples) for name, samples in parts.items()})
+        results["GPU replay alone"] = summary(replays_timed(captured, inner.stream.ptr, count))
         if hasattr(captured.graph, "node_kinds"):  # a driver capture (cuda-runner's shim): what each launch walks
             results["graph nodes"] = captured.graph.node_kinds()
     log(f"graph breakdown: {json.dumps(results)}")
+    return results
+
+
+def replays_timed(captured, stream_pointer: int, count: int) -> list[float]:
+    """The GPU's time for each of `count` replays of a captured graph, alone (CUDA
+    events around each launch, synchronized after each). The replay holds the
+    graph's copies in and out, since the graph does them (runtime/graphs.py)."""
+    import cupy
+
+    start, end = cupy.cuda.Event(), cupy.cuda.Event()
+    stream = cupy.cuda.ExternalStream(stream_pointer)
+    samples = []
+    for _ in range(count):
+        start.record(stream)
+        captured.graph.replay()
+        end.record(stream)
+        end.synchronize()
+        samples.append(cupy.cuda.get_elapsed_time(start, end) / 1e3)
+    return samples
+
+
+def graph_arena_pairs(work: Path, count: int, rounds: int = 2) -> dict[str, Any]:
+    """The first build's graphed decode step with the capture's memory from the
+    graph's arena and as the graph's own memory nodes (CUDA_RUNNER_GRAPH_ARENA=0),
+    in one process, A B B A `rounds` times: model.run a step, the GPU's replay
+    alone, and the graph's nodes."""
+    import cuda_runner
+    from cuda_runner.runtime import graphs
+
+    path = artifact(work, SETTINGS["builds"][0])
+    token = np.array([[1]], np.int64)
+    results: dict[str, Any] = {}
+    for arena in [True, False, False, True] * rounds:
+        graphs.GRAPH_ARENA = arena
+        label = "arena" if arena else "memory nodes"
+        with cuda_runner.load(path, "cuda", cuda_graph=True) as model:
+            step = lambda index: model.run(named(model, "decode", token, np.array([position(index)], np.int64)), "decode")  # noqa: E731
+            run = summary(time_steps(step, count))
+            executor = model.method("decode")._lanes.first
+            captured = next(iter(executor._graphs.values()))
+            replay = summary(replays_timed(captured, executor._executor.stream.ptr, count))
+            entry = results.setdefault(label, {"model.run": [], "GPU replay alone": []})
+            entry["model.run"].append(run)
+            entry["GPU replay alone"].append(replay)
+            entry["graph nodes"] = captured.graph.node_kinds()
+            entry["arena bytes"] = executor.arena_bytes
+        log(f"{label}: model.run {run['median_ms']} ms, replay alone {replay['median_ms']} ms")
+    graphs.GRAPH_ARENA = True
     return results
 
 
@@ -1074,6 +1124,8 @@ def main() -> int:
             result = stage_decode(options.work, options.steps)
         elif stage == "breakdown":
             result = graph_breakdown(options.work, options.steps)
+        elif stage == "arena":
+            result = graph_arena_pairs(options.work, options.steps)
         elif stage == "big":
             result = stage_big(options.work, options.steps)
         elif stage == "big-compile":
