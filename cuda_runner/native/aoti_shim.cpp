@@ -135,8 +135,8 @@ struct Driver {
   CUresult (*cuCtxGetDevice)(CUdevice *);
   CUresult (*cuMemAllocAsync)(CUdeviceptr *, size_t, CUstream);
   CUresult (*cuMemFreeAsync)(CUdeviceptr, CUstream);
-  CUresult (*cuMemAlloc)(CUdeviceptr *, size_t);
-  CUresult (*cuMemFree)(CUdeviceptr);
+  CUresult (*cuStreamCreate)(CUstream *, unsigned);
+  CUresult (*cuStreamDestroy)(CUstream);
   CUresult (*cuMemcpyAsync)(CUdeviceptr, CUdeviceptr, size_t, CUstream);
   CUresult (*cuMemsetD8Async)(CUdeviceptr, unsigned char, size_t, CUstream);
   CUresult (*cuStreamSynchronize)(CUstream);
@@ -176,7 +176,7 @@ void load_driver() {
             bind(library, "cuCtxGetDevice", &driver.cuCtxGetDevice) &&
             bind(library, "cuMemAllocAsync", &driver.cuMemAllocAsync) &&
             bind(library, "cuMemFreeAsync", &driver.cuMemFreeAsync) &&
-            bind(library, "cuMemAlloc_v2", &driver.cuMemAlloc) && bind(library, "cuMemFree_v2", &driver.cuMemFree) &&
+            bind(library, "cuStreamCreate", &driver.cuStreamCreate) && bind(library, "cuStreamDestroy_v2", &driver.cuStreamDestroy) &&
             bind(library, "cuMemcpyAsync", &driver.cuMemcpyAsync) &&
             bind(library, "cuMemsetD8Async", &driver.cuMemsetD8Async) &&
             bind(library, "cuStreamSynchronize", &driver.cuStreamSynchronize) &&
@@ -368,80 +368,138 @@ struct Tensor {
 // decoder captured 41 allocations and 40 frees beside its 98 kernels. Each
 // node is a step the replay walks, and a kernel after one is no longer the
 // direct successor of the kernel before it, so the two cannot overlap as
-// programmatic dependents. An arena opened on the capturing thread serves
-// the capture's device memory from blocks it holds instead, and the graph
+// programmatic dependents. An arena serving the capturing thread hands out
+// the capture's device memory from chunks it holds instead, and the graph
 // keeps only its kernels and copies.
 //
-// A block freed during the capture is handed out again to a later request
-// of the capture that it fits (at most twice the size asked for), which is
-// what the stream-ordered allocator would do on a single stream: the free
-// comes after every kernel queued so far, the reuse before every kernel
-// queued later. A programmatic dependent may start before the kernel ahead
-// of it ends, but the kernels launched that way (crLaunchKernel) only read
-// constants before their wait, never memory a step writes.
+// A block freed during the capture goes back to the arena at once and may be
+// handed to a later request of the capture, as the stream-ordered allocator
+// would reuse it on a single stream: the free comes after every kernel queued
+// so far, the reuse before every kernel queued later. A programmatic
+// dependent may start before the kernel ahead of it ends, but the kernels
+// launched that way (crLaunchKernel) read only constants before their wait
+// and write nothing before it, so a reused block is never touched early.
+// Graphs of one method may share an arena: they replay one at a time on one
+// stream, and what one hands back (its outputs) stays taken.
 //
-// The arena's blocks live as long as the arena: its owner (the graph) and
-// every storage still holding one of its blocks keep it; the last of them
-// gives its chunks back to the driver.
+// Chunks come from the stream-ordered pool on the arena's own stream, not
+// from cuMemAlloc and cuMemFree, which synchronise and would end a capture
+// another thread has open; the stream is synchronised when a capture stops
+// being served, before any replay can read the chunks. Blocks are split from
+// the smallest idle block that fits and merged with idle neighbours when
+// given back, so a step's mixed sizes share memory. The arena lives as long
+// as its owner's hold and every storage that holds one of its blocks.
 struct Arena {
+  struct Block {
+    size_t size;
+    size_t chunk;  // which chunk: blocks merge only within one
+    bool idle;
+  };
   std::atomic<int64_t> references{1};
   int32_t device_index = 0;
+  CUstream stream = nullptr;  // the arena's own, for its chunks' allocation and free
   std::mutex lock;
   std::vector<CUdeviceptr> chunks;
-  CUdeviceptr cursor = 0, limit = 0;       // the unused rest of the newest chunk
-  std::multimap<size_t, CUdeviceptr> idle;  // blocks given back, by size
-  std::map<CUdeviceptr, size_t> sizes;      // every block handed out, its size
+  std::map<CUdeviceptr, Block> blocks;      // every block, by address
+  std::multimap<size_t, CUdeviceptr> idle;  // the idle ones, by size
   size_t reserved = 0;                      // bytes in chunks
 };
 
-constexpr size_t kArenaAlignment = 256;            // as cuMemAllocAsync aligns
-constexpr size_t kArenaChunk = size_t{8} << 20;    // the least a chunk holds
+constexpr size_t kArenaAlignment = 256;          // as cuMemAllocAsync aligns
+constexpr size_t kArenaChunk = size_t{8} << 20;  // the least a chunk holds
 
-thread_local Arena *open_arena = nullptr;
+thread_local Arena *serving_arena = nullptr;
 
 void drop_arena(Arena *arena) {
   if (arena->references.fetch_sub(1, std::memory_order_acq_rel) != 1) return;
-  {
-    DeviceScope scope(arena->device_index);
-    if (scope.status() == kOk) {
-      // The chunks may still be read by work queued on any stream: cuMemFree waits for none of it.
-      driver.cuCtxSynchronize();
-      for (CUdeviceptr chunk : arena->chunks) driver.cuMemFree(chunk);
-    }
+  DeviceScope scope(arena->device_index);
+  if (scope.status() == kOk && arena->stream != nullptr) {
+    // Queued on the arena's stream, behind nothing of the graph's: the graph's
+    // owner lets go only once its stream is idle. Neither call waits.
+    for (CUdeviceptr chunk : arena->chunks) driver.cuMemFreeAsync(chunk, arena->stream);
+    driver.cuStreamDestroy(arena->stream);
   }
   delete arena;
 }
 
-// A block of at least `bytes` from the arena, or kFailure. The caller holds the DeviceScope.
+void mark_idle(Arena *arena, CUdeviceptr address, Arena::Block &block) {
+  block.idle = true;
+  arena->idle.emplace(block.size, address);
+}
+
+void unmark_idle(Arena *arena, CUdeviceptr address, Arena::Block &block) {
+  auto [first, last] = arena->idle.equal_range(block.size);
+  for (auto it = first; it != last; ++it) {
+    if (it->second == address) {
+      arena->idle.erase(it);
+      break;
+    }
+  }
+  block.idle = false;
+}
+
+// A block of at least `bytes` from the arena, or kFailure. The caller holds the
+// DeviceScope and the arena's lock.
 Status arena_take(Arena *arena, size_t bytes, CUdeviceptr *pointer) {
+  if (bytes > (size_t{1} << 62)) return fail("cannot allocate %zu bytes", bytes);
   size_t rounded = (std::max<size_t>(bytes, 1) + kArenaAlignment - 1) & ~(kArenaAlignment - 1);
-  std::lock_guard<std::mutex> hold(arena->lock);
   auto fit = arena->idle.lower_bound(rounded);
-  if (fit != arena->idle.end() && fit->first <= 2 * rounded) {
-    *pointer = fit->second;
-    arena->idle.erase(fit);
-    return kOk;
-  }
-  if (arena->limit - arena->cursor < rounded) {
-    size_t chunk = std::max(rounded, kArenaChunk);
+  if (fit == arena->idle.end()) {
+    size_t size = std::max(rounded, kArenaChunk);
     CUdeviceptr base = 0;
-    CU(driver.cuMemAlloc(&base, chunk), "cuMemAlloc (graph arena)");
+    CU(driver.cuMemAllocAsync(&base, size, arena->stream), "cuMemAllocAsync (graph arena)");
     arena->chunks.push_back(base);
-    arena->reserved += chunk;
-    arena->cursor = base;
-    arena->limit = base + chunk;
+    arena->reserved += size;
+    Arena::Block &block = arena->blocks[base] = {size, arena->chunks.size() - 1, false};
+    mark_idle(arena, base, block);
+    fit = arena->idle.find(size);
+    while (fit->second != base) ++fit;
   }
-  *pointer = arena->cursor;
-  arena->cursor += rounded;
-  arena->sizes[*pointer] = rounded;
+  CUdeviceptr address = fit->second;
+  Arena::Block &block = arena->blocks[address];
+  unmark_idle(arena, address, block);
+  if (block.size > rounded) {  // the rest stays idle, a block of its own
+    Arena::Block &rest = arena->blocks[address + rounded] = {block.size - rounded, block.chunk, false};
+    mark_idle(arena, address + rounded, rest);
+    block.size = rounded;
+  }
+  *pointer = address;
+  return kOk;
+}
+
+// A block back, merged with idle neighbours of its chunk. The caller holds the arena's lock.
+void arena_put(Arena *arena, CUdeviceptr address) {
+  auto it = arena->blocks.find(address);
+  if (it == arena->blocks.end() || it->second.idle) return;
+  auto next = std::next(it);
+  if (next != arena->blocks.end() && next->second.idle && next->second.chunk == it->second.chunk && next->first == address + it->second.size) {
+    unmark_idle(arena, next->first, next->second);
+    it->second.size += next->second.size;
+    arena->blocks.erase(next);
+  }
+  if (it != arena->blocks.begin()) {
+    auto previous = std::prev(it);
+    if (previous->second.idle && previous->second.chunk == it->second.chunk && previous->first + previous->second.size == address) {
+      unmark_idle(arena, previous->first, previous->second);
+      previous->second.size += it->second.size;
+      arena->blocks.erase(it);
+      it = previous;
+    }
+  }
+  mark_idle(arena, it->first, it->second);
+}
+
+Status arena_allocate(Arena *arena, size_t bytes, CUdeviceptr *pointer) {
+  std::lock_guard<std::mutex> hold(arena->lock);
+  if (arena_take(arena, bytes, pointer) != kOk) return kFailure;
+  arena->references.fetch_add(1, std::memory_order_relaxed);
   return kOk;
 }
 
 void arena_give_back(Arena *arena, CUdeviceptr pointer) {
   {
     std::lock_guard<std::mutex> hold(arena->lock);
-    auto block = arena->sizes.find(pointer);
-    if (block != arena->sizes.end()) arena->idle.emplace(block->second, pointer);
+    arena_put(arena, pointer);
   }
   drop_arena(arena);
 }
@@ -656,13 +714,12 @@ Status allocate(int32_t device_type, int32_t device_index, size_t bytes, Storage
       }
       CUdeviceptr pointer = 0;
       storage->stream = stream_for(device_index);
-      Arena *arena = open_arena;
+      Arena *arena = serving_arena;
       if (arena != nullptr && arena->device_index == device_index) {
-        if (arena_take(arena, bytes, &pointer) != kOk) {
+        if (arena_allocate(arena, bytes, &pointer) != kOk) {
           release_storage(storage);
           return kFailure;
         }
-        arena->references.fetch_add(1, std::memory_order_relaxed);
         storage->arena = arena;
       } else {
         CUresult result_code = driver.cuMemAllocAsync(&pointer, bytes, storage->stream);
@@ -984,21 +1041,42 @@ EXPORT int64_t cudarunner_shim_capture_release(void *handle) {
   return static_cast<int64_t>(members.size());
 }
 
-// A graph arena (see Arena): open makes one for a device and serves this
-// thread's device memory for that device from it until close; release drops
-// the opener's hold on it; bytes says how much device memory it holds.
-EXPORT void *cudarunner_shim_arena_open(int32_t device_index) {
+// Graph arenas (see Arena). new makes one for a device, with its own stream;
+// serve has it hand out this thread's device memory for that device until
+// stop, which also waits for its chunks to be allocated; release drops the
+// maker's hold on it; bytes says how much device memory it holds.
+EXPORT void *cudarunner_shim_arena_new(int32_t device_index) {
+  DeviceScope scope(device_index);
+  if (scope.status() != kOk) return nullptr;
   Arena *arena = new (std::nothrow) Arena();
-  if (arena == nullptr) return nullptr;
+  if (arena == nullptr) {
+    fail("out of host memory");
+    return nullptr;
+  }
   arena->device_index = device_index;
-  open_arena = arena;
+  constexpr unsigned kNonBlocking = 1;  // CU_STREAM_NON_BLOCKING: no implicit order with the legacy stream
+  CUresult result = driver.cuStreamCreate(&arena->stream, kNonBlocking);
+  if (result != 0) {
+    cuda_failure(result, "cuStreamCreate (graph arena)");
+    delete arena;
+    return nullptr;
+  }
   return arena;
 }
-EXPORT void cudarunner_shim_arena_close() { open_arena = nullptr; }
+EXPORT void cudarunner_shim_arena_serve(void *handle) { serving_arena = static_cast<Arena *>(handle); }
+EXPORT Status cudarunner_shim_arena_stop(void *handle) {
+  Arena *arena = static_cast<Arena *>(handle);
+  if (serving_arena == arena) serving_arena = nullptr;
+  if (arena == nullptr) return kOk;
+  DeviceScope scope(arena->device_index);
+  if (scope.status() != kOk) return kFailure;
+  CU(driver.cuStreamSynchronize(arena->stream), "cuStreamSynchronize (graph arena)");
+  return kOk;
+}
 EXPORT void cudarunner_shim_arena_release(void *handle) {
   if (handle == nullptr) return;
   Arena *arena = static_cast<Arena *>(handle);
-  if (open_arena == arena) open_arena = nullptr;
+  if (serving_arena == arena) serving_arena = nullptr;
   drop_arena(arena);
 }
 EXPORT int64_t cudarunner_shim_arena_bytes(void *handle) {

@@ -32,8 +32,8 @@ Who allocates the Run's tensors decides how to capture:
 - cuda-runner's shim: it allocates stream-ordered (cuMemAllocAsync) on the
   capturing stream, so allocations become the graph's own memory nodes, and
   the graph is captured and replayed through the CUDA driver API with no
-  torch at all. The capture's allocations come from an arena of the graph's
-  own (GRAPH_ARENA): without it each allocation and free would be a memory
+  torch at all. The capture's allocations come from an arena the method's
+  graphs share (GRAPH_ARENA): without it each allocation and free would be a memory
   node of the graph, 81 of them beside a 1B decoder step's 98 kernels, each a
   step of the replay and a break between two kernels that could otherwise
   overlap as programmatic dependents. CUDA_RUNNER_GRAPH_ARENA=0 captures
@@ -87,14 +87,6 @@ class _Captured:
     # into (None: downloaded after the launch, as libtorch's graphs and large outputs are).
     staged_inputs: list[np.ndarray | None]
     staged_outputs: list[np.ndarray | None]
-    arena: GraphArena | None  # the device memory the capture allocated, where it has its own
-
-    def release(self) -> None:
-        """Free the outputs, the graph and its memory, in that order (the stream idle)."""
-        self.outputs.release()
-        self.graph.reset()
-        if self.arena is not None:
-            self.arena.release()
 
 
 class CudaGraphExecutor(Executor):
@@ -108,6 +100,7 @@ class CudaGraphExecutor(Executor):
         self._graphs: dict[Shapes, _Captured] = {}
         self._calls: dict[Shapes, int] = {}  # ordinary calls made so far, per shape not yet captured
         self._describe = Describer(executor.shim)
+        self._arena: GraphArena | None = None  # the graphs' memory, shared: they replay one at a time on one stream
         #: Seconds each capture took (the first call of each graphed shape pays it).
         self.capture_seconds: list[float] = []
 
@@ -118,8 +111,8 @@ class CudaGraphExecutor(Executor):
 
     @property
     def arena_bytes(self) -> int:
-        """Device memory the graphs' arenas hold (0 where captures allocate through the stream-ordered allocator)."""
-        return sum(captured.arena.nbytes for captured in self._graphs.values() if captured.arena is not None)
+        """Device memory the graphs' arena holds (0 where captures allocate through the stream-ordered allocator)."""
+        return self._arena.nbytes if self._arena is not None else 0
 
     def run(self, arrays: list[np.ndarray], phases: dict[str, float] | None = None) -> list[np.ndarray]:
         shapes = tuple(tuple(int(size) for size in array.shape) for array in arrays)
@@ -183,20 +176,17 @@ class CudaGraphExecutor(Executor):
             produced[:] = outputs
             return list(outputs)
 
-        arena = shim.open_arena(executor.device_index) if isinstance(graph, _DriverGraph) and GRAPH_ARENA else None
+        if self._arena is None and isinstance(graph, _DriverGraph) and GRAPH_ARENA:
+            self._arena = shim.open_arena(executor.device_index)
+        serving = self._arena.serving() if self._arena is not None and isinstance(graph, _DriverGraph) and GRAPH_ARENA else contextlib.nullcontext()
         try:
-            outputs = OwnedHandles(shim, graph.capture(run))
+            with serving:
+                outputs = OwnedHandles(shim, graph.capture(run))
         except BaseException:
-            if arena is not None:
-                arena.close()
             if produced:  # the Run went through and the capture failed after it: its outputs are still ours to free
                 OwnedHandles(shim, produced).release()
-            if arena is not None:
-                arena.release()
             raise
-        if arena is not None:
-            arena.close()
-        return _Captured(graph, inputs, outputs, views, staged_inputs, staged_outputs, arena)
+        return _Captured(graph, inputs, outputs, views, staged_inputs, staged_outputs)
 
     def _replay(self, captured: _Captured, arrays: list[np.ndarray]) -> list[np.ndarray]:
         executor = self._executor
@@ -238,8 +228,12 @@ class CudaGraphExecutor(Executor):
     def close(self) -> None:
         self._executor.stream.synchronize()
         for captured in self._graphs.values():
-            captured.release()
+            captured.outputs.release()
+            captured.graph.reset()
         self._graphs.clear()
+        if self._arena is not None:  # last: the outputs just released held blocks of it
+            self._arena.release()
+            self._arena = None
         self._executor.close()
 
 

@@ -15,6 +15,7 @@ import functools
 import importlib.util
 import os
 import threading
+import weakref
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -108,12 +109,12 @@ class Shim:
             keep(lambda: capture.release(group))
 
     def open_arena(self, device_index: int) -> GraphArena | None:
-        """A graph arena serving this thread's device memory on `device_index`
-        until it is closed (cuda-runner's shim: aoti_shim.cpp, `Arena`); None
-        from libtorch, whose graphs take memory from its own allocator's pool."""
+        """A graph arena for `device_index` (cuda-runner's shim: aoti_shim.cpp,
+        `Arena`); None from libtorch, whose graphs take memory from its own
+        allocator's pool."""
         if self._arena is None:
             return None
-        return GraphArena(self._arena, device_index)
+        return GraphArena(self._arena, device_index, self.failure)
 
     @staticmethod
     def _code(library: Any, symbol: str) -> int:
@@ -161,10 +162,12 @@ class _ArenaFunctions:
     """cuda-runner's shim's graph arenas (aoti_shim.cpp, `Arena`)."""
 
     def __init__(self, library: ctypes.CDLL):
-        self.open = library.cudarunner_shim_arena_open
-        self.open.restype, self.open.argtypes = ctypes.c_void_p, (ctypes.c_int32,)
-        self.close = library.cudarunner_shim_arena_close
-        self.close.restype, self.close.argtypes = None, ()
+        self.new = library.cudarunner_shim_arena_new
+        self.new.restype, self.new.argtypes = ctypes.c_void_p, (ctypes.c_int32,)
+        self.serve = library.cudarunner_shim_arena_serve
+        self.serve.restype, self.serve.argtypes = None, (ctypes.c_void_p,)
+        self.stop = library.cudarunner_shim_arena_stop
+        self.stop.restype, self.stop.argtypes = _STATUS, (ctypes.c_void_p,)
         self.release = library.cudarunner_shim_arena_release
         self.release.restype, self.release.argtypes = None, (ctypes.c_void_p,)
         self.bytes = library.cudarunner_shim_arena_bytes
@@ -179,31 +182,44 @@ class _ArenaFunctions:
 
 
 class GraphArena:
-    """Device memory of one CUDA graph's own. From `Shim.open_arena` until
-    `close`, the shim serves the opening thread's device allocations from it,
-    so a capture records no allocation or free nodes; the memory stays until
-    `release` and the last tensor holding a block of it are gone."""
+    """Device memory for CUDA graphs' own use (a method's graphs share one).
+    Inside `serving()` the shim hands out the calling thread's device
+    allocations from it, so a capture there records no allocation or free
+    nodes. The memory stays until `release` (or this object is collected)
+    and the last tensor holding a block of it are gone."""
 
-    def __init__(self, functions: _ArenaFunctions, device_index: int):
+    def __init__(self, functions: _ArenaFunctions, device_index: int, failure: Callable[[str], str]):
         self._functions = functions
-        self._handle: int | None = functions.open(device_index)
-        if not self._handle:
-            raise ModelRuntimeError("out of host memory opening a graph arena")
+        handle = functions.new(device_index)
+        if not handle:
+            raise ModelRuntimeError(failure("making a graph arena"))
+        self._handle: int | None = handle
+        self._failure = failure
+        # A backstop for an arena its owner never released (an interrupted capture): its chunks go back to the pool.
+        self._finalizer = weakref.finalize(self, functions.release, handle)
 
     @property
     def nbytes(self) -> int:
         """Device memory the arena holds."""
         return int(self._functions.bytes(self._handle)) if self._handle else 0
 
-    def close(self) -> None:
-        """Stop serving allocations; the blocks handed out stay valid."""
-        self._functions.close()
+    @contextlib.contextmanager
+    def serving(self) -> Iterator[None]:
+        """This thread's device allocations come from the arena inside the block;
+        on leaving it the arena stops serving and its memory is ready for use."""
+        self._functions.serve(self._handle)
+        try:
+            yield
+        except BaseException:
+            self._functions.stop(self._handle)
+            raise
+        if self._functions.stop(self._handle) != 0:
+            raise ModelRuntimeError(self._failure("readying a graph arena's memory"))
 
     def release(self) -> None:
         """Give up this hold on the memory (once; the last holder frees it)."""
-        handle, self._handle = self._handle, None
-        if handle:
-            self._functions.release(handle)
+        self._handle = None
+        self._finalizer()
 
 
 class _Prefixed:

@@ -4,6 +4,8 @@ Captures themselves are tested on the GPU."""
 
 from __future__ import annotations
 
+import contextlib
+
 import numpy as np
 import pytest
 
@@ -24,8 +26,13 @@ class Arena:
     def __init__(self, events: list[str]):
         self.events = events
 
-    def close(self) -> None:
-        self.events.append("close arena")
+    @contextlib.contextmanager
+    def serving(self):
+        self.events.append("serve arena")
+        try:
+            yield
+        finally:
+            self.events.append("stop arena")
 
     def release(self) -> None:
         self.events.append("release arena")
@@ -81,15 +88,15 @@ def test_a_capture_starts_once_the_loads_registrations_are_let_go(monkeypatch):
     monkeypatch.setattr(graphs, "_DriverGraph", DriverGraph)
     monkeypatch.setattr(graphs, "wait_for_releases", lambda: events.append("wait_for_releases"))
     executor = graphs.CudaGraphExecutor.__new__(graphs.CudaGraphExecutor)
-    executor._executor, executor._dtypes, executor._graphs = Executor(events), [], {}
+    executor._executor, executor._dtypes, executor._graphs, executor._arena = Executor(events), [], {}, None
     with pytest.raises(Captured):
         executor._capture(())
-    assert events == ["use_device", "synchronize", "wait_for_releases", "open arena on 0", "capture", "close arena", "release arena"]
+    assert events == ["use_device", "synchronize", "wait_for_releases", "open arena on 0", "serve arena", "capture", "stop arena"]
 
 
 def _captured(staged: list[np.ndarray | None], graph: object = None, views: list | None = None) -> graphs._Captured:
     return graphs._Captured(graph=graph, inputs=[100 + index for index in range(len(staged))], outputs=None,  # type: ignore[arg-type]
-                            views=views or [], staged_inputs=staged, staged_outputs=[None] * len(views or []), arena=None)
+                            views=views or [], staged_inputs=staged, staged_outputs=[None] * len(views or []))
 
 
 def test_a_replay_writes_the_native_row_major_bytes_of_each_small_input_where_the_graph_copies_them_from():
@@ -168,15 +175,15 @@ def _fake_run_capture(monkeypatch, events: list, capture) -> graphs.CudaGraphExe
     monkeypatch.setattr(graphs, "wait_for_releases", lambda: None)
     monkeypatch.setattr(graphs, "wrap_memory", lambda *args: 0)
     executor = graphs.CudaGraphExecutor.__new__(graphs.CudaGraphExecutor)
-    executor._executor, executor._dtypes, executor._graphs = inner, ["float32"], {}
+    executor._executor, executor._dtypes, executor._graphs, executor._arena = inner, ["float32"], {}, None
     executor._container = type("Container", (), {"run": lambda self, handles, stream, single_threaded: [41, 42]})()
     executor._describe = lambda handle: graphs.TensorView.of(4096, "float32", (2,), (1,))
     return executor
 
 
-def test_a_capture_takes_its_memory_from_an_arena_open_only_while_it_runs(monkeypatch):
-    """Its allocations would otherwise be memory nodes of the graph; the arena
-    stops serving once the capture ends and is kept with the graph."""
+def test_a_methods_captures_take_their_memory_from_one_arena_served_only_while_each_runs(monkeypatch):
+    """Allocations outside a capture (ordinary calls) must not come from it; the
+    graphs share it, and closing the executor frees it after their outputs."""
     events: list = []
 
     def capture(run):
@@ -184,21 +191,25 @@ def test_a_capture_takes_its_memory_from_an_arena_open_only_while_it_runs(monkey
         return run()
 
     executor = _fake_run_capture(monkeypatch, events, capture)
-    captured = executor._capture(((2,),))
-    assert [event for event in events if "arena" in str(event) or event == "capture"] == ["open arena on 0", "capture", "close arena"]
-    assert captured.arena is not None
+    executor._graphs[((2,),)] = executor._capture(((2,),))
+    executor._graphs[((3,),)] = executor._capture(((3,),))
+    assert [event for event in events if "arena" in str(event) or event == "capture"] == [
+        "open arena on 0", "serve arena", "capture", "stop arena", "serve arena", "capture", "stop arena"]
     events.clear()
-    captured.graph = type("Graph", (), {"reset": lambda self: events.append("reset graph")})()
-    captured.release()
-    assert events == [("release outputs", [41, 42]), "reset graph", "release arena"]  # the memory goes last
+    for captured in executor._graphs.values():
+        captured.graph = type("Graph", (), {"reset": lambda self: events.append("reset graph")})()
+    executor._executor.close = lambda: events.append("close executor")
+    executor.close()
+    assert events == ["synchronize", ("release outputs", [41, 42]), "reset graph", ("release outputs", [41, 42]), "reset graph",
+                      "release arena", "close executor"]  # the memory goes after everything that held it
 
 
 def test_with_the_arena_off_a_capture_opens_none(monkeypatch):
     events: list = []
     monkeypatch.setattr(graphs, "GRAPH_ARENA", False)
     executor = _fake_run_capture(monkeypatch, events, lambda run: run())
-    assert executor._capture(((2,),)).arena is None
-    assert not [event for event in events if "arena" in str(event)]
+    executor._capture(((2,),))
+    assert executor._arena is None and not [event for event in events if "arena" in str(event)]
 
 
 def test_outputs_of_a_run_whose_capture_then_failed_are_released(monkeypatch):
@@ -211,6 +222,6 @@ def test_outputs_of_a_run_whose_capture_then_failed_are_released(monkeypatch):
     executor = _fake_run_capture(monkeypatch, events, capture)
     with pytest.raises(graphs.ModelRuntimeError, match="EndCapture"):
         executor._capture(((2,),))
-    # The outputs go back to the arena before its last hold is given up.
+    # The arena stops serving before the outputs go back to it; it is kept for the next capture.
     assert [event for event in events if "arena" in str(event) or "outputs" in str(event)] == [
-        "open arena on 0", "close arena", ("release outputs", [41, 42]), "release arena"]
+        "open arena on 0", "serve arena", "stop arena", ("release outputs", [41, 42])]
