@@ -26,6 +26,7 @@ or key is proven a rotation of the projection by the position
 from __future__ import annotations
 
 import math
+import operator as python_operator
 from dataclasses import dataclass
 from typing import Any
 
@@ -109,6 +110,45 @@ class CacheWrite:
     writes: tuple[Any, Any]
 
 
+def inline_grad_mode_regions(graph_module: Any) -> int:
+    """Inline each region the export wrapped to turn gradients off
+    (torch.ops.higher_order.wrap_with_set_grad_enabled(False, body, ...)): the
+    proofs follow values op by op and cannot see into a call of a submodule,
+    and an inference build computes the same either way. transformers 5.17's
+    Llama computes RoPE's cos and sin in such a region (no rotation was proven
+    in its static-cache export; 5.25 computes them inline). A body that reads
+    attributes of its own (a nested region, a constant) is left as it is.
+    Returns how many regions were inlined."""
+    import torch
+
+    region = getattr(torch.ops.higher_order, "wrap_with_set_grad_enabled", None)
+    graph, inlined = graph_module.graph, 0
+    for node in list(graph.nodes):
+        if region is None or node.op != "call_function" or node.target is not region or node.args[0] is not False:
+            continue
+        body = getattr(graph_module, str(node.args[1].target), None)
+        if body is None or any(inner.op == "get_attr" for inner in body.graph.nodes):
+            continue
+        placeholders = [inner for inner in body.graph.nodes if inner.op == "placeholder"]
+        operands = list(node.args[2:])
+        if len(placeholders) != len(operands) or any(user.target is not python_operator.getitem for user in node.users):
+            continue
+        with graph.inserting_before(node):
+            results = graph.graph_copy(body.graph, dict(zip(placeholders, operands)))
+        results = results if isinstance(results, (tuple, list)) else (results,)
+        for user in list(node.users):
+            user.replace_all_uses_with(results[user.args[1]])
+            graph.erase_node(user)
+        body_node = node.args[1]
+        graph.erase_node(node)
+        if not body_node.users:
+            graph.erase_node(body_node)
+        inlined += 1
+    if inlined:
+        graph_module.recompile()
+    return inlined
+
+
 def fuse_decode_attention(graph_module: Any, written_elsewhere: frozenset[str] = frozenset(), update_caches: bool = True) -> Fused:
     """Replace the qualifying SDPA calls of `graph_module` (a copy the caller
     owns: ExportedProgram.module() makes a new one) by the fused kernel.
@@ -122,6 +162,7 @@ def fuse_decode_attention(graph_module: Any, written_elsewhere: frozenset[str] =
 
     from . import attention_kernel  # noqa: F401  (registers the operators)
 
+    inline_grad_mode_regions(graph_module)
     graph = graph_module.graph
     limits: dict[Any, Any] = {}  # (mask, its [B, H, L, S]) -> the position that stands for it (the layers share one mask)
     masks = set()

@@ -989,3 +989,33 @@ def test_the_inputs_taken_as_the_position_are_recorded_and_bounded_to_the_positi
     compiled = CompiledLibrary(library=b"", weights=b"", device=DeviceSpec("cuda", "9.0"), options={}, positions=fused.positions)
     spec, _ = compile_package._method_spec(torch, "decode", signature, compiled, None, "cuda")
     assert spec.input("input_pos").bounds == (0, 23)
+
+
+class _GradFreeRegion(torch.nn.Module):
+    """RoPE-like angles computed where gradients are off, as transformers 5.17's Llama computes cos and sin."""
+
+    def __init__(self):
+        super().__init__()
+        self.register_buffer("frequencies", torch.arange(4, dtype=torch.float32))
+
+    def forward(self, x, position):
+        with torch.no_grad():
+            angle = position.float()[:, None] * self.frequencies[None]
+            cos, sin = angle.cos(), angle.sin()
+        return x * cos + x * sin
+
+
+def test_a_region_exported_with_gradients_off_is_inlined_and_computes_the_same():
+    """The export wraps it in a call of a submodule that the proofs cannot see into: a transformers
+    5.17 static-cache Llama got no rotation proven (transformers 5.25 computes cos and sin inline)."""
+    from cuda_runner.compile.attention import inline_grad_mode_regions
+
+    region = torch.ops.higher_order.wrap_with_set_grad_enabled
+    graph_module = torch.export.export(_GradFreeRegion(), (torch.randn(1, 4), torch.tensor([3]))).module()
+    assert sum(node.target is region for node in graph_module.graph.nodes) == 1
+    x, position = torch.randn(1, 4), torch.tensor([5])
+    expected = graph_module(x, position)
+    assert inline_grad_mode_regions(graph_module) == 1
+    assert not any(node.target is region for node in graph_module.graph.nodes)
+    assert torch.equal(graph_module(x, position), expected)
+    assert inline_grad_mode_regions(graph_module) == 0
