@@ -29,12 +29,12 @@ Who allocates the Run's tensors decides how to capture:
 - libtorch: its caching allocator must switch to a private graph pool while
   capturing; that switch is reachable only through torch's Python module, so
   this path imports torch (about 3.6 s, once).
-- cuda-runner's shim: it allocates stream-ordered (cuMemAllocAsync) on the
-  capturing stream, so allocations become the graph's own memory nodes, and
-  the graph is captured and replayed through the CUDA driver API with no
-  torch at all. The capture's allocations come from an arena the method's
-  graphs share (GRAPH_ARENA): without it each allocation and free would be a memory
-  node of the graph, 81 of them beside a 1B decoder step's 98 kernels, each a
+- cuda-runner's shim: the graph is captured and replayed through the CUDA
+  driver API with no torch at all. The capture's allocations come from an
+  arena the method's graphs share (GRAPH_ARENA). Without it the shim's
+  stream-ordered allocations (cuMemAllocAsync on the capturing stream) and
+  frees would each be a memory node of the graph, 81 of them beside a 1B
+  decoder step's 98 kernels, each a
   step of the replay and a break between two kernels that could otherwise
   overlap as programmatic dependents. CUDA_RUNNER_GRAPH_ARENA=0 captures
   them as memory nodes, instantiated with auto-free-on-launch so that each
@@ -70,8 +70,8 @@ MAX_GRAPHS = 8
 #: Whether graphs captured from now on hold their copies (False: each replay queues them, the earlier way;
 #: scripts/bench_graph_copies.py times both).
 COPIES_IN_GRAPH = True
-#: Whether captures through the driver take their device memory from an arena of the graph's own (see the module
-#: docstring); CUDA_RUNNER_GRAPH_ARENA=0 turns it off.
+#: Whether captures through the driver take their device memory from an arena the method's graphs share (see the
+#: module docstring); CUDA_RUNNER_GRAPH_ARENA=0 turns it off.
 GRAPH_ARENA = os.environ.get("CUDA_RUNNER_GRAPH_ARENA", "1") != "0"
 
 Shapes = tuple[tuple[int, ...], ...]
