@@ -748,6 +748,7 @@ def graph_arena_pairs(work: Path, count: int, rounds: int = 2) -> dict[str, Any]
     path = artifact(work, SETTINGS["builds"][0])
     token = np.array([[1]], np.int64)
     results: dict[str, Any] = {}
+    setting = graphs.GRAPH_ARENA
     for arena in [True, False, False, True] * rounds:
         graphs.GRAPH_ARENA = arena
         label = "arena" if arena else "memory nodes"
@@ -763,7 +764,7 @@ def graph_arena_pairs(work: Path, count: int, rounds: int = 2) -> dict[str, Any]
             entry["graph nodes"] = captured.graph.node_kinds()
             entry["arena bytes"] = executor.arena_bytes
         log(f"{label}: model.run {run['median_ms']} ms, replay alone {replay['median_ms']} ms")
-    graphs.GRAPH_ARENA = True
+    graphs.GRAPH_ARENA = setting
     return results
 
 

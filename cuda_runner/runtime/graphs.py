@@ -176,9 +176,10 @@ class CudaGraphExecutor(Executor):
             produced[:] = outputs
             return list(outputs)
 
-        if self._arena is None and isinstance(graph, _DriverGraph) and GRAPH_ARENA:
+        use_arena = isinstance(graph, _DriverGraph) and GRAPH_ARENA
+        if use_arena and self._arena is None:
             self._arena = shim.open_arena(executor.device_index)
-        serving = self._arena.serving() if self._arena is not None and isinstance(graph, _DriverGraph) and GRAPH_ARENA else contextlib.nullcontext()
+        serving = self._arena.serving() if use_arena and self._arena is not None else contextlib.nullcontext()
         try:
             with serving:
                 outputs = OwnedHandles(shim, graph.capture(run))
