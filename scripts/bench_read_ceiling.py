@@ -21,11 +21,6 @@ operands of the 1B decoder's shapes (16 layers and the head, bf16):
                     the same with every tile read before the wait: whether
                     what the boundaries cost is the wait (reads held back
                     until the launch before ends) or the launches themselves
-  reads, programmatic, the rest prefetched to the L2
-                    the first tile as the products load it, and the rest of
-                    the program's rows asked of the L2 cache before the wait
-                    (matvec_kernel.PREFETCH_WEIGHTS_L2's prefetch): the same
-                    question without holding the tiles in registers
   products          the 65 fused products as shipped (norms, SwiGLU,
                     residuals), programmatic
   products and attention
@@ -61,23 +56,18 @@ def read_kernel():
     import triton
     import triton.language as tl
 
-    from cuda_runner.compile.matvec_kernel import _await_inputs, _fetch_then_await, _rest_of_rows
+    from cuda_runner.compile.matvec_kernel import _await_inputs
 
     @triton.jit
     def cudarunner_read_rows(w0, w1, out, K: tl.constexpr, GATED: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                             PDL: tl.constexpr, ALL_EARLY: tl.constexpr, PREFETCH: tl.constexpr):
-        program = tl.program_id(0).to(tl.int64)
-        rows = program * BLOCK_N + tl.arange(0, BLOCK_N)
+                             PDL: tl.constexpr, ALL_EARLY: tl.constexpr):
+        rows = tl.program_id(0).to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)
         columns = tl.arange(0, BLOCK_K)
         sums = tl.load(w0 + rows[:, None] * K + columns[None, :], eviction_policy="evict_first").to(tl.float32)
         if GATED:
             sums += tl.load(w1 + rows[:, None] * K + columns[None, :], eviction_policy="evict_first").to(tl.float32)
         ready = 0
-        if PREFETCH:  # the products' prefetch of the rest of their rows, then their wait
-            first, size = _rest_of_rows(w0, program, K, K, BLOCK_N, BLOCK_K)
-            second, _ = _rest_of_rows(w1, program, K, K, BLOCK_N, BLOCK_K)
-            ready = _fetch_then_await(first, second, size, 2 if GATED else 1, PDL)
-        elif not ALL_EARLY:
+        if not ALL_EARLY:
             ready = _await_inputs(PDL)  # the products' own wait for the launch before
         elif PDL:  # the launch after may start as early as with the products' wait; only the wait moves
             tl.inline_asm_elementwise("griddepcontrol.launch_dependents; mov.u32 $0, 0;", "=r", [], dtype=tl.int32, is_pure=False, pack=1)
@@ -108,13 +98,10 @@ def flat_read_kernel():
     return read_all
 
 
-def read_launches(layers: list[dict], head: tuple, plans: dict[str, tuple], pdl: bool, all_early: bool = False, prefetch: bool = False) -> list:
-    """The step's 65 launches as reads of the same weights with the same plans; `prefetch`
-    where the products would prefetch (PREFETCH_WEIGHTS_L2 on)."""
+def read_launches(layers: list[dict], head: tuple, plans: dict[str, tuple], pdl: bool, all_early: bool = False) -> list:
+    """The step's 65 launches as reads of the same weights with the same plans."""
     import torch
     import triton
-
-    from cuda_runner.compile.matvec_kernel import _rows_prefetchable
 
     kernel = read_kernel()
     launches = []
@@ -127,10 +114,9 @@ def read_launches(layers: list[dict], head: tuple, plans: dict[str, tuple], pdl:
         rows, k = stacked[0].shape
         out = torch.empty(rows, device="cuda", dtype=torch.float32)
         second = stacked[1] if gated else stacked[0]
-        fetches = prefetch and _rows_prefetchable(stacked, block_n, block_k)
         launches.append(lambda w0=stacked[0], w1=second, out=out, rows=rows, k=k, gated=gated, block_n=block_n, block_k=block_k,
-                        warps=warps, fetches=fetches: kernel[(triton.cdiv(rows, block_n),)](
-            w0, w1, out, K=k, GATED=gated, BLOCK_N=block_n, BLOCK_K=block_k, PDL=pdl, ALL_EARLY=all_early, PREFETCH=fetches, num_warps=warps,
+                        warps=warps: kernel[(triton.cdiv(rows, block_n),)](
+            w0, w1, out, K=k, GATED=gated, BLOCK_N=block_n, BLOCK_K=block_k, PDL=pdl, ALL_EARLY=all_early, num_warps=warps,
             **({"launch_pdl": True} if pdl else {})))
     return launches
 
@@ -178,17 +164,8 @@ def main() -> int:
     record("reads, plain", read_launches(layers, head, plans, pdl=False))
     record("reads, programmatic", read_launches(layers, head, plans, pdl=True))
     record("reads, programmatic, every tile before the wait", read_launches(layers, head, plans, pdl=True, all_early=True))
-    record("reads, programmatic, the rest prefetched to the L2", read_launches(layers, head, plans, pdl=True, prefetch=True))
     products = [fused_launch(layer[name], plans[name]) for layer in layers for name in LAYER_LAUNCHES] + [fused_launch(head, plans["head"])]
     record("products", products)
-    import cuda_runner.compile.matvec_kernel as matvec_kernels
-
-    matvec_kernels.PREFETCH_WEIGHTS_L2 = True  # captured now: the launches read the switch when the graph is captured
-    try:
-        record("products, the rest prefetched to the L2", [fused_launch(layer[name], plans[name]) for layer in layers for name in LAYER_LAUNCHES]
-               + [fused_launch(head, plans["head"])])
-    finally:
-        matvec_kernels.PREFETCH_WEIGHTS_L2 = False
     limit = torch.tensor([STEP_POSITION], device="cuda")
     record("products and attention", step(layers, head, plans, attention_plans()["shipped"], limit))
     if options.output is not None:

@@ -98,8 +98,6 @@ SETTINGS: dict[str, Any] = {"size": "1b", "device": "cuda", "prompt": 32, "steps
 # The builds of the decoder: compile_methods keywords beyond the common ones.
 # options: a Python expression (aot is cuda_runner.compile.aot); switches: cuda-runner's kernel
 # switches set in the compiling process (module -> {name: value}), read when the kernels are built.
-SWITCHED = {"cuda_runner.compile.matvec_kernel": {"PREFETCH_WEIGHTS_L2": True},
-            "cuda_runner.compile.attention_kernel": {"EARLY_POSITION": True}}
 BUILDS: dict[str, dict[str, Any]] = {
     "default": {"runtime": "auto", "options": "None"},
     "libtorch": {"runtime": "libtorch", "options": "None"},
@@ -109,15 +107,13 @@ BUILDS: dict[str, dict[str, Any]] = {
     "no-combo": {"runtime": "auto", "options": "{'combo_kernels': False}"},
     "no-update": {"runtime": "auto", "options": "{'cuda_runner.fuse_cache_update': False}"},
     "pdl-inductor": {"runtime": "auto", "options": "{'cuda_runner.programmatic_inductor_kernels': True}"},
-    "switched": {"runtime": "auto", "options": "None", "switches": SWITCHED},
 }
 LABELS = {"default": "default bundle", "libtorch": "--libtorch bundle", "quick": "--quick bundle", "executorch": "ExecuTorch 1.5 program",
           "unfused": "default bundle without the fused decode attention (cuda_runner.fuse_decode_attention=false)",
           "no-matvec": "default bundle without the matrix-vector kernel (cuda_runner.matvec=false)",
           "no-combo": "default bundle without Inductor's combo kernels (combo_kernels=false)",
           "no-update": "default bundle with the cache writes and rotations left to Inductor (cuda_runner.fuse_cache_update=false)",
-          "pdl-inductor": "default bundle with Inductor's kernels as programmatic dependents (cuda_runner.programmatic_inductor_kernels=true)",
-          "switched": "default bundle with the products' L2 prefetch and the attention's early position (PREFETCH_WEIGHTS_L2, EARLY_POSITION)"}
+          "pdl-inductor": "default bundle with Inductor's kernels as programmatic dependents (cuda_runner.programmatic_inductor_kernels=true)"}
 COMPILE_TIMEOUT_S = float(os.environ.get("BENCH_SCALE_COMPILE_TIMEOUT", "480"))  # each side-by-side batch of compiles
 
 

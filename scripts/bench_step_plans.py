@@ -26,15 +26,12 @@ programmatic dependents:
   scale after the same step with the normed products' RMS scale applied to
               their sums (matvec_kernel.SCALE_AFTER_PRODUCTS) and to their row
               first, as shipped, alternately
-  prefetch    the same step with each product asking the L2 cache for the rest
-              of its weights before its wait (matvec_kernel.PREFETCH_WEIGHTS_L2)
-              and with its first tiles alone, as shipped, alternately
   early position
               the same step with the attention reading its position and the
               rotation tables' rows before its wait (attention_kernel.
               EARLY_POSITION) and after it, as shipped, alternately
 
-`--only NAME` times one of the last four alone (repeated, several).
+`--only NAME` times one of the last three alone (repeated, several).
 
 Medians of the replays with p10-p90, microseconds.
 
@@ -251,8 +248,6 @@ SWITCHES = {
                     {True: "first tiles read before the wait", False: "read after it"}),
     "scale-after": ("cuda_runner.compile.matvec_kernel", "SCALE_AFTER_PRODUCTS", ", normed products",
                     {True: "sums scaled", False: "row scaled first"}),
-    "prefetch": ("cuda_runner.compile.matvec_kernel", "PREFETCH_WEIGHTS_L2", ", products' weights",
-                 {True: "the rest prefetched to the L2 before the wait", False: "first tiles alone"}),
     "early-position": ("cuda_runner.compile.attention_kernel", "EARLY_POSITION", ", its position",
                        {True: "position and tables read before the wait", False: "after it"}),
 }

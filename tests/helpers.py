@@ -164,8 +164,8 @@ def ptx_statements(line: str) -> list[str]:
 
 
 def ptx_blocks(ptx: str) -> dict[str, tuple[list[str], list[str]]]:
-    """The kernel's basic blocks in order: label -> (its memory operations,
-    waits and L2 prefetches, the labels it may go to next)."""
+    """The kernel's basic blocks in order: label -> (its memory operations
+    and waits, the labels it may go to next)."""
     blocks: dict[str, tuple[list[str], list[str]]] = {}
     label, ops, order = "entry", [], []
     for raw in ptx.splitlines():
@@ -180,8 +180,6 @@ def ptx_blocks(ptx: str) -> dict[str, tuple[list[str], list[str]]]:
                 ops.append(statement.split()[0])
             elif statement.startswith("griddepcontrol.wait"):
                 ops.append("griddepcontrol.wait")
-            elif statement.startswith("cp.async.bulk.prefetch.L2"):
-                ops.append("prefetch.L2")
             elif statement.startswith("bra"):
                 ops.append(("goto " if statement.startswith("bra.uni") else "branch ") + statement.split()[-1])
     blocks[label] = (ops, [])

@@ -46,13 +46,6 @@ _TARGET_PROGRAMS = 1024
 # the program's wait, at the cost of rounding x * gain where the graph rounds x * scale first
 # (scripts/bench_step_plans.py --only scale-after times both; off until it has run on a GPU).
 SCALE_AFTER_PRODUCTS = False
-# Whether a programmatic product, before its wait, also asks the L2 cache for the rest of its
-# weights (cp.async.bulk.prefetch, Hopper), not only its first tiles: between two launches the
-# memory idles while the last programs of one drain and the next waits (about 1.2 us a boundary,
-# 0.08 ms a step of the 1B decoder, scripts/bench_read_ceiling.py); registers hold one tile, the L2
-# holds a program's whole stretch (scripts/bench_step_plans.py --only prefetch times both; off until
-# it has run on a GPU).
-PREFETCH_WEIGHTS_L2 = False
 
 
 # The shape is compiled in (constexpr), not passed: Inductor names one kernel
@@ -201,50 +194,6 @@ def _await_inputs(PDL: tl.constexpr):
 
 
 @triton.jit
-def _fetch_then_await(first, second, size, RANGES: tl.constexpr, PDL: tl.constexpr):
-    """_await_inputs, after one thread of the program has asked the L2 cache
-    for `size` bytes of weight (an int32 scalar, a multiple of 16) from
-    `first`, and where RANGES is 2 from `second` too. A prefetch is a hint:
-    the loads after the wait read the same bytes, from the L2 where they have
-    arrived. Each start is aligned down to 16 bytes, as the instruction needs
-    (an allocation starts aligned wider than that). One asm holds the
-    prefetches and the wait, so that no compiler moves one across the other."""
-    if PDL and RANGES == 1:
-        ready = tl.inline_asm_elementwise(
-            "{ .reg .pred leader; .reg .b32 thread; .reg .b64 start; mov.u32 thread, %tid.x; setp.eq.u32 leader, thread, 0; "
-            "and.b64 start, $1, 0xFFFFFFFFFFFFFFF0; @leader cp.async.bulk.prefetch.L2.global [start], $2; } "
-            "griddepcontrol.wait; griddepcontrol.launch_dependents; mov.u32 $0, 0;",
-            "=r,l,r", [first, size], dtype=tl.int32, is_pure=True, pack=1)
-        ready = tl.multiple_of(ready, 16)  # as _await_inputs' (0): the row's loads stay wide vectors
-    elif PDL and RANGES == 2:
-        ready = tl.inline_asm_elementwise(
-            "{ .reg .pred leader; .reg .b32 thread; .reg .b64 start; mov.u32 thread, %tid.x; setp.eq.u32 leader, thread, 0; "
-            "and.b64 start, $1, 0xFFFFFFFFFFFFFFF0; @leader cp.async.bulk.prefetch.L2.global [start], $3; "
-            "and.b64 start, $2, 0xFFFFFFFFFFFFFFF0; @leader cp.async.bulk.prefetch.L2.global [start], $3; } "
-            "griddepcontrol.wait; griddepcontrol.launch_dependents; mov.u32 $0, 0;",
-            "=r,l,l,r", [first, second, size], dtype=tl.int32, is_pure=True, pack=1)
-        ready = tl.multiple_of(ready, 16)
-    else:
-        ready = _await_inputs(PDL)
-    return ready
-
-
-@triton.jit
-def _rest_of_rows(weight, index, COLUMNS_K: tl.constexpr, ROW_STRIDE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    """Where the program's rows of weight go on past the first tile of their
-    first row, and how many bytes from there to the end of the last row: one
-    stretch, the rows being contiguous (the launch checks ROW_STRIDE ==
-    COLUMNS_K before it asks for prefetches). The stretch holds the first
-    tiles of the rows after the first, already loaded (a third of an o or
-    head program's prefetch, 43% of gate/up's): one prefetch covers it all.
-    The size is an int32: a stretch of 2 GiB or more would wrap (no plan
-    gives a program more than a few hundred KiB)."""
-    start = weight + index * BLOCK_N * ROW_STRIDE + BLOCK_K
-    size = tl.full([], (BLOCK_N * COLUMNS_K - BLOCK_K) * (weight.dtype.element_ty.primitive_bitwidth // 8), tl.int32)
-    return start, size
-
-
-@triton.jit
 def _norm_scale(x, COLUMNS_K: tl.constexpr, NORM: tl.constexpr, EPS: tl.constexpr, BLOCK_K: tl.constexpr):
     """The RMS norm's scale of the row, 1.0 without a norm."""
     if NORM:  # noqa: SIM108  (Triton: branches on a constexpr, not an expression)
@@ -284,16 +233,12 @@ def _normed_products(
 def _one_weight(
     x, norm_weight, residual, weight, out, index, COLUMNS_K: tl.constexpr, ROWS_N: tl.constexpr, ROW_STRIDE: tl.constexpr,
     NORM: tl.constexpr, EPS: tl.constexpr, RESIDUAL: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr,
-    SCALE_AFTER: tl.constexpr, PREFETCH: tl.constexpr,
+    SCALE_AFTER: tl.constexpr,
 ):
     """A program of the fused kernel over one weight (`index` counts its programs over that weight)."""
     rows = index * BLOCK_N + tl.arange(0, BLOCK_N)
     first = _first_tile(weight, rows, ROWS_N, COLUMNS_K, ROW_STRIDE, BLOCK_N, BLOCK_K)
-    if PREFETCH:
-        rest, size = _rest_of_rows(weight, index, COLUMNS_K, ROW_STRIDE, BLOCK_N, BLOCK_K)
-        ready = _fetch_then_await(rest, rest, size, 1, PDL)
-    else:
-        ready = _await_inputs(PDL)
+    ready = _await_inputs(PDL)
     scale = _norm_scale(x + ready, COLUMNS_K, NORM, EPS, BLOCK_K)
     sums = _normed_products(x + ready, norm_weight + ready, scale, weight, rows, first, ROWS_N, COLUMNS_K, ROW_STRIDE, NORM, BLOCK_N, BLOCK_K,
                             SCALE_AFTER)
@@ -306,10 +251,9 @@ def _matvec_fused_kernel(
     COLUMNS_K: tl.constexpr, ROWS0: tl.constexpr, ROWS1: tl.constexpr, ROWS2: tl.constexpr,
     STRIDE0: tl.constexpr, STRIDE1: tl.constexpr, STRIDE2: tl.constexpr, WEIGHTS: tl.constexpr, GATED: tl.constexpr,
     NORM: tl.constexpr, EPS: tl.constexpr, RESIDUAL: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SCALE_AFTER: tl.constexpr,
-    PREFETCH: tl.constexpr,
 ):
     _matvec_fused(x, norm_weight, residual, weight0, weight1, weight2, out0, out1, out2, COLUMNS_K, ROWS0, ROWS1, ROWS2, STRIDE0, STRIDE1,
-                  STRIDE2, WEIGHTS, GATED, NORM, EPS, RESIDUAL, BLOCK_N, BLOCK_K, False, SCALE_AFTER, PREFETCH)
+                  STRIDE2, WEIGHTS, GATED, NORM, EPS, RESIDUAL, BLOCK_N, BLOCK_K, False, SCALE_AFTER)
 
 
 # The same kernel for Hopper and later GPUs, to be launched as a programmatic
@@ -323,10 +267,9 @@ def cudarunner_pdl_matvec_fused(
     COLUMNS_K: tl.constexpr, ROWS0: tl.constexpr, ROWS1: tl.constexpr, ROWS2: tl.constexpr,
     STRIDE0: tl.constexpr, STRIDE1: tl.constexpr, STRIDE2: tl.constexpr, WEIGHTS: tl.constexpr, GATED: tl.constexpr,
     NORM: tl.constexpr, EPS: tl.constexpr, RESIDUAL: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SCALE_AFTER: tl.constexpr,
-    PREFETCH: tl.constexpr,
 ):
     _matvec_fused(x, norm_weight, residual, weight0, weight1, weight2, out0, out1, out2, COLUMNS_K, ROWS0, ROWS1, ROWS2, STRIDE0, STRIDE1,
-                  STRIDE2, WEIGHTS, GATED, NORM, EPS, RESIDUAL, BLOCK_N, BLOCK_K, True, SCALE_AFTER, PREFETCH)
+                  STRIDE2, WEIGHTS, GATED, NORM, EPS, RESIDUAL, BLOCK_N, BLOCK_K, True, SCALE_AFTER)
 
 
 @triton.jit
@@ -335,19 +278,14 @@ def _matvec_fused(
     COLUMNS_K: tl.constexpr, ROWS0: tl.constexpr, ROWS1: tl.constexpr, ROWS2: tl.constexpr,
     STRIDE0: tl.constexpr, STRIDE1: tl.constexpr, STRIDE2: tl.constexpr, WEIGHTS: tl.constexpr, GATED: tl.constexpr,
     NORM: tl.constexpr, EPS: tl.constexpr, RESIDUAL: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr,
-    SCALE_AFTER: tl.constexpr, PREFETCH: tl.constexpr,
+    SCALE_AFTER: tl.constexpr,
 ):
     program = tl.program_id(0).to(tl.int64)  # 64-bit: a vocabulary head passes 2**31 elements
     if GATED:  # silu(row @ W0^T) * (row @ W1^T), rounding as the graph does after each step
         rows = program * BLOCK_N + tl.arange(0, BLOCK_N)
         first_gate = _first_tile(weight0, rows, ROWS0, COLUMNS_K, STRIDE0, BLOCK_N, BLOCK_K)
         first_up = _first_tile(weight1, rows, ROWS0, COLUMNS_K, STRIDE1, BLOCK_N, BLOCK_K)
-        if PREFETCH:
-            gate_rest, size = _rest_of_rows(weight0, program, COLUMNS_K, STRIDE0, BLOCK_N, BLOCK_K)
-            up_rest, _ = _rest_of_rows(weight1, program, COLUMNS_K, STRIDE1, BLOCK_N, BLOCK_K)
-            ready = _fetch_then_await(gate_rest, up_rest, size, 2, PDL)
-        else:
-            ready = _await_inputs(PDL)
+        ready = _await_inputs(PDL)
         scale = _norm_scale(x + ready, COLUMNS_K, NORM, EPS, BLOCK_K)
         gate = _normed_products(x + ready, norm_weight + ready, scale, weight0, rows, first_gate, ROWS0, COLUMNS_K, STRIDE0, NORM, BLOCK_N,
                                 BLOCK_K, SCALE_AFTER)
@@ -358,21 +296,21 @@ def _matvec_fused(
         activated = (gate / (1.0 + tl.exp(-gate))).to(dtype).to(tl.float32)
         _store_rows(out0, rows, activated * up.to(dtype).to(tl.float32), residual, ROWS0, False)
     elif WEIGHTS == 1:
-        _one_weight(x, norm_weight, residual, weight0, out0, program, COLUMNS_K, ROWS0, STRIDE0, NORM, EPS, RESIDUAL, BLOCK_N, BLOCK_K, PDL, SCALE_AFTER, PREFETCH)
+        _one_weight(x, norm_weight, residual, weight0, out0, program, COLUMNS_K, ROWS0, STRIDE0, NORM, EPS, RESIDUAL, BLOCK_N, BLOCK_K, PDL, SCALE_AFTER)
     else:  # two or three weights, one after another along the programs (the unused are compiled out)
         first: tl.constexpr = (ROWS0 + BLOCK_N - 1) // BLOCK_N
         second: tl.constexpr = (ROWS1 + BLOCK_N - 1) // BLOCK_N
         if program < first:
-            _one_weight(x, norm_weight, residual, weight0, out0, program, COLUMNS_K, ROWS0, STRIDE0, NORM, EPS, False, BLOCK_N, BLOCK_K, PDL, SCALE_AFTER, PREFETCH)
+            _one_weight(x, norm_weight, residual, weight0, out0, program, COLUMNS_K, ROWS0, STRIDE0, NORM, EPS, False, BLOCK_N, BLOCK_K, PDL, SCALE_AFTER)
         elif WEIGHTS == 2:  # noqa: SIM114  (a constexpr test, apart from the run-time one below)
             _one_weight(x, norm_weight, residual, weight1, out1, program - first, COLUMNS_K, ROWS1, STRIDE1, NORM, EPS, False, BLOCK_N, BLOCK_K,
-                        PDL, SCALE_AFTER, PREFETCH)
+                        PDL, SCALE_AFTER)
         elif program < first + second:
             _one_weight(x, norm_weight, residual, weight1, out1, program - first, COLUMNS_K, ROWS1, STRIDE1, NORM, EPS, False, BLOCK_N, BLOCK_K,
-                        PDL, SCALE_AFTER, PREFETCH)
+                        PDL, SCALE_AFTER)
         else:
             _one_weight(x, norm_weight, residual, weight2, out2, program - first - second, COLUMNS_K, ROWS2, STRIDE2, NORM, EPS, False,
-                        BLOCK_N, BLOCK_K, PDL, SCALE_AFTER, PREFETCH)
+                        BLOCK_N, BLOCK_K, PDL, SCALE_AFTER)
 
 
 @triton_op(FUSED_OPERATOR, mutates_args=())
@@ -496,18 +434,7 @@ def launch_fused(
         STRIDE0=padded[0].stride(0), STRIDE1=padded[1].stride(0), STRIDE2=padded[2].stride(0), WEIGHTS=count, GATED=gated,
         NORM=gain is not None, EPS=float(norm_eps), RESIDUAL=added is not None, BLOCK_N=block_n, BLOCK_K=block_k,
         # float16 rounds x * gain before the scale, where a residual stream's large values overflow it
-        SCALE_AFTER=SCALE_AFTER_PRODUCTS and gain is not None and vector.dtype != torch.float16,
-        PREFETCH=PREFETCH_WEIGHTS_L2 and pdl and _rows_prefetchable(matrices, block_n, block_k), num_warps=warps,
+        SCALE_AFTER=SCALE_AFTER_PRODUCTS and gain is not None and vector.dtype != torch.float16, num_warps=warps,
         **({"launch_pdl": True} if launch_pdl else {}),
     )
 
-
-def _rows_prefetchable(matrices: list[torch.Tensor], block_n: int, block_k: int) -> bool:
-    """Whether each program's rows of every weight are one stretch of whole tiles
-    past its first, in whole 16-byte units: contiguous rows, no partial tile or
-    program (a stretch past the weight's end would be fetched), and more than
-    one tile to a row."""
-    columns_k = matrices[0].shape[1]
-    unit = matrices[0].element_size()
-    return (columns_k > block_k and columns_k % block_k == 0 and (block_k * unit) % 16 == 0 and (columns_k * unit) % 16 == 0
-            and all(matrix.stride(0) == columns_k and matrix.shape[0] % block_n == 0 for matrix in matrices))

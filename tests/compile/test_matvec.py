@@ -8,7 +8,6 @@ Triton is installed."""
 from __future__ import annotations
 
 import itertools
-import re
 import textwrap
 from types import SimpleNamespace
 
@@ -609,8 +608,8 @@ def test_inductor_sees_the_fused_kernel_write_its_outputs_alone(monkeypatch, row
     tensors |= {f"out{index}": torch.empty(1, 1, max(padded[index], 1), dtype=torch.bfloat16) if index < outputs else x for index in range(3)}
     constants = dict(COLUMNS_K=k, ROWS0=padded[0], ROWS1=padded[1], ROWS2=padded[2], STRIDE0=k, STRIDE1=k, STRIDE2=k, WEIGHTS=count,
                      GATED=gated, NORM=norm, EPS=1e-5, RESIDUAL=residual, BLOCK_N=block_n, BLOCK_K=block_k, SCALE_AFTER=norm)
-    for kernel, prefetch in ((_matvec_fused_kernel, False), (cudarunner_pdl_matvec_fused, False), (cudarunner_pdl_matvec_fused, True)):
-        arguments = {**tensors, **constants, "PREFETCH": prefetch}
+    for kernel in (_matvec_fused_kernel, cudarunner_pdl_matvec_fused):
+        arguments = {**tensors, **constants}
         if hasattr(triton_kernel_wrap, "identify_accessed_tensors"):  # torch 2.13; 2.11 has only identify_mutated_tensors
             written = {dep.name for dep in triton_kernel_wrap.identify_accessed_tensors(kernel, arguments, {}).read_writes.writes}
         else:
@@ -624,32 +623,25 @@ def test_inductor_sees_the_fused_kernel_write_its_outputs_alone(monkeypatch, row
     (2048, (2048, 512, 512), False, True, False), (2048, (8192, 8192), True, True, False), (2048, (2048,), False, False, True),
     (2048, (32000,), False, True, False), (5, (7, 5, 3), False, True, False), (5, (7, 7), True, True, False),
 ], ids=["qkv", "swiglu", "residual", "head", "masked-three", "masked-gated"])
-@pytest.mark.parametrize("scale_after, prefetch", [(False, False), (True, False), (False, True)],
-                         ids=["scaled row", "scaled sums", "rest prefetched"])
-def test_the_programmatic_kernel_loads_weights_then_waits_then_reads_the_row(k, rows, gated, norm, residual, scale_after, prefetch):
+@pytest.mark.parametrize("scale_after", [False, True], ids=["scaled row", "scaled sums"])
+def test_the_programmatic_kernel_loads_weights_then_waits_then_reads_the_row(k, rows, gated, norm, residual, scale_after):
     """Built for sm90 on the CPU: on every path through each program's PTX,
     nothing but the first tiles of weight (evict-first loads) is loaded and
     nothing is stored before griddepcontrol.wait; each wait follows such
-    loads, and where the rest of the program's weights is prefetched to the
-    L2 (PREFETCH_WEIGHTS_L2, where the rows are whole tiles past the first),
-    one prefetch per weight comes between them and the wait; an unmasked row
-    is still read as 16-byte vectors."""
+    loads; an unmasked row is still read as 16-byte vectors."""
     import inspect
 
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
-    from cuda_runner.compile.matvec_kernel import _rows_prefetchable, cudarunner_pdl_matvec_fused, fused_plan
+    from cuda_runner.compile.matvec_kernel import cudarunner_pdl_matvec_fused, fused_plan
 
     count = len(rows)
     padded = list(rows) + [0] * (3 - count)
     block_n, block_k, warps = fused_plan(list(rows), k, gated)
-    fetches = prefetch and _rows_prefetchable([torch.empty(n, k, dtype=torch.bfloat16) for n in rows], block_n, block_k)
-    assert fetches == (prefetch and k == 2048 and rows != (2048, 512, 512))  # q/k/v's first tile is its rows whole; k = 5: masked
     constants = dict(COLUMNS_K=k, ROWS0=padded[0], ROWS1=padded[1], ROWS2=padded[2], STRIDE0=k, STRIDE1=k, STRIDE2=k, WEIGHTS=count,
-                     GATED=gated, NORM=norm, EPS=1e-5, RESIDUAL=residual, BLOCK_N=block_n, BLOCK_K=block_k, SCALE_AFTER=scale_after,
-                     PREFETCH=fetches)
+                     GATED=gated, NORM=norm, EPS=1e-5, RESIDUAL=residual, BLOCK_N=block_n, BLOCK_K=block_k, SCALE_AFTER=scale_after)
     parameters = list(inspect.signature(cudarunner_pdl_matvec_fused.fn).parameters)
     source = ASTSource(fn=cudarunner_pdl_matvec_fused, signature={name: "constexpr" if name in constants else "*bf16" for name in parameters},
                        constexprs={(parameters.index(name),): value for name, value in constants.items()},
@@ -664,23 +656,14 @@ def test_the_programmatic_kernel_loads_weights_then_waits_then_reads_the_row(k, 
         for index, op in enumerate(ops):
             if op == "griddepcontrol.wait":
                 waits += 1
-                prior = list(reversed(ops[:index]))
-                fetched = list(itertools.takewhile(lambda earlier: earlier == "prefetch.L2", prior))
-                assert len(fetched) == ((2 if gated else 1) if fetches else 0), (label, ops[:index])
-                before = list(itertools.takewhile(lambda earlier: earlier.startswith("ld.global"), prior[len(fetched):]))
+                before = list(itertools.takewhile(lambda earlier: earlier.startswith("ld.global"), reversed(ops[:index])))
                 assert before and all("evict_first" in earlier for earlier in before), (label, ops[:index])
                 after = next((later for later in ops[index + 1:] if later.startswith("ld.global")), None)
                 assert not unmasked or after is None or ".v4." in after, (label, after)
                 done = True
             elif op.startswith("st.global") or (op.startswith("ld.global") and "evict_first" not in op):
                 assert done, (label, op)
-            elif op == "prefetch.L2":
-                assert not done, (label, op)
     assert waits and "griddepcontrol.launch_dependents;" in ptx
-    assert ("cp.async.bulk.prefetch.L2" in ptx) == fetches
-    if fetches:  # the rest of the program's rows past its first row's first tile, in bytes, as a constant
-        size = (block_n * k - block_k) * 2
-        assert re.search(rf"mov\.b32\s+%r\d+,\s*{size};", ptx), size
 
 
 def test_no_kernel_source_holds_a_backslash():

@@ -100,47 +100,6 @@ def test_the_kernel_that_fetches_weights_early_computes_the_same_bits(k, rows, f
     assert all(torch.equal(a, b) for a, b in zip(plain, early, strict=True))
 
 
-@pytest.mark.parametrize("form", ["products", "normed-gated", "normed-residual"])
-@pytest.mark.parametrize("offset", [0, 1], ids=["aligned", "weights 2 bytes off"])
-def test_weights_prefetched_to_the_l2_change_no_bit(monkeypatch, form, offset):
-    """PREFETCH_WEIGHTS_L2: each program asks the L2 for the rest of its rows
-    before its wait, launched as a programmatic dependent; the results equal
-    the plain kernel's to the bit. Weights that start 2 bytes past a 16-byte
-    boundary have their prefetch's start aligned down, and do not fault."""
-    from cuda_runner.compile import matvec_kernel
-
-    k, rows = 2048, (2048, 2048)
-    gated, residual_wanted = "gated" in form, "residual" in form
-    generator = torch.Generator("cuda").manual_seed(7 + offset)
-    x = torch.randn((1, 1, k), device="cuda", dtype=torch.bfloat16, generator=generator)
-    weights = []
-    for n in rows[:2 if gated else 1 if residual_wanted else 2]:
-        storage = torch.randn(n * k + offset, device="cuda", dtype=torch.bfloat16, generator=generator) / k ** 0.5
-        weights.append(storage[offset:].view(n, k))
-    norm = (torch.rand(k, device="cuda", generator=generator) + 0.5).to(torch.bfloat16) if "normed" in form else None
-    residual = torch.randn((1, 1, rows[0]), device="cuda", dtype=torch.bfloat16, generator=generator) if residual_wanted else None
-    chosen = matvec_kernel.fused_plan([weight.shape[0] for weight in weights], k, gated)
-    assert matvec_kernel._rows_prefetchable(weights, chosen[0], chosen[1])
-
-    def launched(prefetch: bool) -> list[torch.Tensor]:
-        monkeypatch.setattr(matvec_kernel, "PREFETCH_WEIGHTS_L2", prefetch)
-        outputs = [torch.full((1, 1, weight.shape[0]), float("nan"), device="cuda", dtype=torch.bfloat16) for weight in weights[:1 if gated else 2]]
-        matvec_kernel.launch_fused(x, weights, norm, 1e-5, residual, gated, outputs, chosen, pdl=prefetch, launch_pdl=prefetch)
-        torch.cuda.synchronize()
-        return outputs
-
-    assert all(torch.equal(a, b) for a, b in zip(launched(False), launched(True), strict=True))
-
-
-def test_a_chain_of_launches_that_prefetch_reads_what_each_launch_before_wrote(monkeypatch):
-    """The chain of test_a_chain_of_programmatic_launches_... with each product
-    prefetching the rest of its weights to the L2 before its wait."""
-    from cuda_runner.compile import matvec_kernel
-
-    monkeypatch.setattr(matvec_kernel, "PREFETCH_WEIGHTS_L2", True)
-    test_a_chain_of_programmatic_launches_reads_what_each_launch_before_wrote()
-
-
 def _reference_in_double(x, weights, norm, residual, gated):
     """The fused graph's result with the products in float64 and the graph's roundings to x's dtype kept."""
     from cuda_runner.compile.matvec_fusion import rms_normed

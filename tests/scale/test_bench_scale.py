@@ -20,13 +20,14 @@ def test_a_stage_saves_what_it_has_so_far_and_the_compile_jobs_still_get_setting
     assert json.loads(partial.read_text()) == {"compile": {"vit_b16": {"seconds": 1.0}}}
     # The compile jobs are Python source with SETTINGS written into it: a value
     # that is not a literal (a Path once) broke every compile job with a NameError.
+    switches = {"cuda_runner.compile.matvec_kernel": {"SCALE_AFTER_PRODUCTS": True}}
     code = bench_scale.COMPILE_BUNDLE.format(scripts="s", root="r", settings=dict(bench_scale.SETTINGS), path="p", device="cpu",
-                                             runtime="auto", options="None", switches=bench_scale.BUILDS["switched"]["switches"])
+                                             runtime="auto", options="None", switches=switches)
     calls = [node for node in ast.walk(ast.parse(code)) if isinstance(node, ast.Call)]
     written = next(node for node in calls if ast.unparse(node.func).endswith("SETTINGS.update"))
     assert ast.literal_eval(written.args[0]) == bench_scale.SETTINGS
     switched = next(node for node in calls if ast.unparse(node.func).endswith("set_switches"))
-    assert ast.literal_eval(switched.args[0]) == bench_scale.SWITCHED
+    assert ast.literal_eval(switched.args[0]) == switches
 
 
 def test_a_switch_that_does_not_exist_is_refused():
