@@ -377,8 +377,10 @@ struct Tensor {
 // would reuse it on a single stream: the free comes after every kernel queued
 // so far, the reuse before every kernel queued later. A programmatic
 // dependent may start before the kernel ahead of it ends, but the kernels
-// launched that way (crLaunchKernel) read only constants before their wait
-// and write nothing before it, so a reused block is never touched early.
+// launched that way (crLaunchKernel) read before their wait only constants
+// and step inputs no launch writes (the attention's position, in a buffer
+// taken for the whole replay), and write nothing before it, so a reused
+// block is never touched early.
 // Graphs of one method may share an arena: they replay one at a time on one
 // stream, and what one hands back (its outputs) stays taken.
 //
