@@ -218,13 +218,54 @@ def _updating_call(graph: Any, site: AttentionSite, cache_write: CacheWrite, mas
         operands.append((node, None, None, rotary.NO_ROTATION) if found is None else
                         (found.source, shared.node(found.cos, device), shared.node(found.sin, device), found.pairs))
     (query, query_cos, query_sin, query_pairs), (key, key_cos, key_sin, key_pairs) = operands
-    # The tables are the rewrite's own constants; the position and the limit, graph inputs the step does not write?
+    # May the kernel read its position and limit before it waits for the launch ahead of it
+    # (attention_kernel.EARLY_POSITION)? Where they are graph inputs the step does not write, and
+    # the kernel is never the step's first launch: that one's predecessor is whatever the caller
+    # queued last (run_device takes the caller's arrays as they are), which may write the position.
     memory = GraphMemory(graph)
-    unwritten = all(node.op == "placeholder" and not memory.written(node) for node in (cache_write.position, limit) if node is not None)
+    unwritten = (all(node.op == "placeholder" and not memory.written(node) for node in (cache_write.position, limit) if node is not None)
+                 and _after_a_product(graph, [query, key, cache_write.value]))
     call = graph.call_function(torch.ops.cuda_runner.decode_attention_update.default, (
         query, key, cache_write.value, cache_write.key_cache, cache_write.value_cache, cache_write.position, mask, site.scale, site.group,
         limit, query_cos, query_sin, key_cos, key_sin, query_pairs, key_pairs, unwritten))
     return call, (query_pairs != rotary.NO_ROTATION) + (key_pairs != rotary.NO_ROTATION)
+
+
+# Ops that always launch a kernel of the step: the products a decoder's query, key and value come
+# from (a copy or an elementwise op may be dropped by Inductor as doing nothing, a product never is).
+_PRODUCTS = frozenset({"aten.linear.default", "aten.mm.default", "aten.addmm.default", "aten.bmm.default", "aten.matmul.default",
+                       "aten.baddbmm.default", "aten.convolution.default"})
+
+
+def _after_a_product(graph: Any, operands: list[Any]) -> bool:
+    """Whether one of `operands` is computed from a product of a graph input: a
+    kernel of the step that comes before any launch reading them."""
+    inputs = {node for node in graph.nodes if node.op == "placeholder"}
+    seen: set[Any] = set()
+    pending = [node for node in operands if hasattr(node, "op")]
+    while pending:
+        node = pending.pop()
+        if node in seen:
+            continue
+        seen.add(node)
+        if node.op == "call_function" and str(node.target) in _PRODUCTS and _reads_any(node, inputs):
+            return True
+        pending.extend(node.all_input_nodes)
+    return False
+
+
+def _reads_any(node: Any, inputs: set[Any]) -> bool:
+    """Whether `node` is computed from one of `inputs` (a product of constants alone may be folded away)."""
+    seen: set[Any] = set()
+    pending = [node]
+    while pending:
+        current = pending.pop()
+        if current in inputs:
+            return True
+        if current not in seen:
+            seen.add(current)
+            pending.extend(current.all_input_nodes)
+    return False
 
 
 class _Shared:

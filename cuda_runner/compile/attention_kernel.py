@@ -126,8 +126,9 @@ def _decode_attention(
         early_values = tl.zeros([BLOCK_N, BLOCK_DV], dtype=value.dtype.element_ty)
     if EARLY_POSITION:  # only with UPDATE
         # The position and the limit are graph inputs, and the tables constants, that no launch of the
-        # step writes (compile/attention.py): the inputs are copied in before the step's first launch,
-        # which starts once the copies are complete, and no launch starts before the one ahead of it.
+        # step writes, and this is never the step's first launch (compile/attention.py): each launch
+        # of the step lets the next one start only after its own wait, so by the time this one starts
+        # everything queued before the step (the inputs' copies, a caller's kernel) has finished.
         early_step = tl.load(position).to(tl.int64)
         early_row = tl.minimum(tl.maximum(early_step, 0), table_rows - 1)
         early_key_cos, early_key_sin = _rotation_row(key_cos, key_sin, early_row, HEAD_DIM, BLOCK_D, KEY_PAIRS)

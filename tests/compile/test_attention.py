@@ -524,20 +524,35 @@ def test_cache_writes_the_kernel_would_make_out_of_order_stay_the_graphs(rows, a
     assert (sum(str(node.target) == "aten.index_copy_.default" for node in module.graph.nodes) == 0) is bool(updated)
 
 
-def test_a_position_the_step_writes_is_read_after_the_kernels_wait():
+class _ProjectedStep(_CachedStep):
+    """_CachedStep with its query a product of its input: the attention is not the step's first launch."""
+
+    def __init__(self, also="nothing"):
+        super().__init__(1, also)
+        self.project = torch.nn.Linear(8, 8, bias=False)
+
+    def forward(self, q, k, v, position):
+        return super().forward(self.project(q), k, v, position)
+
+
+@pytest.mark.parametrize("step", ["projected", "inputs alone"])
+def test_a_position_the_step_writes_is_read_after_the_kernels_wait(step):
     """The kernel may read its position before it waits for the launch before only where no launch of
-    the step writes it (attention_kernel.EARLY_POSITION): a position advanced in place is not such."""
+    the step writes it (attention_kernel.EARLY_POSITION), a position advanced in place being such, and
+    where a launch of the step comes before it: with its query, key and value the step's inputs it
+    would be the first, and its predecessor the caller's last kernel, which may write the position."""
     pytest.importorskip("triton")
     from cuda_runner.compile.attention import fuse_decode_attention
 
     args = (torch.randn(1, 4, 1, 8), torch.randn(1, 2, 1, 8), torch.randn(1, 2, 1, 8), torch.tensor([3]))
     unwritten = {}
     for also in ("nothing", "the position advanced after"):
-        module = torch.export.export(_CachedStep(1, also), tuple(arg.clone() for arg in args)).module()
+        model = _ProjectedStep(also) if step == "projected" else _CachedStep(1, also)
+        module = torch.export.export(model, tuple(arg.clone() for arg in args)).module()
         assert fuse_decode_attention(module).cache_updates == 1
         (call,) = _fused_update_calls(module)
         unwritten[also] = call.args[-1]
-    assert unwritten == {"nothing": True, "the position advanced after": False}
+    assert unwritten == {"nothing": step == "projected", "the position advanced after": False}
 
 
 @pytest.mark.triton
