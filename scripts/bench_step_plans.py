@@ -101,7 +101,8 @@ def update_launch(operands: tuple, position, chosen):
     from cuda_runner.compile.attention_kernel import CacheUpdate, launch_attention
 
     query, key, value, out, new_key, new_value, cos, sin = operands
-    update = CacheUpdate(new_key, new_value, position, (cos, sin, 1), (cos, sin, 1), inputs_unwritten=True)  # nothing in the step writes them
+    # nothing in the step writes them, and the products come first
+    update = CacheUpdate(new_key, new_value, position, (cos, sin, 1), (cos, sin, 1), inputs_unwritten=True, after_a_launch=True)
     return lambda: launch_attention(query, key, value, None, position, out, 0.125, 4, chosen, pdl=True, launch_pdl=True, update=update)
 
 

@@ -218,16 +218,16 @@ def _updating_call(graph: Any, site: AttentionSite, cache_write: CacheWrite, mas
         operands.append((node, None, None, rotary.NO_ROTATION) if found is None else
                         (found.source, shared.node(found.cos, device), shared.node(found.sin, device), found.pairs))
     (query, query_cos, query_sin, query_pairs), (key, key_cos, key_sin, key_pairs) = operands
-    # May the kernel read its position and limit before it waits for the launch ahead of it
-    # (attention_kernel.EARLY_POSITION)? Where they are graph inputs the step does not write, and
-    # the kernel is never the step's first launch: that one's predecessor is whatever the caller
-    # queued last (run_device takes the caller's arrays as they are), which may write the position.
+    # What the kernel may read before it waits for the launch ahead of it: nothing unless it is not the
+    # step's first launch, whose predecessor is whatever the caller queued last (run_device takes the
+    # caller's arrays as they are; the last call's cache writes); then the caches' first tiles, and
+    # the position and limit where they are graph inputs the step does not write.
     memory = GraphMemory(graph)
-    unwritten = (all(node.op == "placeholder" and not memory.written(node) for node in (cache_write.position, limit) if node is not None)
-                 and _after_a_product(graph, [query, key, cache_write.value]))
+    unwritten = all(node.op == "placeholder" and not memory.written(node) for node in (cache_write.position, limit) if node is not None)
+    after_a_launch = _after_a_product(graph, [query, key, cache_write.value])
     call = graph.call_function(torch.ops.cuda_runner.decode_attention_update.default, (
         query, key, cache_write.value, cache_write.key_cache, cache_write.value_cache, cache_write.position, mask, site.scale, site.group,
-        limit, query_cos, query_sin, key_cos, key_sin, query_pairs, key_pairs, unwritten))
+        limit, query_cos, query_sin, key_cos, key_sin, query_pairs, key_pairs, unwritten, after_a_launch))
     return call, (query_pairs != rotary.NO_ROTATION) + (key_pairs != rotary.NO_ROTATION)
 
 

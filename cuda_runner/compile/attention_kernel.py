@@ -116,9 +116,10 @@ def _decode_attention(
     value_dims = tl.arange(0, BLOCK_DV)
     begin = split * split_keys
     if EARLY:  # only with UPDATE
-        # No launch of the step writes the caches but this one (compile/attention.py), whose own row
-        # is substituted below: the stretch's first tiles are read before the wait, off the path from
-        # the query's product to this launch's result.
+        # No launch of the step writes the caches but this one, whose own row is substituted below,
+        # and a launch of the step came first, so the last call's writes are done (compile/attention.py):
+        # the stretch's first tiles are read before the wait, off the path from the query's product
+        # to this launch's result.
         early_keys, early_values = _first_cache_tiles(key + batch * k_b + kv_head * k_h, value + batch * v_b + kv_head * v_h, begin, kv_length,
                                                       k_s, k_d, v_s, v_d, HEAD_DIM, VALUE_DIM, BLOCK_N, BLOCK_D, BLOCK_DV)
     else:  # never chosen below (`first` is false): the tiles are read in the loop
@@ -126,9 +127,9 @@ def _decode_attention(
         early_values = tl.zeros([BLOCK_N, BLOCK_DV], dtype=value.dtype.element_ty)
     if EARLY_POSITION:  # only with UPDATE
         # The position and the limit are graph inputs, and the tables constants, that no launch of the
-        # step writes, and this is never the step's first launch (compile/attention.py): each launch
-        # of the step lets the next one start only after its own wait, so by the time this one starts
-        # everything queued before the step (the inputs' copies, a caller's kernel) has finished.
+        # step writes, and a launch of the step came first (compile/attention.py): each launch lets the
+        # next one start only after its own wait, so by the time this one starts everything queued
+        # before the step (the inputs' copies, a caller's kernel) has finished.
         early_step = tl.load(position).to(tl.int64)
         early_row = tl.minimum(tl.maximum(early_step, 0), table_rows - 1)
         early_key_cos, early_key_sin = _rotation_row(key_cos, key_sin, early_row, HEAD_DIM, BLOCK_D, KEY_PAIRS)
@@ -378,7 +379,7 @@ def decode_attention_update(query: torch.Tensor, new_key: torch.Tensor, new_valu
                             value_cache: torch.Tensor, position: torch.Tensor, mask: torch.Tensor | None, scale: float, group: int,
                             limit: torch.Tensor | None, query_cos: torch.Tensor | None, query_sin: torch.Tensor | None,
                             key_cos: torch.Tensor | None, key_sin: torch.Tensor | None, query_pairs: int, key_pairs: int,
-                            inputs_unwritten: bool = False) -> torch.Tensor:
+                            inputs_unwritten: bool = False, after_a_launch: bool = False) -> torch.Tensor:
     """A decode step's cache write and its attention in one launch:
     key_cache.index_copy_(2, position, rotate(new_key)), the same for the
     value (unrotated), then decode_attention of rotate(query) over the
@@ -386,13 +387,17 @@ def decode_attention_update(query: torch.Tensor, new_key: torch.Tensor, new_valu
     pairs are 0 (rotary.NO_ROTATION), else x * cos[position] + x[partner] *
     sin[position] with the tables [positions, D] (float32) and the pairing of
     compile/rotary.py, computed in float32 and rounded to the tensor's dtype.
-    A position outside the cache writes nothing. `inputs_unwritten`: the
-    position and the limit are graph inputs no launch of the step writes, and
-    the tables are constants (the kernel may read them before it waits)."""
+    A position outside the cache writes nothing. `after_a_launch`: a launch
+    of the step comes before this one, so everything queued before the step
+    has finished when it starts (it may read the caches' first tiles before
+    it waits). `inputs_unwritten`: the position and the limit are graph
+    inputs no launch of the step writes, and the tables are constants (with
+    `after_a_launch`, it may read them before it waits too)."""
     batch, heads, rows, head_dim = query.shape
     out = torch.empty((batch, heads, rows, value_cache.shape[3]), dtype=query.dtype, device=query.device)
     chosen = attention_plan(batch * heads * rows, key_cache.shape[2], head_dim, value_cache.shape[3])
-    update = CacheUpdate(new_key, new_value, position, (query_cos, query_sin, query_pairs), (key_cos, key_sin, key_pairs), inputs_unwritten)
+    update = CacheUpdate(new_key, new_value, position, (query_cos, query_sin, query_pairs), (key_cos, key_sin, key_pairs), inputs_unwritten,
+                         after_a_launch)
     launch_attention(query, key_cache, value_cache, mask, limit, out, scale, group, chosen, pdl=waits_for_inputs(query.device), update=update)
     return out
 
@@ -408,6 +413,9 @@ class CacheUpdate:
     query_rotation: tuple[torch.Tensor | None, torch.Tensor | None, int]
     key_rotation: tuple[torch.Tensor | None, torch.Tensor | None, int]
     inputs_unwritten: bool = False  # the position, the limit and the tables: nothing in the step writes them
+    # A launch of the step comes first: a launch lets the next start only after its own wait, so what was queued
+    # before the step (a caller's kernel that writes the position, the last call's cache writes) is done by then.
+    after_a_launch: bool = False
 
     def operands(self, query: torch.Tensor) -> tuple[object, ...]:
         """The kernel's update operands; the query stands in for a table not given (never read)."""
@@ -462,8 +470,8 @@ def launch_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor
         HEADS=heads, ROWS=rows, HEAD_DIM=head_dim, VALUE_DIM=value_dim,
         BLOCK_N=chosen.block_n, BLOCK_D=block_d, BLOCK_DV=block_dv, MASK_KIND=kind, SPLITS=chosen.splits,
         UPDATE=update is not None, QUERY_PAIRS=update.query_rotation[2] if update is not None else 0,
-        KEY_PAIRS=update.key_rotation[2] if update is not None else 0, EARLY=update is not None and EARLY_CACHE_TILES,
-        EARLY_POSITION=update is not None and update.inputs_unwritten and EARLY_POSITION,
+        KEY_PAIRS=update.key_rotation[2] if update is not None else 0, EARLY=update is not None and update.after_a_launch and EARLY_CACHE_TILES,
+        EARLY_POSITION=update is not None and update.after_a_launch and update.inputs_unwritten and EARLY_POSITION,
         num_warps=chosen.warps, **extra,
     )
     if chosen.splits > 1:

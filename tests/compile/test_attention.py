@@ -496,7 +496,8 @@ def test_the_decoders_cache_writes_and_rotations_move_into_the_fused_call():
         query, key, _, key_cache, value_cache, position = call.args[:6]
         assert (query.target, key.target) == (torch.ops.aten.transpose.int, torch.ops.aten.transpose.int)  # the projections, unrotated
         assert key_cache.target.endswith("k_cache") and value_cache.target.endswith("v_cache") and position.name == "input_pos"
-        assert call.args[-3:] == (1, 1, True)  # both rotated in neighbouring pairs; the position a graph input nothing writes
+        # both rotated in neighbouring pairs; the position a graph input nothing writes; the projections launched first
+        assert call.args[-4:] == (1, 1, True, True)
 
 
 class _CachedStep(torch.nn.Module):
@@ -545,23 +546,25 @@ class _ProjectedStep(_CachedStep):
 
 
 @pytest.mark.parametrize("step", ["projected", "inputs alone"])
-def test_a_position_the_step_writes_is_read_after_the_kernels_wait(step):
-    """The kernel may read its position before it waits for the launch before only where no launch of
-    the step writes it (attention_kernel.EARLY_POSITION), a position advanced in place being such, and
-    where a launch of the step comes before it: with its query, key and value the step's inputs it
-    would be the first, and its predecessor the caller's last kernel, which may write the position."""
+def test_the_kernel_reads_early_only_after_a_launch_of_the_step_and_a_position_nothing_writes(step):
+    """What the kernel reads before it waits for the launch ahead of it (attention_kernel.EARLY_CACHE_TILES,
+    EARLY_POSITION): nothing where it would be the step's first launch (its query, key and value the
+    step's inputs), whose predecessor is the caller's last kernel, which may write the position or
+    the last call's cache rows; its position only where no launch of the step writes it, a position
+    advanced in place being such."""
     pytest.importorskip("triton")
     from cuda_runner.compile.attention import fuse_decode_attention
 
     args = (torch.randn(1, 4, 1, 8), torch.randn(1, 2, 1, 8), torch.randn(1, 2, 1, 8), torch.tensor([3]))
-    unwritten = {}
+    flags = {}
     for also in ("nothing", "the position advanced after"):
         model = _ProjectedStep(also) if step == "projected" else _CachedStep(1, also)
         module = torch.export.export(model, tuple(arg.clone() for arg in args)).module()
         assert fuse_decode_attention(module).cache_updates == 1
         (call,) = _fused_update_calls(module)
-        unwritten[also] = call.args[-1]
-    assert unwritten == {"nothing": step == "projected", "the position advanced after": False}
+        flags[also] = call.args[-2:]  # (inputs_unwritten, after_a_launch)
+    after_a_launch = step == "projected"
+    assert flags == {"nothing": (True, after_a_launch), "the position advanced after": (False, after_a_launch)}
 
 
 @pytest.mark.triton
@@ -666,7 +669,7 @@ def test_the_updating_kernel_split_over_the_keys_writes_once_and_reads_what_it_w
             key_cache[:, :, step + 1:] = float("inf")
             value_cache[:, :, step + 1:] = float("nan")
             out = torch.empty(1, H, 1, D)
-            update = CacheUpdate(k, v, position, (*tables[1], 1), (*tables[1], 1))
+            update = CacheUpdate(k, v, position, (*tables[1], 1), (*tables[1], 1), after_a_launch=True)
             launch_attention(q, key_cache, value_cache, None, position, out, 0.3, G, AttentionPlan(*plan), update=update)
             torch.testing.assert_close(out, want, atol=1e-5, rtol=1e-5)
             torch.testing.assert_close(key_cache[:, :, :step + 1], want_keys[:, :, :step + 1], atol=1e-6, rtol=1e-6)
@@ -683,7 +686,7 @@ def test_the_updating_kernel_split_over_the_keys_writes_once_and_reads_what_it_w
             for unwritten in (False, True):
                 key_cache, value_cache = (cache.clone() for cache in caches)
                 got = decode_attention_update(q, k, v, key_cache, value_cache, position, mask, 0.3, G, position if mask is None else None,
-                                              *tables[pairs], *tables[pairs], pairs, pairs, unwritten)
+                                              *tables[pairs], *tables[pairs], pairs, pairs, unwritten, True)
                 results.append((got, key_cache, value_cache))
             assert all(torch.equal(late, early) for late, early in zip(*results)), (pairs, step, masked)
         print("ok")
@@ -724,7 +727,8 @@ def test_inductor_sees_the_kernels_write_only_their_outputs_and_the_caches(updat
         new_key, new_value = (torch.randn(1, 8, 1, 64, dtype=torch.bfloat16) for _ in range(2))
         position, cos, sin = torch.tensor([7]), torch.randn(512, 64), torch.randn(512, 64)
         attention_kernel.EARLY_POSITION = True
-        update = attention_kernel.CacheUpdate(new_key, new_value, position, (cos, sin, 1), (cos, sin, 2), {early_position}) if {update} else None
+        update = attention_kernel.CacheUpdate(new_key, new_value, position, (cos, sin, 1), (cos, sin, 2), {early_position},
+                                              after_a_launch=True) if {update} else None
         for pdl in (False, True):
             attention_kernel.launch_attention(q, keys, values, None, position, torch.empty_like(q), 0.125, 4,
                                               attention_kernel.attention_plan(32, 512, 64, 64), pdl=pdl, update=update)
@@ -850,6 +854,7 @@ def test_a_step_that_counts_its_position_the_hugging_face_way_is_fused_whole():
     assert (fused.calls, fused.position_limits, fused.cache_updates, fused.rotations) == (2, 2, 2, 4)
     calls = _fused_update_calls(module)
     assert [call.args[5].name for call in calls] == ["cache_position"] * 2  # the kernel reads the input, not each layer's counter
+    assert [call.args[-2:] for call in calls] == [(True, True)] * 2  # read early: the input nothing writes, after the projection
     assert sum(str(node.target) == "aten.add_.Tensor" for node in module.graph.nodes) == 2  # the counters still advance
 
 

@@ -110,7 +110,7 @@ def test_the_updating_kernel_writes_the_step_and_attends_to_it_as_index_copy_and
         want = F.scaled_dot_product_attention(rotate(q, min(position, 511)).float(), want_keys.float().repeat_interleave(4, 1),
                                               want_values.float().repeat_interleave(4, 1), attn_mask=allowed, scale=0.125)
         out = torch.full_like(q, float("nan"))
-        update = CacheUpdate(k, v, step, (*tables, pairs), (*tables, pairs), inputs_unwritten=True)
+        update = CacheUpdate(k, v, step, (*tables, pairs), (*tables, pairs), inputs_unwritten=True, after_a_launch=True)
         launch_attention(q, keys, values, None, step, out, 0.125, 4, AttentionPlan(*plan), pdl=True, launch_pdl=early_position, update=update)
         torch.cuda.synchronize()
         torch.testing.assert_close(out.float(), want, atol=2e-2, rtol=2e-2)
