@@ -234,7 +234,7 @@ def _updating_call(graph: Any, site: AttentionSite, cache_write: CacheWrite, mas
 # Ops that always launch a kernel of the step: the products a decoder's query, key and value come
 # from (a copy or an elementwise op may be dropped by Inductor as doing nothing, a product never is).
 _PRODUCTS = frozenset({"aten.linear.default", "aten.mm.default", "aten.addmm.default", "aten.bmm.default", "aten.matmul.default",
-                       "aten.baddbmm.default", "aten.convolution.default"})
+                       "aten.baddbmm.default", "aten.einsum.default", "aten._scaled_mm.default", "aten.convolution.default"})
 
 
 def _after_a_product(graph: Any, operands: list[Any]) -> bool:
