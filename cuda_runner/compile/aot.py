@@ -552,6 +552,7 @@ class OwnKernels:
             in_use.append("attention")
             if self.update:
                 in_use.append("update")  # a rewrite that fails gives up the update first, the attention after
+            # Before use_matvec: the attention's proof that a launch comes before it looks for aten's products.
             fused = attention.fuse_decode_attention(module, self.written_elsewhere, update_caches=self.update)
             if self.update:
                 in_use.pop()  # back below, as the newest of the build's kernels, where it was taken

@@ -233,14 +233,35 @@ def _updating_call(graph: Any, site: AttentionSite, cache_write: CacheWrite, mas
 
 # Ops that always launch a kernel of the step: the products a decoder's query, key and value come
 # from (a copy or an elementwise op may be dropped by Inductor as doing nothing, a product never is).
-_PRODUCTS = frozenset({"aten.linear.default", "aten.mm.default", "aten.addmm.default", "aten.bmm.default", "aten.matmul.default",
-                       "aten.baddbmm.default", "aten.einsum.default", "aten._scaled_mm.default", "aten.convolution.default"})
+_PRODUCTS = frozenset({
+    "linear", "mm", "addmm", "bmm", "matmul", "baddbmm", "einsum", "mv", "addmv", "_scaled_mm", "_int_mm", "_weight_int4pack_mm",
+    "_weight_int8pack_mm", "convolution", "conv1d", "conv2d", "conv3d",
+})
+# Ops that take only the shape (and dtype, device) of their tensor argument: what they make does
+# not wait for that tensor's kernel, which Inductor may then drop.
+_SHAPE_ONLY = frozenset({"zeros_like", "ones_like", "empty_like", "full_like", "rand_like", "randn_like", "randint_like",
+                         "new_zeros", "new_ones", "new_empty", "new_full", "sym_size", "sym_numel", "sym_stride"})
+
+
+def _op_name(node: Any) -> str:
+    """`mm` for aten.mm.default: the op without its namespace and overload."""
+    parts = str(node.target).split(".")
+    return parts[1] if node.op == "call_function" and len(parts) >= 2 and parts[0] == "aten" else ""
+
+
+def _value_inputs(node: Any) -> list[Any]:
+    """The nodes whose values `node` is computed from (not those it takes only the shape of)."""
+    return [] if _op_name(node) in _SHAPE_ONLY else node.all_input_nodes
 
 
 def _after_a_product(graph: Any, operands: list[Any]) -> bool:
     """Whether one of `operands` is computed from a product of a graph input: a
-    kernel of the step that comes before any launch reading them."""
-    inputs = {node for node in graph.nodes if node.op == "placeholder"}
+    kernel of the step that comes before any launch reading them (a product of
+    constants alone may be folded away at compile time)."""
+    from_inputs: set[Any] = set()
+    for node in graph.nodes:  # in order: each node after the ones it reads
+        if node.op == "placeholder" or any(source in from_inputs for source in _value_inputs(node)):
+            from_inputs.add(node)
     seen: set[Any] = set()
     pending = [node for node in operands if hasattr(node, "op")]
     while pending:
@@ -248,23 +269,9 @@ def _after_a_product(graph: Any, operands: list[Any]) -> bool:
         if node in seen:
             continue
         seen.add(node)
-        if node.op == "call_function" and str(node.target) in _PRODUCTS and _reads_any(node, inputs):
+        if _op_name(node) in _PRODUCTS and node in from_inputs:
             return True
-        pending.extend(node.all_input_nodes)
-    return False
-
-
-def _reads_any(node: Any, inputs: set[Any]) -> bool:
-    """Whether `node` is computed from one of `inputs` (a product of constants alone may be folded away)."""
-    seen: set[Any] = set()
-    pending = [node]
-    while pending:
-        current = pending.pop()
-        if current in inputs:
-            return True
-        if current not in seen:
-            seen.add(current)
-            pending.extend(current.all_input_nodes)
+        pending.extend(_value_inputs(node))
     return False
 
 

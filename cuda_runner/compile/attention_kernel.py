@@ -51,6 +51,7 @@ _TILE_ELEMENTS = 8192
 _TARGET_PROGRAMS = 512
 # The fewest keys a program takes: below this the merge costs more than the split saves.
 _MIN_SPLIT_KEYS = 32
+# Both switches below apply only to a launch that a launch of the step comes before (CacheUpdate.after_a_launch).
 # Whether an updating launch reads its stretch's first tiles of the caches before it waits for the
 # launch before (True), or after, as it reads everything else (scripts/bench_step_plans.py times both).
 EARLY_CACHE_TILES = True

@@ -545,7 +545,14 @@ class _ProjectedStep(_CachedStep):
         return super().forward(self.project(q), k, v, position)
 
 
-@pytest.mark.parametrize("step", ["projected", "inputs alone"])
+class _ShapeOfAProductStep(_ProjectedStep):
+    """Its query the input plus zeros shaped like a product: no kernel need compute the product."""
+
+    def forward(self, q, k, v, position):
+        return _CachedStep.forward(self, q + torch.zeros_like(self.project(q)), k, v, position)
+
+
+@pytest.mark.parametrize("step", ["projected", "inputs alone", "the shape of a product"])
 def test_the_kernel_reads_early_only_after_a_launch_of_the_step_and_a_position_nothing_writes(step):
     """What the kernel reads before it waits for the launch ahead of it (attention_kernel.EARLY_CACHE_TILES,
     EARLY_POSITION): nothing where it would be the step's first launch (its query, key and value the
@@ -558,7 +565,7 @@ def test_the_kernel_reads_early_only_after_a_launch_of_the_step_and_a_position_n
     args = (torch.randn(1, 4, 1, 8), torch.randn(1, 2, 1, 8), torch.randn(1, 2, 1, 8), torch.tensor([3]))
     flags = {}
     for also in ("nothing", "the position advanced after"):
-        model = _ProjectedStep(also) if step == "projected" else _CachedStep(1, also)
+        model = {"projected": _ProjectedStep, "the shape of a product": _ShapeOfAProductStep}.get(step, lambda also: _CachedStep(1, also))(also)
         module = torch.export.export(model, tuple(arg.clone() for arg in args)).module()
         assert fuse_decode_attention(module).cache_updates == 1
         (call,) = _fused_update_calls(module)
@@ -646,7 +653,8 @@ def test_the_updating_kernel_split_over_the_keys_writes_once_and_reads_what_it_w
                 want_values.index_copy_(2, position, v)
             want = torch.nn.functional.scaled_dot_product_attention(rotate(q, pairs, min(step, S - 1)), want_keys.repeat_interleave(G, 1),
                                                                     want_values.repeat_interleave(G, 1), attn_mask=allowed.view(1, 1, 1, S), scale=0.3)
-            got = decode_attention_update(q, k, v, key_cache, value_cache, position, mask, 0.3, G, limit, *table, *table, pairs, pairs)
+            # after a launch of the step: the caches' first tiles read before the wait (EARLY_CACHE_TILES)
+            got = decode_attention_update(q, k, v, key_cache, value_cache, position, mask, 0.3, G, limit, *table, *table, pairs, pairs, False, True)
             torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
             torch.testing.assert_close(key_cache, want_keys, atol=1e-6, rtol=1e-6)
             assert torch.equal(value_cache, want_values)
