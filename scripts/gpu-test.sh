@@ -58,10 +58,11 @@ scale_stages() {
     --work "${GPU_SCALE_WORK:-/tmp/cuda-runner-scale}" --out "$out" ${GPU_SCALE_ARGS:-} 2>&1 | tee -a "$out/scale.log"
 }
 scale_left="${GPU_SCALE:-}" compiling=""
+scale_left="${scale_left// /}"
 if [ "${GPU_SCALE_BESIDE:-0}" = 1 ] && [ "${GPU_TESTS:-1}" = 1 ] && [[ ",$scale_left," == *,compile,* ]]; then
-  # GPU_SCALE_BESIDE=1: the compile stage beside the tests (it is mostly Inductor on the CPU, and
-  # the tests leave cores idle: about 190 s saved on the 1B decoder), the timed stages after both,
-  # with the GPU to themselves; the whole-device tests wait for the compile too.
+  # GPU_SCALE_BESIDE=1: the compile stage beside the tests (mostly Inductor on the CPU, whose cores
+  # the tests leave idle, with some tuning on the GPU), the timed stages after both, with the GPU to
+  # themselves; the whole-device tests wait for the compile too.
   scale_stages compile > /dev/null &
   compiling=$!
   scale_left=$(echo ",$scale_left," | sed 's/,compile,/,/; s/^,//; s/,$//')
@@ -79,7 +80,7 @@ if [ "${GPU_TESTS:-1}" = 1 ]; then
   python3 -X faulthandler -m pytest -m "(gpu or triton) and not whole_device" tests -p no:cacheprovider -p no:logging -rA -s ${parallel[@]+"${parallel[@]}"} \
     ${GPU_TEST_ARGS:-} 2>&1 | tee "$out/gpu-tests.log"
   main=${PIPESTATUS[0]}
-  [ -z "$compiling" ] || wait "$compiling"
+  [ -z "$compiling" ] || wait "$compiling" || echo "the scale benchmarks' compile stage failed (see scale.log)"
   python3 -X faulthandler -m pytest -m "gpu and whole_device" tests -p no:cacheprovider -p no:logging -rA -s ${GPU_TEST_ARGS:-} \
     ${alone[@]+"${alone[@]}"} 2>&1 | tee "$out/gpu-tests-whole-device.log"
   whole=${PIPESTATUS[0]}
