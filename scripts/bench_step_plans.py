@@ -23,15 +23,12 @@ programmatic dependents:
               value and rotates its query and key (decode_attention_update,
               as the default build has it), its first tiles of the caches read
               before its wait and after it, alternately
-  scale after the same step with the normed products' RMS scale applied to
-              their sums (matvec_kernel.SCALE_AFTER_PRODUCTS) and to their row
-              first, as shipped, alternately
   early position
               the same step with the attention reading its position and the
               rotation tables' rows before its wait (attention_kernel.
               EARLY_POSITION), as shipped, and after it, alternately
 
-`--only NAME` times one of the last three alone (repeated, several).
+`--only NAME` times one of the last two alone (repeated, several).
 
 Medians of the replays with p10-p90, microseconds.
 
@@ -247,8 +244,6 @@ def main() -> int:
 SWITCHES = {
     "early-tiles": ("cuda_runner.compile.attention_kernel", "EARLY_CACHE_TILES", "",
                     {True: "first tiles read before the wait", False: "read after it"}),
-    "scale-after": ("cuda_runner.compile.matvec_kernel", "SCALE_AFTER_PRODUCTS", ", normed products",
-                    {True: "sums scaled", False: "row scaled first"}),
     "early-position": ("cuda_runner.compile.attention_kernel", "EARLY_POSITION", ", its position",
                        {True: "position and tables read before the wait", False: "after it"}),
 }

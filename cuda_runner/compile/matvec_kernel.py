@@ -41,11 +41,6 @@ FUSED_OPERATOR = "cuda_runner::matvec_fused"
 _TILE_ELEMENTS = 4096
 # Programs a product aims for at least: several per SM of a large GPU (132 on the H200), so that loads overlap.
 _TARGET_PROGRAMS = 1024
-# Whether a normed product applies the norm's scale to its sums (True) rather than to the row
-# before them: the scale's reduction and the products then no longer wait for each other after
-# the program's wait, at the cost of rounding x * gain where the graph rounds x * scale first
-# (scripts/bench_step_plans.py --only scale-after times both; off until it has run on a GPU).
-SCALE_AFTER_PRODUCTS = False
 
 
 # The shape is compiled in (constexpr), not passed: Inductor names one kernel
@@ -215,33 +210,16 @@ def _store_rows(out, rows, sums, residual, ROWS_N: tl.constexpr, RESIDUAL: tl.co
 
 
 @triton.jit
-def _normed_products(
-    x, norm_weight, scale, weight, rows, first, ROWS_N: tl.constexpr, COLUMNS_K: tl.constexpr, ROW_STRIDE: tl.constexpr,
-    NORM: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SCALE_AFTER: tl.constexpr,
-):
-    """_row_products of the row as the norm's `scale` leaves it: the row scaled
-    first, as the graph rounds it, or (SCALE_AFTER) the sums scaled, which
-    need not wait for the scale to start."""
-    if SCALE_AFTER and NORM:
-        sums = _row_products(x, norm_weight, 1.0, weight, rows, first, ROWS_N, COLUMNS_K, ROW_STRIDE, NORM, BLOCK_N, BLOCK_K) * scale
-    else:
-        sums = _row_products(x, norm_weight, scale, weight, rows, first, ROWS_N, COLUMNS_K, ROW_STRIDE, NORM, BLOCK_N, BLOCK_K)
-    return sums
-
-
-@triton.jit
 def _one_weight(
     x, norm_weight, residual, weight, out, index, COLUMNS_K: tl.constexpr, ROWS_N: tl.constexpr, ROW_STRIDE: tl.constexpr,
     NORM: tl.constexpr, EPS: tl.constexpr, RESIDUAL: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr,
-    SCALE_AFTER: tl.constexpr,
 ):
     """A program of the fused kernel over one weight (`index` counts its programs over that weight)."""
     rows = index * BLOCK_N + tl.arange(0, BLOCK_N)
     first = _first_tile(weight, rows, ROWS_N, COLUMNS_K, ROW_STRIDE, BLOCK_N, BLOCK_K)
     ready = _await_inputs(PDL)
     scale = _norm_scale(x + ready, COLUMNS_K, NORM, EPS, BLOCK_K)
-    sums = _normed_products(x + ready, norm_weight + ready, scale, weight, rows, first, ROWS_N, COLUMNS_K, ROW_STRIDE, NORM, BLOCK_N, BLOCK_K,
-                            SCALE_AFTER)
+    sums = _row_products(x + ready, norm_weight + ready, scale, weight, rows, first, ROWS_N, COLUMNS_K, ROW_STRIDE, NORM, BLOCK_N, BLOCK_K)
     _store_rows(out, rows, sums, residual + ready, ROWS_N, RESIDUAL)
 
 
@@ -250,10 +228,10 @@ def _matvec_fused_kernel(
     x, norm_weight, residual, weight0, weight1, weight2, out0, out1, out2,
     COLUMNS_K: tl.constexpr, ROWS0: tl.constexpr, ROWS1: tl.constexpr, ROWS2: tl.constexpr,
     STRIDE0: tl.constexpr, STRIDE1: tl.constexpr, STRIDE2: tl.constexpr, WEIGHTS: tl.constexpr, GATED: tl.constexpr,
-    NORM: tl.constexpr, EPS: tl.constexpr, RESIDUAL: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SCALE_AFTER: tl.constexpr,
+    NORM: tl.constexpr, EPS: tl.constexpr, RESIDUAL: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
     _matvec_fused(x, norm_weight, residual, weight0, weight1, weight2, out0, out1, out2, COLUMNS_K, ROWS0, ROWS1, ROWS2, STRIDE0, STRIDE1,
-                  STRIDE2, WEIGHTS, GATED, NORM, EPS, RESIDUAL, BLOCK_N, BLOCK_K, False, SCALE_AFTER)
+                  STRIDE2, WEIGHTS, GATED, NORM, EPS, RESIDUAL, BLOCK_N, BLOCK_K, False)
 
 
 # The same kernel for Hopper and later GPUs, to be launched as a programmatic
@@ -266,10 +244,10 @@ def cudarunner_pdl_matvec_fused(
     x, norm_weight, residual, weight0, weight1, weight2, out0, out1, out2,
     COLUMNS_K: tl.constexpr, ROWS0: tl.constexpr, ROWS1: tl.constexpr, ROWS2: tl.constexpr,
     STRIDE0: tl.constexpr, STRIDE1: tl.constexpr, STRIDE2: tl.constexpr, WEIGHTS: tl.constexpr, GATED: tl.constexpr,
-    NORM: tl.constexpr, EPS: tl.constexpr, RESIDUAL: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SCALE_AFTER: tl.constexpr,
+    NORM: tl.constexpr, EPS: tl.constexpr, RESIDUAL: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
     _matvec_fused(x, norm_weight, residual, weight0, weight1, weight2, out0, out1, out2, COLUMNS_K, ROWS0, ROWS1, ROWS2, STRIDE0, STRIDE1,
-                  STRIDE2, WEIGHTS, GATED, NORM, EPS, RESIDUAL, BLOCK_N, BLOCK_K, True, SCALE_AFTER)
+                  STRIDE2, WEIGHTS, GATED, NORM, EPS, RESIDUAL, BLOCK_N, BLOCK_K, True)
 
 
 @triton.jit
@@ -278,7 +256,6 @@ def _matvec_fused(
     COLUMNS_K: tl.constexpr, ROWS0: tl.constexpr, ROWS1: tl.constexpr, ROWS2: tl.constexpr,
     STRIDE0: tl.constexpr, STRIDE1: tl.constexpr, STRIDE2: tl.constexpr, WEIGHTS: tl.constexpr, GATED: tl.constexpr,
     NORM: tl.constexpr, EPS: tl.constexpr, RESIDUAL: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr,
-    SCALE_AFTER: tl.constexpr,
 ):
     program = tl.program_id(0).to(tl.int64)  # 64-bit: a vocabulary head passes 2**31 elements
     if GATED:  # silu(row @ W0^T) * (row @ W1^T), rounding as the graph does after each step
@@ -287,30 +264,29 @@ def _matvec_fused(
         first_up = _first_tile(weight1, rows, ROWS0, COLUMNS_K, STRIDE1, BLOCK_N, BLOCK_K)
         ready = _await_inputs(PDL)
         scale = _norm_scale(x + ready, COLUMNS_K, NORM, EPS, BLOCK_K)
-        gate = _normed_products(x + ready, norm_weight + ready, scale, weight0, rows, first_gate, ROWS0, COLUMNS_K, STRIDE0, NORM, BLOCK_N,
-                                BLOCK_K, SCALE_AFTER)
-        up = _normed_products(x + ready, norm_weight + ready, scale, weight1, rows, first_up, ROWS0, COLUMNS_K, STRIDE1, NORM, BLOCK_N,
-                              BLOCK_K, SCALE_AFTER)
+        gate = _row_products(x + ready, norm_weight + ready, scale, weight0, rows, first_gate, ROWS0, COLUMNS_K, STRIDE0, NORM, BLOCK_N,
+                             BLOCK_K)
+        up = _row_products(x + ready, norm_weight + ready, scale, weight1, rows, first_up, ROWS0, COLUMNS_K, STRIDE1, NORM, BLOCK_N, BLOCK_K)
         dtype = out0.dtype.element_ty
         gate = gate.to(dtype).to(tl.float32)
         activated = (gate / (1.0 + tl.exp(-gate))).to(dtype).to(tl.float32)
         _store_rows(out0, rows, activated * up.to(dtype).to(tl.float32), residual, ROWS0, False)
     elif WEIGHTS == 1:
-        _one_weight(x, norm_weight, residual, weight0, out0, program, COLUMNS_K, ROWS0, STRIDE0, NORM, EPS, RESIDUAL, BLOCK_N, BLOCK_K, PDL, SCALE_AFTER)
+        _one_weight(x, norm_weight, residual, weight0, out0, program, COLUMNS_K, ROWS0, STRIDE0, NORM, EPS, RESIDUAL, BLOCK_N, BLOCK_K, PDL)
     else:  # two or three weights, one after another along the programs (the unused are compiled out)
         first: tl.constexpr = (ROWS0 + BLOCK_N - 1) // BLOCK_N
         second: tl.constexpr = (ROWS1 + BLOCK_N - 1) // BLOCK_N
         if program < first:
-            _one_weight(x, norm_weight, residual, weight0, out0, program, COLUMNS_K, ROWS0, STRIDE0, NORM, EPS, False, BLOCK_N, BLOCK_K, PDL, SCALE_AFTER)
+            _one_weight(x, norm_weight, residual, weight0, out0, program, COLUMNS_K, ROWS0, STRIDE0, NORM, EPS, False, BLOCK_N, BLOCK_K, PDL)
         elif WEIGHTS == 2:  # noqa: SIM114  (a constexpr test, apart from the run-time one below)
             _one_weight(x, norm_weight, residual, weight1, out1, program - first, COLUMNS_K, ROWS1, STRIDE1, NORM, EPS, False, BLOCK_N, BLOCK_K,
-                        PDL, SCALE_AFTER)
+                        PDL)
         elif program < first + second:
             _one_weight(x, norm_weight, residual, weight1, out1, program - first, COLUMNS_K, ROWS1, STRIDE1, NORM, EPS, False, BLOCK_N, BLOCK_K,
-                        PDL, SCALE_AFTER)
+                        PDL)
         else:
             _one_weight(x, norm_weight, residual, weight2, out2, program - first - second, COLUMNS_K, ROWS2, STRIDE2, NORM, EPS, False,
-                        BLOCK_N, BLOCK_K, PDL, SCALE_AFTER)
+                        BLOCK_N, BLOCK_K, PDL)
 
 
 @triton_op(FUSED_OPERATOR, mutates_args=())
@@ -433,8 +409,7 @@ def launch_fused(
         COLUMNS_K=vector.shape[-1], ROWS0=rows[0], ROWS1=rows[1], ROWS2=rows[2],
         STRIDE0=padded[0].stride(0), STRIDE1=padded[1].stride(0), STRIDE2=padded[2].stride(0), WEIGHTS=count, GATED=gated,
         NORM=gain is not None, EPS=float(norm_eps), RESIDUAL=added is not None, BLOCK_N=block_n, BLOCK_K=block_k,
-        # float16 rounds x * gain before the scale, where a residual stream's large values overflow it
-        SCALE_AFTER=SCALE_AFTER_PRODUCTS and gain is not None and vector.dtype != torch.float16, num_warps=warps,
+        num_warps=warps,
         **({"launch_pdl": True} if launch_pdl else {}),
     )
 

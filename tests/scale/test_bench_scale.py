@@ -20,7 +20,7 @@ def test_a_stage_saves_what_it_has_so_far_and_the_compile_jobs_still_get_setting
     assert json.loads(partial.read_text()) == {"compile": {"vit_b16": {"seconds": 1.0}}}
     # The compile jobs are Python source with SETTINGS written into it: a value
     # that is not a literal (a Path once) broke every compile job with a NameError.
-    switches = {"cuda_runner.compile.matvec_kernel": {"SCALE_AFTER_PRODUCTS": True}}
+    switches = {"cuda_runner.compile.attention_kernel": {"EARLY_POSITION": False}}
     code = bench_scale.COMPILE_BUNDLE.format(scripts="s", root="r", settings=dict(bench_scale.SETTINGS), path="p", device="cpu",
                                              runtime="auto", options="None", switches=switches)
     calls = [node for node in ast.walk(ast.parse(code)) if isinstance(node, ast.Call)]
