@@ -27,13 +27,8 @@ programmatic dependents:
               the same step with the attention reading its position and the
               rotation tables' rows before its wait (attention_kernel.
               EARLY_POSITION), as shipped, and after it, alternately
-  all tiles early
-              the same step with each product's program reading all its
-              weight tiles before its wait, up to matvec_kernel.
-              EARLY_TILE_BYTES (matvec_kernel.ALL_TILES_EARLY), and the first
-              tile only, as shipped, alternately
 
-`--only NAME` times one of the last three alone (repeated, several).
+`--only NAME` times one of the last two alone (repeated, several).
 
 Medians of the replays with p10-p90, microseconds.
 
@@ -251,8 +246,6 @@ SWITCHES = {
                     {True: "first tiles read before the wait", False: "read after it"}),
     "early-position": ("cuda_runner.compile.attention_kernel", "EARLY_POSITION", ", its position",
                        {True: "position and tables read before the wait", False: "after it"}),
-    "all-tiles-early": ("cuda_runner.compile.matvec_kernel", "ALL_TILES_EARLY", ", the products' tiles",
-                        {True: "every tile before the wait", False: "the first tile before it"}),
 }
 
 

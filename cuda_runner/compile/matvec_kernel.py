@@ -41,12 +41,6 @@ FUSED_OPERATOR = "cuda_runner::matvec_fused"
 _TILE_ELEMENTS = 4096
 # Programs a product aims for at least: several per SM of a large GPU (132 on the H200), so that loads overlap.
 _TARGET_PROGRAMS = 1024
-# Whether a programmatic launch loads all its weight tiles before its wait, not only the first
-# (up to EARLY_TILE_BYTES a program, of both weights when gated): a launch's weights are then in
-# flight while the launch before it finishes, and after the wait only the row is read.
-# scripts/bench_step_plans.py --only all-tiles-early times both; off until it has run on a GPU.
-ALL_TILES_EARLY = False
-EARLY_TILE_BYTES = 32768
 
 
 # The shape is compiled in (constexpr), not passed: Inductor names one kernel
@@ -62,7 +56,7 @@ def _matvec_kernel(
     row_inside = rows < ROWS_N
     first = _first_tile(weight, rows, ROWS_N, COLUMNS_K, ROW_STRIDE, BLOCK_N, BLOCK_K)
     # No norm: x stands in for the norm's weight, which is not read.
-    result = _row_products(x, x, 1.0, weight, rows, first, ROWS_N, COLUMNS_K, ROW_STRIDE, False, BLOCK_N, BLOCK_K, BLOCK_K)
+    result = _row_products(x, x, 1.0, weight, rows, first, ROWS_N, COLUMNS_K, ROW_STRIDE, False, BLOCK_N, BLOCK_K)
     if HAS_BIAS:
         result += tl.load(bias + rows, mask=row_inside, other=0.0).to(tl.float32)
     tl.store(out + rows, result.to(out.dtype.element_ty), mask=row_inside)
@@ -137,14 +131,13 @@ def _vector_part(x, norm_weight, scale, columns, COLUMNS_K: tl.constexpr, NORM: 
 # counts every argument of that helper as written (the weights and the row
 # then became outputs of the library).
 @triton.jit
-def _first_tile(weight, rows, ROWS_N: tl.constexpr, COLUMNS_K: tl.constexpr, ROW_STRIDE: tl.constexpr, BLOCK_N: tl.constexpr, EARLY_K: tl.constexpr):
-    """The first EARLY_K columns of the weight's `rows` (one tile of the loop, or
-    more: ALL_TILES_EARLY), loaded before the program waits for the launch before
-    it: weights are never written in a step, so they can be in flight while that
-    launch finishes."""
+def _first_tile(weight, rows, ROWS_N: tl.constexpr, COLUMNS_K: tl.constexpr, ROW_STRIDE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """The first tile of the weight's `rows`, loaded before the program waits for
+    the launch before it: weights are never written in a step, so they can be
+    in flight while that launch finishes."""
     row_base = weight + rows[:, None] * ROW_STRIDE
-    columns = tl.arange(0, EARLY_K)
-    if ROWS_N % BLOCK_N == 0 and COLUMNS_K % EARLY_K == 0:
+    columns = tl.arange(0, BLOCK_K)
+    if ROWS_N % BLOCK_N == 0 and COLUMNS_K % BLOCK_K == 0:
         tile = tl.load(row_base + columns[None, :], eviction_policy="evict_first")
     else:
         inside = (rows < ROWS_N)[:, None] & (columns[None, :] < COLUMNS_K)
@@ -155,34 +148,15 @@ def _first_tile(weight, rows, ROWS_N: tl.constexpr, COLUMNS_K: tl.constexpr, ROW
 @triton.jit
 def _row_products(
     x, norm_weight, scale, weight, rows, first, ROWS_N: tl.constexpr, COLUMNS_K: tl.constexpr, ROW_STRIDE: tl.constexpr,
-    NORM: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EARLY_K: tl.constexpr,
+    NORM: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
-    """The row times the weight's `rows` (BLOCK_N of them), whose first EARLY_K
-    columns are `first` (_first_tile): their fp32 sums."""
+    """The row times the weight's `rows` (BLOCK_N of them), whose first tile is
+    `first` (_first_tile): their fp32 sums."""
+    row_base = weight + rows[:, None] * ROW_STRIDE
     # Masks only where the shape needs them: an unmasked tile loads as wide vectors.
     masked: tl.constexpr = ROWS_N % BLOCK_N != 0 or COLUMNS_K % BLOCK_K != 0
-    if EARLY_K == BLOCK_K:
-        partial = first.to(tl.float32) * _vector_part(x, norm_weight, scale, tl.arange(0, BLOCK_K), COLUMNS_K, NORM, masked)[None, :]
-        sums = tl.sum(_later_tiles(partial, x, norm_weight, scale, weight, rows, ROWS_N, COLUMNS_K, ROW_STRIDE, NORM, BLOCK_N, BLOCK_K,
-                                    EARLY_K), axis=1)
-    else:  # several tiles read before the wait (ALL_TILES_EARLY): summed apart from the loop's
-        early_masked: tl.constexpr = ROWS_N % BLOCK_N != 0 or COLUMNS_K % EARLY_K != 0
-        early = first.to(tl.float32) * _vector_part(x, norm_weight, scale, tl.arange(0, EARLY_K), COLUMNS_K, NORM, early_masked)[None, :]
-        partial = _later_tiles(tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32), x, norm_weight, scale, weight, rows, ROWS_N, COLUMNS_K,
-                               ROW_STRIDE, NORM, BLOCK_N, BLOCK_K, EARLY_K)
-        sums = tl.sum(early, axis=1) + tl.sum(partial, axis=1)
-    return sums
-
-
-@triton.jit
-def _later_tiles(
-    partial, x, norm_weight, scale, weight, rows, ROWS_N: tl.constexpr, COLUMNS_K: tl.constexpr, ROW_STRIDE: tl.constexpr,
-    NORM: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, START: tl.constexpr,
-):
-    """`partial` plus the products of the tiles from column START on, read in the loop."""
-    row_base = weight + rows[:, None] * ROW_STRIDE
-    masked: tl.constexpr = ROWS_N % BLOCK_N != 0 or COLUMNS_K % BLOCK_K != 0
-    for start in range(START, COLUMNS_K, BLOCK_K):
+    partial = first.to(tl.float32) * _vector_part(x, norm_weight, scale, tl.arange(0, BLOCK_K), COLUMNS_K, NORM, masked)[None, :]
+    for start in range(BLOCK_K, COLUMNS_K, BLOCK_K):
         columns = start + tl.arange(0, BLOCK_K)
         if masked:
             inside = (rows < ROWS_N)[:, None] & (columns[None, :] < COLUMNS_K)
@@ -190,7 +164,7 @@ def _later_tiles(
         else:
             tile = tl.load(row_base + columns[None, :], eviction_policy="evict_first")
         partial += tile.to(tl.float32) * _vector_part(x, norm_weight, scale, columns, COLUMNS_K, NORM, masked)[None, :]
-    return partial
+    return tl.sum(partial, axis=1)
 
 
 @triton.jit
@@ -239,15 +213,13 @@ def _store_rows(out, rows, sums, residual, ROWS_N: tl.constexpr, RESIDUAL: tl.co
 def _one_weight(
     x, norm_weight, residual, weight, out, index, COLUMNS_K: tl.constexpr, ROWS_N: tl.constexpr, ROW_STRIDE: tl.constexpr,
     NORM: tl.constexpr, EPS: tl.constexpr, RESIDUAL: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr,
-    EARLY_K: tl.constexpr,
 ):
     """A program of the fused kernel over one weight (`index` counts its programs over that weight)."""
     rows = index * BLOCK_N + tl.arange(0, BLOCK_N)
-    first = _first_tile(weight, rows, ROWS_N, COLUMNS_K, ROW_STRIDE, BLOCK_N, EARLY_K)
+    first = _first_tile(weight, rows, ROWS_N, COLUMNS_K, ROW_STRIDE, BLOCK_N, BLOCK_K)
     ready = _await_inputs(PDL)
     scale = _norm_scale(x + ready, COLUMNS_K, NORM, EPS, BLOCK_K)
-    sums = _row_products(x + ready, norm_weight + ready, scale, weight, rows, first, ROWS_N, COLUMNS_K, ROW_STRIDE, NORM, BLOCK_N, BLOCK_K,
-                         EARLY_K)
+    sums = _row_products(x + ready, norm_weight + ready, scale, weight, rows, first, ROWS_N, COLUMNS_K, ROW_STRIDE, NORM, BLOCK_N, BLOCK_K)
     _store_rows(out, rows, sums, residual + ready, ROWS_N, RESIDUAL)
 
 
@@ -256,10 +228,10 @@ def _matvec_fused_kernel(
     x, norm_weight, residual, weight0, weight1, weight2, out0, out1, out2,
     COLUMNS_K: tl.constexpr, ROWS0: tl.constexpr, ROWS1: tl.constexpr, ROWS2: tl.constexpr,
     STRIDE0: tl.constexpr, STRIDE1: tl.constexpr, STRIDE2: tl.constexpr, WEIGHTS: tl.constexpr, GATED: tl.constexpr,
-    NORM: tl.constexpr, EPS: tl.constexpr, RESIDUAL: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EARLY_K: tl.constexpr,
+    NORM: tl.constexpr, EPS: tl.constexpr, RESIDUAL: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
     _matvec_fused(x, norm_weight, residual, weight0, weight1, weight2, out0, out1, out2, COLUMNS_K, ROWS0, ROWS1, ROWS2, STRIDE0, STRIDE1,
-                  STRIDE2, WEIGHTS, GATED, NORM, EPS, RESIDUAL, BLOCK_N, BLOCK_K, False, EARLY_K)
+                  STRIDE2, WEIGHTS, GATED, NORM, EPS, RESIDUAL, BLOCK_N, BLOCK_K, False)
 
 
 # The same kernel for Hopper and later GPUs, to be launched as a programmatic
@@ -272,10 +244,10 @@ def cudarunner_pdl_matvec_fused(
     x, norm_weight, residual, weight0, weight1, weight2, out0, out1, out2,
     COLUMNS_K: tl.constexpr, ROWS0: tl.constexpr, ROWS1: tl.constexpr, ROWS2: tl.constexpr,
     STRIDE0: tl.constexpr, STRIDE1: tl.constexpr, STRIDE2: tl.constexpr, WEIGHTS: tl.constexpr, GATED: tl.constexpr,
-    NORM: tl.constexpr, EPS: tl.constexpr, RESIDUAL: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EARLY_K: tl.constexpr,
+    NORM: tl.constexpr, EPS: tl.constexpr, RESIDUAL: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
     _matvec_fused(x, norm_weight, residual, weight0, weight1, weight2, out0, out1, out2, COLUMNS_K, ROWS0, ROWS1, ROWS2, STRIDE0, STRIDE1,
-                  STRIDE2, WEIGHTS, GATED, NORM, EPS, RESIDUAL, BLOCK_N, BLOCK_K, True, EARLY_K)
+                  STRIDE2, WEIGHTS, GATED, NORM, EPS, RESIDUAL, BLOCK_N, BLOCK_K, True)
 
 
 @triton.jit
@@ -284,39 +256,37 @@ def _matvec_fused(
     COLUMNS_K: tl.constexpr, ROWS0: tl.constexpr, ROWS1: tl.constexpr, ROWS2: tl.constexpr,
     STRIDE0: tl.constexpr, STRIDE1: tl.constexpr, STRIDE2: tl.constexpr, WEIGHTS: tl.constexpr, GATED: tl.constexpr,
     NORM: tl.constexpr, EPS: tl.constexpr, RESIDUAL: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr,
-    EARLY_K: tl.constexpr,
 ):
     program = tl.program_id(0).to(tl.int64)  # 64-bit: a vocabulary head passes 2**31 elements
     if GATED:  # silu(row @ W0^T) * (row @ W1^T), rounding as the graph does after each step
         rows = program * BLOCK_N + tl.arange(0, BLOCK_N)
-        first_gate = _first_tile(weight0, rows, ROWS0, COLUMNS_K, STRIDE0, BLOCK_N, EARLY_K)
-        first_up = _first_tile(weight1, rows, ROWS0, COLUMNS_K, STRIDE1, BLOCK_N, EARLY_K)
+        first_gate = _first_tile(weight0, rows, ROWS0, COLUMNS_K, STRIDE0, BLOCK_N, BLOCK_K)
+        first_up = _first_tile(weight1, rows, ROWS0, COLUMNS_K, STRIDE1, BLOCK_N, BLOCK_K)
         ready = _await_inputs(PDL)
         scale = _norm_scale(x + ready, COLUMNS_K, NORM, EPS, BLOCK_K)
         gate = _row_products(x + ready, norm_weight + ready, scale, weight0, rows, first_gate, ROWS0, COLUMNS_K, STRIDE0, NORM, BLOCK_N,
-                             BLOCK_K, EARLY_K)
-        up = _row_products(x + ready, norm_weight + ready, scale, weight1, rows, first_up, ROWS0, COLUMNS_K, STRIDE1, NORM, BLOCK_N, BLOCK_K,
-                           EARLY_K)
+                             BLOCK_K)
+        up = _row_products(x + ready, norm_weight + ready, scale, weight1, rows, first_up, ROWS0, COLUMNS_K, STRIDE1, NORM, BLOCK_N, BLOCK_K)
         dtype = out0.dtype.element_ty
         gate = gate.to(dtype).to(tl.float32)
         activated = (gate / (1.0 + tl.exp(-gate))).to(dtype).to(tl.float32)
         _store_rows(out0, rows, activated * up.to(dtype).to(tl.float32), residual, ROWS0, False)
     elif WEIGHTS == 1:
-        _one_weight(x, norm_weight, residual, weight0, out0, program, COLUMNS_K, ROWS0, STRIDE0, NORM, EPS, RESIDUAL, BLOCK_N, BLOCK_K, PDL, EARLY_K)
+        _one_weight(x, norm_weight, residual, weight0, out0, program, COLUMNS_K, ROWS0, STRIDE0, NORM, EPS, RESIDUAL, BLOCK_N, BLOCK_K, PDL)
     else:  # two or three weights, one after another along the programs (the unused are compiled out)
         first: tl.constexpr = (ROWS0 + BLOCK_N - 1) // BLOCK_N
         second: tl.constexpr = (ROWS1 + BLOCK_N - 1) // BLOCK_N
         if program < first:
-            _one_weight(x, norm_weight, residual, weight0, out0, program, COLUMNS_K, ROWS0, STRIDE0, NORM, EPS, False, BLOCK_N, BLOCK_K, PDL, EARLY_K)
+            _one_weight(x, norm_weight, residual, weight0, out0, program, COLUMNS_K, ROWS0, STRIDE0, NORM, EPS, False, BLOCK_N, BLOCK_K, PDL)
         elif WEIGHTS == 2:  # noqa: SIM114  (a constexpr test, apart from the run-time one below)
             _one_weight(x, norm_weight, residual, weight1, out1, program - first, COLUMNS_K, ROWS1, STRIDE1, NORM, EPS, False, BLOCK_N, BLOCK_K,
-                        PDL, EARLY_K)
+                        PDL)
         elif program < first + second:
             _one_weight(x, norm_weight, residual, weight1, out1, program - first, COLUMNS_K, ROWS1, STRIDE1, NORM, EPS, False, BLOCK_N, BLOCK_K,
-                        PDL, EARLY_K)
+                        PDL)
         else:
             _one_weight(x, norm_weight, residual, weight2, out2, program - first - second, COLUMNS_K, ROWS2, STRIDE2, NORM, EPS, False,
-                        BLOCK_N, BLOCK_K, PDL, EARLY_K)
+                        BLOCK_N, BLOCK_K, PDL)
 
 
 @triton_op(FUSED_OPERATOR, mutates_args=())
@@ -416,18 +386,6 @@ def waits_for_inputs(device: torch.device) -> bool:
     return device.type == "cuda" and torch.cuda.get_device_capability(device)[0] >= 9
 
 
-def early_columns(block_n: int, block_k: int, columns_k: int, weights_per_program: int, itemsize: int) -> int:
-    """Columns of its weights' rows a program loads first, before its wait where it
-    is a programmatic dependent: one tile (block_k), or with ALL_TILES_EARLY as many
-    tiles as keep the program's early bytes within EARLY_TILE_BYTES, doubling (a
-    power of two, as a tile's width is), up to the whole row."""
-    columns = block_k
-    whole = triton.next_power_of_2(max(1, columns_k))
-    while ALL_TILES_EARLY and columns < whole and 2 * columns * block_n * weights_per_program * itemsize <= EARLY_TILE_BYTES:
-        columns *= 2
-    return columns
-
-
 def launch_fused(
     vector: torch.Tensor, matrices: list[torch.Tensor], gain: torch.Tensor | None, norm_eps: float, added: torch.Tensor | None,
     gated: bool, outputs: list[torch.Tensor], chosen_plan: tuple[int, int, int], pdl: bool = False, launch_pdl: bool = False,
@@ -451,7 +409,7 @@ def launch_fused(
         COLUMNS_K=vector.shape[-1], ROWS0=rows[0], ROWS1=rows[1], ROWS2=rows[2],
         STRIDE0=padded[0].stride(0), STRIDE1=padded[1].stride(0), STRIDE2=padded[2].stride(0), WEIGHTS=count, GATED=gated,
         NORM=gain is not None, EPS=float(norm_eps), RESIDUAL=added is not None, BLOCK_N=block_n, BLOCK_K=block_k,
-        EARLY_K=early_columns(block_n, block_k, vector.shape[-1], 2 if gated else 1, vector.element_size()), num_warps=warps,
+        num_warps=warps,
         **({"launch_pdl": True} if launch_pdl else {}),
     )
 

@@ -520,50 +520,6 @@ def test_a_float16_row_of_large_values_is_scaled_before_the_gain_as_the_graph_do
 
 @pytest.mark.triton
 @pytest.mark.skipif(not __import__("importlib").util.find_spec("triton"), reason="Triton is not installed (CPU torch)")
-def test_all_tiles_read_first_compute_what_one_tile_first_does_under_tritons_interpreter():
-    """matvec_kernel.ALL_TILES_EARLY (off, for an A/B on a GPU): a program reads several tiles of its
-    weights first; float32 as the reference computes, for shapes a tile divides and shapes it does not."""
-    script = textwrap.dedent("""
-        import torch
-        from cuda_runner.compile import matvec_kernel
-        from cuda_runner.compile.matvec_fusion import reference
-        matvec_kernel.ALL_TILES_EARLY = True
-        matvec_kernel.EARLY_TILE_BYTES = 16384  # so that these shapes read whole rows first, or some tiles first and more in the loop
-        torch.manual_seed(0)
-        worst = 0.0
-        for n, k in ((7, 5), (300, 1000), (64, 2048), (16, 4097)):
-            block_n, block_k, _ = matvec_kernel.plan(n, k)
-            early = matvec_kernel.early_columns(block_n, block_k, k, 1, 4)
-            assert early == {2048: 2048, 4097: 4096}.get(k, block_k) and (k < 2048 or early > block_k), (n, k, block_k, early)
-            x, w, g = torch.randn(1, k), torch.randn(n, k), torch.rand(k) + 0.5
-            for weights, residual, gated in (([w, w.flip(0), w[:2]], None, False), ([w, w.flip(0)], None, True),
-                                             ([w], torch.randn(1, n), False)):
-                for norm in (g, None):
-                    got = matvec_kernel.matvec_fused(x, weights, norm, 1e-5, residual, gated)
-                    for out, want in zip(got, reference(x, weights, norm, 1e-5, residual, gated)):
-                        worst = max(worst, ((out - want).abs().max() / want.abs().max()).item())
-        assert worst < 1e-4, worst
-        print("ok", worst)
-    """)
-    result = run_under_triton_interpreter(script)
-    assert result.returncode == 0 and "ok" in result.stdout, result.stderr[-2000:]
-
-
-@pytest.mark.parametrize("block_n, block_k, k, weights, on, expected", [
-    (2, 1024, 2048, 1, False, 1024), (2, 1024, 2048, 1, True, 2048), (4, 1024, 2048, 2, True, 2048), (8, 2048, 8192, 1, True, 2048),
-    (2, 2048, 2048, 1, True, 2048), (1, 512, 8192, 1, True, 8192), (1, 1024, 1000, 1, True, 1024), (4, 8, 5, 1, True, 8),
-], ids=["off", "o", "gate-up", "down-capped", "one-tile", "long-row", "short-row", "tiny"])
-def test_the_columns_read_first_stay_within_the_early_bytes(monkeypatch, block_n, block_k, k, weights, on, expected):
-    """The 1B decoder's plans (matvec_kernel._SWEPT_PLANS) with ALL_TILES_EARLY: o, gate/up and the head
-    read their whole rows first, down (128 KB a program) one tile; never past the row's power of two."""
-    from cuda_runner.compile import matvec_kernel
-
-    monkeypatch.setattr(matvec_kernel, "ALL_TILES_EARLY", on)
-    assert matvec_kernel.early_columns(block_n, block_k, k, weights, 2) == expected
-
-
-@pytest.mark.triton
-@pytest.mark.skipif(not __import__("importlib").util.find_spec("triton"), reason="Triton is not installed (CPU torch)")
 @pytest.mark.parametrize("case, message", [
     ("columns", "weights of shapes"), ("rows", "2 rows, not one"), ("bias", "a bias of 3"), ("dtype", "operand beside x"),
     ("gated", "different row counts"), ("residual", "a residual of 3"), ("norm", "a norm weight of 4"),
@@ -614,8 +570,7 @@ def test_the_kernel_builds_for_sm90_with_its_shape_compiled_in(shape, bias):
     ((32000,), False, True, False), ((2048, 512, 512), False, True, False), ((8192, 8192), True, True, False),
     ((2048,), False, False, True), ((7, 5), False, False, False),
 ], ids=["head", "qkv", "swiglu", "residual", "pair"])
-@pytest.mark.parametrize("all_tiles_early", [False, True], ids=["one tile first", "all tiles first"])
-def test_inductor_sees_the_fused_kernel_write_its_outputs_alone(monkeypatch, rows, gated, norm, residual, all_tiles_early):
+def test_inductor_sees_the_fused_kernel_write_its_outputs_alone(monkeypatch, rows, gated, norm, residual):
     """Inductor traces each store's address back through the TTIR to learn what a
     user kernel writes; whatever else it finds written becomes an output of the
     library (the 1B decoder's weights did, on the H200). Traced here for sm90."""
@@ -623,11 +578,9 @@ def test_inductor_sees_the_fused_kernel_write_its_outputs_alone(monkeypatch, row
     from torch._higher_order_ops import triton_kernel_wrap
     from triton.backends.compiler import GPUTarget
 
-    from cuda_runner.compile import matvec_kernel
-    from cuda_runner.compile.matvec_kernel import _matvec_fused_kernel, cudarunner_pdl_matvec_fused, early_columns, fused_plan
+    from cuda_runner.compile.matvec_kernel import _matvec_fused_kernel, cudarunner_pdl_matvec_fused, fused_plan
 
     monkeypatch.setattr(triton.runtime.driver, "_active", SimpleNamespace(get_current_target=lambda: GPUTarget("cuda", 90, 32)))
-    monkeypatch.setattr(matvec_kernel, "ALL_TILES_EARLY", all_tiles_early)
     k, count = 2048, len(rows)
     padded = list(rows) + [0] * (3 - count)
     block_n, block_k, _ = fused_plan(list(rows), k, gated)
@@ -637,8 +590,7 @@ def test_inductor_sees_the_fused_kernel_write_its_outputs_alone(monkeypatch, row
     outputs = 1 if gated else count
     tensors |= {f"out{index}": torch.empty(1, 1, max(padded[index], 1), dtype=torch.bfloat16) if index < outputs else x for index in range(3)}
     constants = dict(COLUMNS_K=k, ROWS0=padded[0], ROWS1=padded[1], ROWS2=padded[2], STRIDE0=k, STRIDE1=k, STRIDE2=k, WEIGHTS=count,
-                     GATED=gated, NORM=norm, EPS=1e-5, RESIDUAL=residual, BLOCK_N=block_n, BLOCK_K=block_k,
-                     EARLY_K=early_columns(block_n, block_k, k, 2 if gated else 1, 2))
+                     GATED=gated, NORM=norm, EPS=1e-5, RESIDUAL=residual, BLOCK_N=block_n, BLOCK_K=block_k)
     for kernel in (_matvec_fused_kernel, cudarunner_pdl_matvec_fused):
         arguments = {**tensors, **constants}
         if hasattr(triton_kernel_wrap, "identify_accessed_tensors"):  # torch 2.13; 2.11 has only identify_mutated_tensors
@@ -654,28 +606,24 @@ def test_inductor_sees_the_fused_kernel_write_its_outputs_alone(monkeypatch, row
     (2048, (2048, 512, 512), False, True, False), (2048, (8192, 8192), True, True, False), (2048, (2048,), False, False, True),
     (2048, (32000,), False, True, False), (5, (7, 5, 3), False, True, False), (5, (7, 7), True, True, False),
 ], ids=["qkv", "swiglu", "residual", "head", "masked-three", "masked-gated"])
-@pytest.mark.parametrize("all_tiles_early", [False, True], ids=["one tile first", "all tiles first"])
-def test_the_programmatic_kernel_loads_weights_then_waits_then_reads_the_row(monkeypatch, k, rows, gated, norm, residual, all_tiles_early):
+def test_the_programmatic_kernel_loads_weights_then_waits_then_reads_the_row(k, rows, gated, norm, residual):
     """Built for sm90 on the CPU: on every path through each program's PTX,
-    nothing but the first tiles of weight (evict-first loads; all of them with
-    ALL_TILES_EARLY) is loaded and nothing is stored before griddepcontrol.wait;
-    each wait follows such loads; an unmasked row is still read as 16-byte vectors."""
+    nothing but the first tiles of weight (evict-first loads) is loaded and
+    nothing is stored before griddepcontrol.wait; each wait follows such
+    loads; an unmasked row is still read as 16-byte vectors."""
     import inspect
 
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
-    from cuda_runner.compile import matvec_kernel
-    from cuda_runner.compile.matvec_kernel import cudarunner_pdl_matvec_fused, early_columns, fused_plan
+    from cuda_runner.compile.matvec_kernel import cudarunner_pdl_matvec_fused, fused_plan
 
-    monkeypatch.setattr(matvec_kernel, "ALL_TILES_EARLY", all_tiles_early)
     count = len(rows)
     padded = list(rows) + [0] * (3 - count)
     block_n, block_k, warps = fused_plan(list(rows), k, gated)
     constants = dict(COLUMNS_K=k, ROWS0=padded[0], ROWS1=padded[1], ROWS2=padded[2], STRIDE0=k, STRIDE1=k, STRIDE2=k, WEIGHTS=count,
-                     GATED=gated, NORM=norm, EPS=1e-5, RESIDUAL=residual, BLOCK_N=block_n, BLOCK_K=block_k,
-                     EARLY_K=early_columns(block_n, block_k, k, 2 if gated else 1, 2))
+                     GATED=gated, NORM=norm, EPS=1e-5, RESIDUAL=residual, BLOCK_N=block_n, BLOCK_K=block_k)
     parameters = list(inspect.signature(cudarunner_pdl_matvec_fused.fn).parameters)
     source = ASTSource(fn=cudarunner_pdl_matvec_fused, signature={name: "constexpr" if name in constants else "*bf16" for name in parameters},
                        constexprs={(parameters.index(name),): value for name, value in constants.items()},
