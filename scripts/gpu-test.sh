@@ -5,6 +5,15 @@
 # Runs from the source tree without installing. Logs go to $OUT when it is set.
 set -uo pipefail
 cd "$(dirname "$0")/.."
+if [ -n "${GPU_REQUIRE:-}" ]; then
+  # GPU_REQUIRE=H200: run only on a GPU whose name holds this (figures are per card, and a goal may
+  # be set for one); on any other, stop before anything is built or run, with status 3.
+  gpu_name=$(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | head -n 1)
+  case "$gpu_name" in
+    *"$GPU_REQUIRE"*) ;;
+    *) echo "GPU_REQUIRE=$GPU_REQUIRE: this machine's GPU is ${gpu_name:-not found}; nothing was run"; exit 3 ;;
+  esac
+fi
 out="${OUT:-$PWD/gpu-out}"
 mkdir -p "$out"
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
