@@ -28,6 +28,14 @@ programmatic dependents:
               rotation tables' rows before its wait (attention_kernel.
               EARLY_POSITION), as shipped, and after it, alternately
 
+`--update-plans` times, alone, the step with the updating attention (early
+tiles and position on, as the default build has it) under each attention plan
+at positions 31, 255 and 511, in two rounds, the second in the other order:
+the plans above were swept with the attention that only reads, where no tile
+is read before the wait, so a plan of one program a row, which then holds the
+whole cache before it, was never timed so. Each plan's result is first
+compared with the shipped plan's.
+
 `--only NAME` times one of the last two alone (repeated, several).
 
 Medians of the replays with p10-p90, microseconds.
@@ -119,6 +127,37 @@ def attention_error(chosen, position: int) -> float:
     return float((out.float() - want).abs().max())
 
 
+def update_difference(chosen, shipped, position: int) -> float:
+    """Max abs difference between the updating attention's result under `chosen` and under `shipped`
+    (one layer's operands; both write the same key and value at the same position)."""
+    import torch
+
+    operands = update_operands(1)[0]
+    at = torch.tensor([position], device="cuda")
+    results = []
+    for plan in (shipped, chosen):
+        update_launch(operands, at, plan)()
+        results.append(operands[3].float().clone())
+    torch.cuda.synchronize()
+    return float((results[0] - results[1]).abs().max())
+
+
+def update_plans(record, layers: list[dict], head: tuple, products: dict[str, tuple], plans: dict[str, object]) -> dict:
+    """The step with the updating attention under each attention plan, at each of POSITIONS, two rounds
+    (the second in reverse order); returns each plan's difference from the shipped plan's result."""
+    import torch
+
+    differences = {name: {str(p): round(update_difference(chosen, plans["shipped"], p), 5) for p in POSITIONS} for name, chosen in plans.items()}
+    print("differences from the shipped plan", json.dumps(differences), flush=True)
+    for position in POSITIONS:
+        at = torch.tensor([position], device="cuda")
+        for round_, names in ((1, list(plans)), (2, list(plans)[::-1])):
+            for name in names:
+                record(f"step with the cache update, position {position}, attention plan, round {round_}", name,
+                       step(layers, head, products, plans[name], at, update=True), 100)
+    return differences
+
+
 def fused_launch(operands: tuple, chosen: tuple):
     from cuda_runner.compile.matvec_kernel import launch_fused
 
@@ -179,6 +218,8 @@ def main() -> int:
     parser.add_argument("--output", type=Path, default=None)
     parser.add_argument("--replays", type=int, default=30)
     parser.add_argument("--no-sweep", action="store_true", help="leave out the products' plan sweep")
+    parser.add_argument("--update-plans", action="store_true",
+                        help="time only the step with the updating attention under each attention plan (see above)")
     parser.add_argument("--only", choices=sorted(SWITCHES), action="append", default=None,
                         help="time only this A/B of a kernel switch, on and off (repeat for several, in one set of operands)")
     options = parser.parse_args()
@@ -202,10 +243,12 @@ def main() -> int:
     layers, head = step_operands()
     shipped = shipped_plans()
     for name, (module_name, switch, subject, labels) in SWITCHES.items():
-        if options.only is None or name in options.only:
+        if (options.only is None and not options.update_plans) or (options.only is not None and name in options.only):
             switch_ab(record, f"step with the cache update, position {STEP_POSITION}{subject}", importlib.import_module(module_name), switch,
                       labels, layers, head, shipped, plans["shipped"])
-    if options.only is not None:
+    if options.update_plans:
+        results["updating attention max abs difference from the shipped plan"] = update_plans(record, layers, head, shipped, plans)
+    if options.only is not None or options.update_plans:
         return write(results, options.output)
     errors = {name: {str(p): round(attention_error(chosen, p), 5) for p in POSITIONS} for name, chosen in plans.items()}
     results["attention max abs error vs SDPA"] = errors
