@@ -27,6 +27,13 @@ programmatic dependents:
               the same step with the attention reading its position and the
               rotation tables' rows before its wait (attention_kernel.
               EARLY_POSITION), as shipped, and after it, alternately
+  attention-go-ahead, merge-go-ahead, both-go-ahead
+              the same step with the attention, the merge or both letting the
+              launch after them start before they wait for the launch before
+              (attention_kernel.ATTENTION_GO_AHEAD_FIRST, MERGE_GO_AHEAD_FIRST)
+              and after, alternately: the launch after a merge is the o
+              product, which could then read its first weight tiles while the
+              attention runs, not only while the merge does
 
 `--update-plans` times, alone, the step with the updating attention (early
 tiles and position on, as the default build has it) under each attention plan
@@ -36,7 +43,7 @@ is read before the wait, so a plan of one program a row, which then holds the
 whole cache before it, was never timed so. Each plan's result is first
 compared with the shipped plan's.
 
-`--only NAME` times one of the last two alone (repeated, several).
+`--only NAME` times one of the last five alone (repeated, several).
 
 Medians of the replays with p10-p90, microseconds.
 
@@ -289,25 +296,36 @@ SWITCHES = {
                     {True: "first tiles read before the wait", False: "read after it"}),
     "early-position": ("cuda_runner.compile.attention_kernel", "EARLY_POSITION", ", its position",
                        {True: "position and tables read before the wait", False: "after it"}),
+    "attention-go-ahead": ("cuda_runner.compile.attention_kernel", "ATTENTION_GO_AHEAD_FIRST", ", the attention's go-ahead",
+                           {True: "the attention lets the next launch start before its wait", False: "after it"}),
+    "merge-go-ahead": ("cuda_runner.compile.attention_kernel", "MERGE_GO_AHEAD_FIRST", ", the merge's go-ahead",
+                       {True: "the merge lets the next launch start before its wait", False: "after it"}),
+    "both-go-ahead": ("cuda_runner.compile.attention_kernel", ("ATTENTION_GO_AHEAD_FIRST", "MERGE_GO_AHEAD_FIRST"),
+                      ", the attention's and the merge's go-ahead",
+                      {True: "both let the next launch start before their wait", False: "after it"}),
 }
 
 
-def switch_ab(record, section: str, module, switch: str, labels: dict[bool, str], layers: list[dict], head: tuple,
+def switch_ab(record, section: str, module, switch: str | tuple[str, ...], labels: dict[bool, str], layers: list[dict], head: tuple,
               plans: dict[str, tuple], chosen) -> None:
-    """The step with the updating attention, captured with a kernel module's switch on and off, in two
-    rounds, the second in the other order (A B B A: a drift over the run weighs on both alike); the
-    switch is left as it was."""
+    """The step with the updating attention, captured with a kernel module's switch (or several,
+    set together) on and off, in two rounds, the second in the other order (A B B A: a drift over
+    the run weighs on both alike); the switches are left as they were."""
     import torch
 
     position = torch.tensor([STEP_POSITION], device="cuda")
-    was = getattr(module, switch)
+    names = switch if isinstance(switch, tuple) else (switch,)
+    were = {name: getattr(module, name) for name in names}
+    was = were[names[0]]
     try:
         for round_, order in ((1, (not was, was)), (2, (was, not was))):
             for setting in order:
-                setattr(module, switch, setting)
+                for name in names:
+                    setattr(module, name, setting)
                 record(f"{section}, round {round_}", labels[setting], step(layers, head, plans, chosen, position, update=True), 100)
     finally:
-        setattr(module, switch, was)
+        for name, value in were.items():
+            setattr(module, name, value)
 
 
 def write(results: dict, output: Path | None) -> int:

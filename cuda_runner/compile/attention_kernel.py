@@ -61,6 +61,17 @@ EARLY_CACHE_TILES = True
 # (scripts/bench_step_plans.py --only early-position times both: 0.004-0.009 ms off the 1B
 # decoder's step on an H100).
 EARLY_POSITION = True
+# Whether a launch of the attention (and of the merge) lets the launch after it start before it waits
+# for the one before (True), or after, as the products do (scripts/bench_step_plans.py --only
+# attention-go-ahead, --only merge-go-ahead). What any launch reads before its wait stays safe either
+# way. A product reads only constants so. An updating attention that reads its caches or position so
+# (after_a_launch) has a product of the step before it, computing its query, key or value; every
+# launch but these two, a product too, lets the launch after it start only after its own wait, when
+# everything queued before it has finished. So by the time such an attention starts, that product
+# has passed its wait and everything queued before the step has finished, whatever launches came
+# between.
+ATTENTION_GO_AHEAD_FIRST = False
+MERGE_GO_AHEAD_FIRST = False
 
 
 @triton.jit
@@ -71,12 +82,13 @@ def _decode_attention_kernel(
     HEADS: tl.constexpr, ROWS: tl.constexpr, HEAD_DIM: tl.constexpr, VALUE_DIM: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, MASK_KIND: tl.constexpr, SPLITS: tl.constexpr,
     UPDATE: tl.constexpr, QUERY_PAIRS: tl.constexpr, KEY_PAIRS: tl.constexpr, EARLY: tl.constexpr, EARLY_POSITION: tl.constexpr,
+    GO_AHEAD_FIRST: tl.constexpr,
 ):
     _decode_attention(query, key, value, mask, out, part_max, part_sum, part_acc, scale, kv_length, group, split_keys,
                       q_b, q_h, q_l, q_d, k_b, k_h, k_s, k_d, v_b, v_h, v_s, v_d, m_b, m_h, m_l, m_s, o_b, o_h, o_l, o_d,
                       new_key, new_value, position, query_cos, query_sin, key_cos, key_sin, table_rows, n_b, n_h, n_d, w_b, w_h, w_d,
                       HEADS, ROWS, HEAD_DIM, VALUE_DIM, BLOCK_N, BLOCK_D, BLOCK_DV, MASK_KIND, SPLITS, UPDATE, QUERY_PAIRS, KEY_PAIRS, EARLY, EARLY_POSITION,
-                      False)
+                      GO_AHEAD_FIRST, False)
 
 
 # The same, for a launch as a programmatic dependent: cuda-runner's shim launches
@@ -89,12 +101,13 @@ def cudarunner_pdl_decode_attention(
     HEADS: tl.constexpr, ROWS: tl.constexpr, HEAD_DIM: tl.constexpr, VALUE_DIM: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, MASK_KIND: tl.constexpr, SPLITS: tl.constexpr,
     UPDATE: tl.constexpr, QUERY_PAIRS: tl.constexpr, KEY_PAIRS: tl.constexpr, EARLY: tl.constexpr, EARLY_POSITION: tl.constexpr,
+    GO_AHEAD_FIRST: tl.constexpr,
 ):
     _decode_attention(query, key, value, mask, out, part_max, part_sum, part_acc, scale, kv_length, group, split_keys,
                       q_b, q_h, q_l, q_d, k_b, k_h, k_s, k_d, v_b, v_h, v_s, v_d, m_b, m_h, m_l, m_s, o_b, o_h, o_l, o_d,
                       new_key, new_value, position, query_cos, query_sin, key_cos, key_sin, table_rows, n_b, n_h, n_d, w_b, w_h, w_d,
                       HEADS, ROWS, HEAD_DIM, VALUE_DIM, BLOCK_N, BLOCK_D, BLOCK_DV, MASK_KIND, SPLITS, UPDATE, QUERY_PAIRS, KEY_PAIRS, EARLY, EARLY_POSITION,
-                      True)
+                      GO_AHEAD_FIRST, True)
 
 
 @triton.jit
@@ -105,8 +118,10 @@ def _decode_attention(
     HEADS: tl.constexpr, ROWS: tl.constexpr, HEAD_DIM: tl.constexpr, VALUE_DIM: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, MASK_KIND: tl.constexpr, SPLITS: tl.constexpr,
     UPDATE: tl.constexpr, QUERY_PAIRS: tl.constexpr, KEY_PAIRS: tl.constexpr, EARLY: tl.constexpr, EARLY_POSITION: tl.constexpr,
-    PDL: tl.constexpr,
+    GO_AHEAD_FIRST: tl.constexpr, PDL: tl.constexpr,
 ):
+    if GO_AHEAD_FIRST:
+        go = _go_ahead(PDL)
     program = tl.program_id(0).to(tl.int64)  # 64-bit offsets: a layer's cache may pass 2**31 elements
     split = tl.program_id(1).to(tl.int64)
     row = program % ROWS
@@ -138,7 +153,10 @@ def _decode_attention(
         early_limit = tl.load(mask + batch * m_b + head * m_h + row * m_l).to(tl.int64) if MASK_KIND == 3 else early_step
     # Everything else this touches, written tensors too, is addressed through `ready`:
     # nothing of it is read or written before the launch before it is done.
-    ready = _await_inputs(PDL)
+    if GO_AHEAD_FIRST:  # noqa: SIM108  (Triton: branches on a constexpr, not an expression)
+        ready = _await_after(go, PDL)
+    else:
+        ready = _await_inputs(PDL)
     key_base = key + ready + batch * k_b + kv_head * k_h
     value_base = value + ready + batch * v_b + kv_head * v_h
     if UPDATE:
@@ -231,6 +249,30 @@ def _decode_attention(
 
 
 @triton.jit
+def _go_ahead(PDL: tl.constexpr):
+    """Lets the launch after this one start now (griddepcontrol.launch_dependents), before this one
+    waits for the launch before it; returns the token _await_after takes, which keeps the wait after
+    this. Pure asm, as in _await_inputs, kept because its value is used."""
+    if PDL:  # noqa: SIM108  (Triton: branches on a constexpr, not an expression)
+        token = tl.inline_asm_elementwise("griddepcontrol.launch_dependents; mov.u32 $0, 0;", "=r", [], dtype=tl.int32, is_pure=True, pack=1)
+    else:
+        token = 0
+    return token
+
+
+@triton.jit
+def _await_after(token, PDL: tl.constexpr):
+    """0, once the launch before this one has finished and its writes are seen, as _await_inputs,
+    without letting the launch after this one start (_go_ahead, whose token it takes, did)."""
+    if PDL:
+        ready = tl.inline_asm_elementwise("griddepcontrol.wait; mov.u32 $0, $1;", "=r,r", [token], dtype=tl.int32, is_pure=True, pack=1)
+        ready = tl.multiple_of(ready, 16)  # as it is (0): the loads stay wide vectors
+    else:
+        ready = 0
+    return ready
+
+
+@triton.jit
 def _first_cache_tiles(key_head, value_head, begin, kv_length, k_s, k_d, v_s, v_d, HEAD_DIM: tl.constexpr, VALUE_DIM: tl.constexpr,
                        BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr):
     """The first tile of keys and of values of the stretch from `begin`, of one
@@ -280,28 +322,31 @@ def _load_rotated(base, d_stride, cos, sin, HEAD_DIM: tl.constexpr, BLOCK_D: tl.
 def _merge_splits_kernel(
     part_max, part_sum, part_acc, out, o_b, o_h, o_l, o_d,
     HEADS: tl.constexpr, ROWS: tl.constexpr, VALUE_DIM: tl.constexpr, BLOCK_DV: tl.constexpr,
-    SPLITS: tl.constexpr, BLOCK_S: tl.constexpr,
+    SPLITS: tl.constexpr, BLOCK_S: tl.constexpr, GO_AHEAD_FIRST: tl.constexpr,
 ):
-    _merge_splits(part_max, part_sum, part_acc, out, o_b, o_h, o_l, o_d, HEADS, ROWS, VALUE_DIM, BLOCK_DV, SPLITS, BLOCK_S, False)
+    _merge_splits(part_max, part_sum, part_acc, out, o_b, o_h, o_l, o_d, HEADS, ROWS, VALUE_DIM, BLOCK_DV, SPLITS, BLOCK_S, GO_AHEAD_FIRST, False)
 
 
 @triton.jit
 def cudarunner_pdl_merge_splits(
     part_max, part_sum, part_acc, out, o_b, o_h, o_l, o_d,
     HEADS: tl.constexpr, ROWS: tl.constexpr, VALUE_DIM: tl.constexpr, BLOCK_DV: tl.constexpr,
-    SPLITS: tl.constexpr, BLOCK_S: tl.constexpr,
+    SPLITS: tl.constexpr, BLOCK_S: tl.constexpr, GO_AHEAD_FIRST: tl.constexpr,
 ):
-    _merge_splits(part_max, part_sum, part_acc, out, o_b, o_h, o_l, o_d, HEADS, ROWS, VALUE_DIM, BLOCK_DV, SPLITS, BLOCK_S, True)
+    _merge_splits(part_max, part_sum, part_acc, out, o_b, o_h, o_l, o_d, HEADS, ROWS, VALUE_DIM, BLOCK_DV, SPLITS, BLOCK_S, GO_AHEAD_FIRST, True)
 
 
 @triton.jit
 def _merge_splits(
     part_max, part_sum, part_acc, out, o_b, o_h, o_l, o_d,
     HEADS: tl.constexpr, ROWS: tl.constexpr, VALUE_DIM: tl.constexpr, BLOCK_DV: tl.constexpr,
-    SPLITS: tl.constexpr, BLOCK_S: tl.constexpr, PDL: tl.constexpr,
+    SPLITS: tl.constexpr, BLOCK_S: tl.constexpr, GO_AHEAD_FIRST: tl.constexpr, PDL: tl.constexpr,
 ):
     """One row's stretches brought to a common maximum and summed: the softmax over all its keys."""
-    ready = _await_inputs(PDL)
+    if GO_AHEAD_FIRST:  # noqa: SIM108  (Triton: branches on a constexpr, not an expression)
+        ready = _await_after(_go_ahead(PDL), PDL)
+    else:
+        ready = _await_inputs(PDL)
     program = tl.program_id(0).to(tl.int64)
     row = program % ROWS
     head = (program // ROWS) % HEADS
@@ -473,13 +518,13 @@ def launch_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor
         UPDATE=update is not None, QUERY_PAIRS=update.query_rotation[2] if update is not None else 0,
         KEY_PAIRS=update.key_rotation[2] if update is not None else 0, EARLY=update is not None and update.after_a_launch and EARLY_CACHE_TILES,
         EARLY_POSITION=update is not None and update.after_a_launch and update.inputs_unwritten and EARLY_POSITION,
-        num_warps=chosen.warps, **extra,
+        GO_AHEAD_FIRST=pdl and ATTENTION_GO_AHEAD_FIRST, num_warps=chosen.warps, **extra,
     )
     if chosen.splits > 1:
         wrap_triton(cudarunner_pdl_merge_splits if pdl else _merge_splits_kernel)[(rows_total,)](
             part_max, part_sum, part_acc, out, *out.stride(),
             HEADS=heads, ROWS=rows, VALUE_DIM=value_dim, BLOCK_DV=block_dv, SPLITS=chosen.splits,
-            BLOCK_S=triton.next_power_of_2(chosen.splits), num_warps=1 if chosen.splits * block_dv <= 1024 else 4, **extra,
+            BLOCK_S=triton.next_power_of_2(chosen.splits), GO_AHEAD_FIRST=pdl and MERGE_GO_AHEAD_FIRST, num_warps=1 if chosen.splits * block_dv <= 1024 else 4, **extra,
         )
 
 

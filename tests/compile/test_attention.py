@@ -314,19 +314,23 @@ def test_the_decoders_cache_is_split_among_programs_and_merged_and_few_keys_are_
 
 @pytest.mark.triton
 @pytest.mark.skipif(not __import__("importlib").util.find_spec("triton"), reason="Triton is not installed (CPU torch)")
-@pytest.mark.parametrize("mask_kind, splits, pairs, early, early_position", [
-    (0, 16, None, False, False), (1, 16, None, False, False), (2, 1, None, False, False), (3, 16, None, False, False),
-    (3, 1, None, False, False), (3, 16, 1, True, False), (2, 1, 2, True, False), (3, 16, 0, True, False), (3, 16, 1, False, False),
-    (3, 16, 1, True, True), (3, 1, 2, False, True), (2, 16, 1, True, True), (0, 16, 0, False, True),
+@pytest.mark.parametrize("mask_kind, splits, pairs, early, early_position, go_ahead", [
+    (0, 16, None, False, False, False), (1, 16, None, False, False, False), (2, 1, None, False, False, False),
+    (3, 16, None, False, False, False), (3, 1, None, False, False, False), (3, 16, 1, True, False, False), (2, 1, 2, True, False, False),
+    (3, 16, 0, True, False, False), (3, 16, 1, False, False, False), (3, 16, 1, True, True, False), (3, 1, 2, False, True, False),
+    (2, 16, 1, True, True, False), (0, 16, 0, False, True, False),
+    (3, 16, 1, True, True, True), (3, 1, 2, False, True, True), (0, 16, None, False, False, True),
 ])
-def test_the_programmatic_attention_kernels_touch_memory_only_after_their_wait(mask_kind, splits, pairs, early, early_position):
+def test_the_programmatic_attention_kernels_touch_memory_only_after_their_wait(mask_kind, splits, pairs, early, early_position, go_ahead):
     """Built for sm90 on the CPU: on every path through the PTX of the
     attention kernel and of the merge, no load and no store comes before
     griddepcontrol.wait (the launch before may still be writing what they
     read, or reading what they write), but for the first tiles of the caches
     an updating kernel reads early (it is the one launch of the step that
     writes them) and, where asked, its position, limit and tables' rows
-    (graph inputs and constants no launch of the step writes)."""
+    (graph inputs and constants no launch of the step writes). The launch
+    after may start (griddepcontrol.launch_dependents) after the wait, or,
+    with GO_AHEAD_FIRST, before it."""
     import inspect
 
     import triton
@@ -344,9 +348,9 @@ def test_the_programmatic_attention_kernels_touch_memory_only_after_their_wait(m
                        "key_cos": "*fp32", "key_sin": "*fp32"} if pairs is not None else {}
     builds = [
         (cudarunner_pdl_decode_attention, dict(HEADS=32, ROWS=1, HEAD_DIM=64, VALUE_DIM=64, BLOCK_N=32, BLOCK_D=64, BLOCK_DV=64,
-                                               MASK_KIND=mask_kind, SPLITS=splits, **update),
+                                               MASK_KIND=mask_kind, SPLITS=splits, GO_AHEAD_FIRST=go_ahead, **update),
          {"mask": mask_type, "part_max": "*fp32", "part_sum": "*fp32", "part_acc": "*fp32", "scale": "fp32", **update_pointers}),
-        (cudarunner_pdl_merge_splits, dict(HEADS=32, ROWS=1, VALUE_DIM=64, BLOCK_DV=64, SPLITS=16, BLOCK_S=16),
+        (cudarunner_pdl_merge_splits, dict(HEADS=32, ROWS=1, VALUE_DIM=64, BLOCK_DV=64, SPLITS=16, BLOCK_S=16, GO_AHEAD_FIRST=go_ahead),
          {"part_max": "*fp32", "part_sum": "*fp32", "part_acc": "*fp32"}),
     ]
     for kernel, constants, pointers in builds:
@@ -377,7 +381,9 @@ def test_the_programmatic_attention_kernels_touch_memory_only_after_their_wait(m
                     # The early tiles are the entry block's loads before its wait, and nothing else is.
                     assert done or (early and label == "entry" and op.startswith("ld.global") and early_loads), (kernel.fn.__name__, label, op)
                     early_loads -= 0 if done else 1
-        assert touched and "griddepcontrol.launch_dependents;" in ptx and early_loads == 0
+        assert touched and ptx.count("griddepcontrol.launch_dependents;") == 1 and early_loads == 0
+        go_ahead_first = ptx.index("griddepcontrol.launch_dependents;") < ptx.index("griddepcontrol.wait;")
+        assert go_ahead_first == go_ahead, kernel.fn.__name__
 
 
 @pytest.mark.triton
@@ -705,8 +711,8 @@ def test_the_updating_kernel_split_over_the_keys_writes_once_and_reads_what_it_w
 
 @pytest.mark.triton
 @pytest.mark.skipif(not __import__("importlib").util.find_spec("triton"), reason="Triton is not installed (CPU torch)")
-@pytest.mark.parametrize("update, early_position", [(False, False), (True, False), (True, True)])
-def test_inductor_sees_the_kernels_write_only_their_outputs_and_the_caches(update, early_position):
+@pytest.mark.parametrize("update, early_position, go_ahead", [(False, False, False), (True, False, False), (True, True, False), (True, True, True)])
+def test_inductor_sees_the_kernels_write_only_their_outputs_and_the_caches(update, early_position, go_ahead):
     """What Inductor's analysis of a user Triton kernel finds written decides what it copies
     around the launch: were the position, the tables or the query taken for written (the analysis
     failing, as it does on a machine without a GPU driver), every step would copy them. Run here
@@ -735,6 +741,7 @@ def test_inductor_sees_the_kernels_write_only_their_outputs_and_the_caches(updat
         new_key, new_value = (torch.randn(1, 8, 1, 64, dtype=torch.bfloat16) for _ in range(2))
         position, cos, sin = torch.tensor([7]), torch.randn(512, 64), torch.randn(512, 64)
         attention_kernel.EARLY_POSITION = True
+        attention_kernel.ATTENTION_GO_AHEAD_FIRST = attention_kernel.MERGE_GO_AHEAD_FIRST = {go_ahead}
         update = attention_kernel.CacheUpdate(new_key, new_value, position, (cos, sin, 1), (cos, sin, 2), {early_position},
                                               after_a_launch=True) if {update} else None
         for pdl in (False, True):

@@ -73,18 +73,22 @@ def test_every_plan_of_the_decoders_call_computes_what_sdpa_does(plan):
         torch.testing.assert_close(out.float(), want, atol=2e-2, rtol=2e-2)
 
 
-@pytest.mark.parametrize("early_position", [False, True], ids=["position read after the wait", "before it, launched programmatically"])
+@pytest.mark.parametrize("early_position, go_ahead", [(False, False), (True, False), (True, True)],
+                         ids=["position read after the wait", "before it, launched programmatically", "and the next launch let go first"])
 @pytest.mark.parametrize("pairs", [0, 1, 2])
 @pytest.mark.parametrize("plan", [(32, 16, 32, 2), (512, 1, 512, 8)], ids=["split", "one program a row"])
-def test_the_updating_kernel_writes_the_step_and_attends_to_it_as_index_copy_and_sdpa_do(plan, pairs, early_position, monkeypatch):
+def test_the_updating_kernel_writes_the_step_and_attends_to_it_as_index_copy_and_sdpa_do(plan, pairs, early_position, go_ahead, monkeypatch):
     """The 1B decoder's call with the step's key and value written by the kernel: rotated in
     neighbouring pairs or halves, or not; at the first position, the edges of the stretches, the
     last, and past the cache (nothing written); the kernels that wait for the launch before, and
-    (attention_kernel.EARLY_POSITION) that read the position and the tables' rows before the wait."""
+    (attention_kernel.EARLY_POSITION) that read the position and the tables' rows before the wait,
+    and (ATTENTION_GO_AHEAD_FIRST, MERGE_GO_AHEAD_FIRST) let the next launch start before it."""
     from cuda_runner.compile import attention_kernel
     from cuda_runner.compile.attention_kernel import AttentionPlan, CacheUpdate, launch_attention
 
     monkeypatch.setattr(attention_kernel, "EARLY_POSITION", early_position)
+    monkeypatch.setattr(attention_kernel, "ATTENTION_GO_AHEAD_FIRST", go_ahead)
+    monkeypatch.setattr(attention_kernel, "MERGE_GO_AHEAD_FIRST", go_ahead)
 
     generator = torch.Generator("cuda").manual_seed(7)
     angles = torch.rand(512, 32, device="cuda", generator=generator) * 6.0

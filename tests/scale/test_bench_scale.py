@@ -33,3 +33,13 @@ def test_a_stage_saves_what_it_has_so_far_and_the_compile_jobs_still_get_setting
 def test_a_switch_that_does_not_exist_is_refused():
     with pytest.raises(AttributeError, match="no switch NOT_A_SWITCH"):
         bench_scale.set_switches({"bench_scale": {"NOT_A_SWITCH": True}})
+
+
+@pytest.mark.skipif(not __import__("importlib").util.find_spec("triton"), reason="Triton is not installed (CPU torch)")
+def test_every_builds_switches_exist():
+    import importlib
+
+    for build, keywords in bench_scale.BUILDS.items():
+        for module_name, values in keywords.get("switches", {}).items():
+            module = importlib.import_module(module_name)
+            assert all(hasattr(module, name) for name in values), build
