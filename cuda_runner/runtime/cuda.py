@@ -33,6 +33,7 @@ from .tensors import OwnedHandles, TensorView, contiguous_strides, gather, span_
 # cudaMemcpyKind, cudaHostRegister and cudaStreamCreateWithFlags flag values.
 HOST_TO_DEVICE = 1
 DEVICE_TO_HOST = 2
+DEVICE_TO_DEVICE = 3
 HOST_REGISTER_READ_ONLY = 8
 _STREAM_NON_BLOCKING = 1
 _CUPY_MISSING = "running on CUDA needs CuPy; install it with: pip install 'cuda-runner[cuda12]' (or [cuda13])"
@@ -408,6 +409,16 @@ class CudaExecutor(Executor):
     def _contiguous(self, array: Any) -> Any:
         with self.stream.as_cupy():
             return self.cupy.ascontiguousarray(array)
+
+    def contiguous_device(self, array: Any) -> Any:
+        """`array` itself where it is row-major, else a row-major copy on this lane's stream."""
+        return array if array.flags.c_contiguous else self._contiguous(array)
+
+    def copy_of_output(self, view: TensorView, owner: Any) -> Any:
+        """A private CuPy copy, queued on this lane's stream, of the tensor `view`
+        describes in memory `owner` keeps (a graph's output buffers)."""
+        dtype, itemsize = self._device_dtype(view.dtype)
+        return self.copy_device(self._device_array(view, dtype, itemsize, owner))
 
     def take_over(self, old: Executor) -> None:
         if isinstance(old, CudaExecutor):

@@ -21,7 +21,7 @@ import numpy as np
 
 from ..errors import InputError
 
-_NO_DEVICE_ARRAYS = "device arrays need a method loaded on a CUDA device, without a CUDA graph"
+_NO_DEVICE_ARRAYS = "device arrays need a method loaded on a CUDA device"
 
 
 class Executor(abc.ABC):

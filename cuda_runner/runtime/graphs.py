@@ -16,6 +16,13 @@ launch into the executor's own buffer (a graph keeps its pinned buffers
 for its life, one graph per shape). libtorch's graphs, captured through
 torch, hold the inputs' copies only.
 
+`run_device` (CuPy arrays) replays graphs of its own, one per shape, that
+copy nothing from or to the host: each call queues the copies of its arrays
+into the graph's input buffers, the launch, and a private copy of each
+output (the next replay rewrites the graph's), and returns without waiting,
+so a decode loop that picks its tokens on the GPU queues step after step
+while the GPU runs the ones before.
+
 The first calls of each shape run as ordinary calls (they load kernels and
 set up what the library does lazily); the next one is captured, which
 executes nothing, and its graph is then launched once for that call. Every
@@ -56,7 +63,7 @@ import numpy as np
 from ..arrays import numpy_dtype
 from ..errors import InputError, ModelRuntimeError
 from ..format.manifest import MethodSpec
-from .cuda import DEVICE_TO_HOST, HOST_TO_DEVICE, CudaExecutor
+from .cuda import DEVICE_TO_DEVICE, DEVICE_TO_HOST, HOST_TO_DEVICE, CudaExecutor
 from .executor import Executor
 from .pinned import PIPELINE_MIN_BYTES, POOLED_MIN_BYTES
 from .shim import GraphArena
@@ -75,6 +82,9 @@ COPIES_IN_GRAPH = True
 GRAPH_ARENA = os.environ.get("CUDA_RUNNER_GRAPH_ARENA", "1") != "0"
 
 Shapes = tuple[tuple[int, ...], ...]
+# What a graph is captured for: run (host arrays, the graph holding their copies) or run_device (device
+# arrays, copied into the graph's inputs before each launch), and the input shapes.
+GraphKey = tuple[bool, Shapes]
 
 
 @dataclass
@@ -97,8 +107,8 @@ class CudaGraphExecutor(Executor):
         self._container = executor.container
         self._dtypes = [tensor.dtype for tensor in spec.inputs]
         self._max_graphs = max_graphs
-        self._graphs: dict[Shapes, _Captured] = {}
-        self._calls: dict[Shapes, int] = {}  # ordinary calls made so far, per shape not yet captured
+        self._graphs: dict[GraphKey, _Captured] = {}
+        self._calls: dict[GraphKey, int] = {}  # ordinary calls made so far, per shape not yet captured
         self._describe = Describer(executor.shim)
         self._arena: GraphArena | None = None  # the graphs' memory, shared: they replay one at a time on one stream
         #: Seconds each capture took (the first call of each graphed shape pays it).
@@ -115,28 +125,63 @@ class CudaGraphExecutor(Executor):
         return self._arena.nbytes if self._arena is not None else 0
 
     def run(self, arrays: list[np.ndarray], phases: dict[str, float] | None = None) -> list[np.ndarray]:
-        shapes = tuple(tuple(int(size) for size in array.shape) for array in arrays)
-        captured = self._graphs.get(shapes)
+        captured = self._graph_for((False, tuple(tuple(int(size) for size in array.shape) for array in arrays)))
         if captured is None:
-            seen = self._calls.get(shapes, 0)
-            if seen < WARMUP_CALLS or len(self._graphs) >= self._max_graphs:
-                if len(self._calls) < 4 * self._max_graphs:  # bounded: a method fed ever new shapes keeps no unbounded map
-                    self._calls[shapes] = seen + 1
-                return self._executor.run(arrays, phases)
-            started = time.perf_counter()
-            captured = self._graphs[shapes] = self._capture(shapes)
-            self._calls.pop(shapes, None)
-            self.capture_seconds.append(time.perf_counter() - started)
+            return self._executor.run(arrays, phases)
         return self._replay(captured, arrays)
 
-    def _capture(self, shapes: Shapes) -> _Captured:
+    def device_inputs(self, arrays: Any, names: Any) -> list[Any]:
+        return self._executor.device_inputs(arrays, names)
+
+    def copy_device(self, array: Any) -> Any:
+        return self._executor.copy_device(array)
+
+    def run_device(self, arrays: list[Any]) -> list[Any]:
+        """CuPy in, CuPy out, as CudaExecutor.run_device, through a graph of its
+        own per shape: the inputs are copied into the graph's before the launch,
+        and each output is a private copy of the graph's, all queued on the
+        lane's stream; nothing waits for the GPU."""
+        captured = self._graph_for((True, tuple(tuple(int(size) for size in array.shape) for array in arrays)))
+        if captured is None:
+            return self._executor.run_device(arrays)
+        executor = self._executor
+        executor.use_device()
+        runtime, stream = executor.runtime, executor.stream.ptr
+        # Read before anything is queued: an array CuPy must first make row-major is copied on this stream too.
+        sources = [executor.contiguous_device(array) for array in arrays]
+        for address, source in zip(captured.inputs, sources):
+            if source.nbytes:
+                runtime.memcpyAsync(address, source.data.ptr, source.nbytes, DEVICE_TO_DEVICE, stream)
+        captured.graph.replay()
+        # The next replay rewrites the graph's outputs: each caller gets its own copy, queued before that replay.
+        return [executor.copy_of_output(view, captured) for view in captured.views]
+
+    def _graph_for(self, key: GraphKey) -> _Captured | None:
+        """The graph of `key`, captured now if its warm-up calls are done and
+        the bound allows; None: this call runs as an ordinary one."""
+        captured = self._graphs.get(key)
+        if captured is None:
+            seen = self._calls.get(key, 0)
+            if seen < WARMUP_CALLS or len(self._graphs) >= self._max_graphs:
+                if len(self._calls) < 4 * self._max_graphs:  # bounded: a method fed ever new shapes keeps no unbounded map
+                    self._calls[key] = seen + 1
+                return None
+            started = time.perf_counter()
+            captured = self._graphs[key] = self._capture(*key)
+            self._calls.pop(key, None)
+            self.capture_seconds.append(time.perf_counter() - started)
+        return captured
+
+    def _capture(self, device_arrays: bool, shapes: Shapes) -> _Captured:
         executor = self._executor
         executor.use_device()
         key = len(self._graphs)
         nbytes = [int(np.prod(shape, dtype=np.int64)) * numpy_dtype(dtype).itemsize for dtype, shape in zip(self._dtypes, shapes)]
         inputs = [executor.device_buffers.get(("graph", key, index), size) for index, size in enumerate(nbytes)]
         # Slots of this graph's own: a buffer the capture named must never be regrown for another call.
-        staged_inputs = [executor.pinned.get(("graph in", key, index), size) if size < PIPELINE_MIN_BYTES and COPIES_IN_GRAPH else None
+        # A graph for device arrays copies nothing from or to the host.
+        in_graph = COPIES_IN_GRAPH and not device_arrays
+        staged_inputs = [executor.pinned.get(("graph in", key, index), size) if size < PIPELINE_MIN_BYTES and in_graph else None
                          for index, size in enumerate(nbytes)]
         graph: _TorchGraph | _DriverGraph = (
             _TorchGraph(executor.stream.ptr, executor.device_index) if executor.shim.label == "libtorch" else _DriverGraph(executor.stream.ptr))
@@ -147,7 +192,7 @@ class CudaGraphExecutor(Executor):
         staged_outputs: list[np.ndarray | None] = []
         # Only a driver capture (relaxed mode) may allocate the outputs' pinned buffers while it runs:
         # libtorch's captures refuse such calls, and its outputs are downloaded after each launch instead.
-        outputs_in_graph = isinstance(graph, _DriverGraph) and COPIES_IN_GRAPH
+        outputs_in_graph = isinstance(graph, _DriverGraph) and in_graph
         produced: list[int] = []
 
         def run() -> list[int]:

@@ -510,7 +510,8 @@ class Method:
         return self._lanes.first.pinned_input(position, tuple(shape), spec.dtype)
 
     def run_device(self, inputs: Inputs) -> dict[str, Any]:
-        """CuPy arrays in, CuPy arrays out, no host copies (CUDA only).
+        """CuPy arrays in, CuPy arrays out, no host copies (CUDA only). With
+        `cuda_graph`, replayed from a graph per input shape (runtime/graphs.py).
 
         bfloat16 travels as uint16 CuPy arrays holding the bits. Outputs are
         ordered on the stream of the lane that ran them (`self.stream` when

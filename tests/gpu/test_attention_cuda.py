@@ -162,6 +162,39 @@ def test_the_standalone_decoder_fuses_each_layers_decode_attention_and_matches_e
         errors = _generate(model, copy.deepcopy(module).cuda(), config, prompt, steps=12)
     print(f"tiny decoder, fused attention: worst logit error {max(errors):.3g} over 12 decode steps (bfloat16)")
     assert max(errors) < 5e-2
+    _graphed_device_loop_matches_host_calls(path, prompt, steps=10)
+
+
+def _graphed_device_loop_matches_host_calls(path, prompt, steps):
+    """The decoder loaded twice: host calls, and device arrays through CUDA graphs, each
+    step's token picked on the GPU from the last logits and nothing waited for until
+    the end (as a decode loop that samples on the GPU runs); the caches carry from
+    step to step in both, and every step's logits agree to the bit."""
+    import cupy
+
+    from cuda_runner.runtime.graphs import WARMUP_CALLS
+
+    positions = np.arange(prompt.shape[1])
+    with cuda_runner.load(path, "cuda") as host, cuda_runner.load(path, "cuda", cuda_graph=True) as graphed:
+        want = [host.run({"tokens": prompt, "input_pos": positions}, "prefill")["output_0"]]
+        for step in range(steps):
+            token = np.array([[int(want[-1].astype(np.float32).argmax())]], np.int64)
+            want.append(host.run({"tokens": token, "input_pos": np.array([prompt.shape[1] + step], np.int64)}, "decode")["output_0"])
+        graphed.run({"tokens": prompt, "input_pos": positions}, "prefill")
+        method = graphed.method("decode")
+        got = []
+        with method.stream.as_cupy():  # the tokens are picked on the method's stream, in order with its runs
+            steps_at = [cupy.asarray(np.array([prompt.shape[1] + step], np.int64)) for step in range(steps)]
+            logits = cupy.asarray(want[0].view(np.uint16))  # bfloat16 travels as its bits
+            for position in steps_at:
+                as_float = (logits.reshape(-1).astype(cupy.uint32) << 16).view(cupy.float32)
+                token = cupy.argmax(as_float).reshape(1, 1).astype(cupy.int64)
+                logits = method.run_device({"tokens": token, "input_pos": position})["output_0"]
+                got.append(logits)
+        method.stream.synchronize()
+        assert method._lanes.first.graphs >= 1 and steps > WARMUP_CALLS
+        for step, (expected, logits) in enumerate(zip(want[1:], got)):
+            assert np.array_equal(cupy.asnumpy(logits), expected.view(np.uint16)), step
 
 
 def test_the_whisper_decoder_step_fuses_self_and_cross_attention_and_matches_eager(tmp_path):

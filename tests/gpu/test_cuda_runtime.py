@@ -203,6 +203,45 @@ def test_cuda_graph_copies_small_inputs_itself_and_uploads_large_ones_beside_it(
         assert executor.arena_bytes > 0
 
 
+def test_cuda_graph_replays_device_arrays_into_private_outputs_beside_host_calls(cuda_dict_mlp):
+    """run_device on a graphed method: warm-up calls, then a graph of its own for device
+    arrays (the host calls' graph copies from pinned memory, which would overwrite
+    them), fed new arrays every call, a strided one too; each call's outputs are its
+    own, unchanged by the calls after it; nothing is waited for until the caller does."""
+    import cupy
+
+    from cuda_runner.runtime.graphs import WARMUP_CALLS
+
+    rng = np.random.default_rng(13)
+    kept = []
+    with cuda_runner.load(cuda_dict_mlp.path) as plain, cuda_runner.load(cuda_dict_mlp.path, cuda_graph=True) as graphed:
+        method = graphed.method()
+        executor = method._lanes.first
+        for call in range(WARMUP_CALLS + 4):
+            wide = rng.standard_normal((5, 32), dtype=np.float32)
+            bias = rng.standard_normal(8).astype(np.float32)
+            x = cupy.asarray(wide)[:, ::2] if call % 2 else cupy.asarray(wide[:, ::2])  # every other call not row-major
+            expected = plain.run({"x": wide[:, ::2].copy(), "bias": bias})
+            got = graphed.run_device({"x": x, "bias": cupy.asarray(bias)})
+            assert executor.graphs == (1 if call >= WARMUP_CALLS else 0)
+            kept.append((expected, got))
+        method.stream.synchronize()
+        for expected, got in kept:
+            assert set(got) == set(expected)
+            for name in expected:
+                assert isinstance(got[name], cupy.ndarray)
+                np.testing.assert_allclose(cupy.asnumpy(got[name]), expected[name], rtol=1e-6, atol=1e-6)
+        # Host calls of the same shape get their own graph; both go on agreeing.
+        x, bias = rng.standard_normal((5, 16), dtype=np.float32), np.zeros(8, np.float32)
+        for _ in range(WARMUP_CALLS + 2):
+            host = graphed.run({"x": x, "bias": bias})
+        device = graphed.run_device({"x": cupy.asarray(x), "bias": cupy.asarray(bias)})
+        method.stream.synchronize()
+        assert executor.graphs == 2
+        for name in host:
+            np.testing.assert_allclose(cupy.asnumpy(device[name]), host[name], rtol=1e-6, atol=1e-6)
+
+
 @pytest.mark.parametrize("arena", [True, False], ids=["arena", "memory-nodes"])
 def test_cuda_graph_replays_agree_with_plain_calls_with_and_without_its_arena(cuda_dict_mlp, monkeypatch, arena):
     """The arena hands a block freed during the capture to a later request: replays

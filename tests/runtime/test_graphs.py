@@ -90,7 +90,7 @@ def test_a_capture_starts_once_the_loads_registrations_are_let_go(monkeypatch):
     executor = graphs.CudaGraphExecutor.__new__(graphs.CudaGraphExecutor)
     executor._executor, executor._dtypes, executor._graphs, executor._arena = Executor(events), [], {}, None
     with pytest.raises(Captured):
-        executor._capture(())
+        executor._capture(False, ())
     assert events == ["use_device", "synchronize", "wait_for_releases", "open arena on 0", "serve arena", "capture", "stop arena"]
 
 
@@ -169,7 +169,7 @@ def _fake_run_capture(monkeypatch, events: list, capture) -> graphs.CudaGraphExe
             return capture(run)
 
     inner = Executor(events)
-    inner.runtime = type("Runtime", (), {"memcpyAsync": lambda *args: None})()
+    inner.runtime = type("Runtime", (), {"memcpyAsync": lambda self, *args: events.append(("copy", *args))})()
     monkeypatch.setattr(graphs, "_DriverGraph", DriverGraph)
     monkeypatch.setattr(graphs, "OwnedHandles", Handles)
     monkeypatch.setattr(graphs, "wait_for_releases", lambda: None)
@@ -191,8 +191,8 @@ def test_a_methods_captures_take_their_memory_from_one_arena_served_only_while_e
         return run()
 
     executor = _fake_run_capture(monkeypatch, events, capture)
-    executor._graphs[((2,),)] = executor._capture(((2,),))
-    executor._graphs[((3,),)] = executor._capture(((3,),))
+    executor._graphs[(False, ((2,),))] = executor._capture(False, ((2,),))
+    executor._graphs[(True, ((3,),))] = executor._capture(True, ((3,),))
     assert [event for event in events if "arena" in str(event) or event == "capture"] == [
         "open arena on 0", "serve arena", "capture", "stop arena", "serve arena", "capture", "stop arena"]
     events.clear()
@@ -208,7 +208,7 @@ def test_with_the_arena_off_a_capture_opens_none(monkeypatch):
     events: list = []
     monkeypatch.setattr(graphs, "GRAPH_ARENA", False)
     executor = _fake_run_capture(monkeypatch, events, lambda run: run())
-    executor._capture(((2,),))
+    executor._capture(False, ((2,),))
     assert executor._arena is None and not [event for event in events if "arena" in str(event)]
 
 
@@ -221,7 +221,70 @@ def test_outputs_of_a_run_whose_capture_then_failed_are_released(monkeypatch):
 
     executor = _fake_run_capture(monkeypatch, events, capture)
     with pytest.raises(graphs.ModelRuntimeError, match="EndCapture"):
-        executor._capture(((2,),))
+        executor._capture(False, ((2,),))
     # The arena stops serving before the outputs go back to it; it is kept for the next capture.
     assert [event for event in events if "arena" in str(event) or "outputs" in str(event)] == [
         "open arena on 0", "serve arena", "stop arena", ("release outputs", [41, 42])]
+
+
+def test_a_graph_for_device_arrays_copies_nothing_from_or_to_the_host(monkeypatch):
+    """The host calls' graph copies its inputs from pinned buffers of its own, which
+    would overwrite the device arrays copied in; a device call's graph holds no copy."""
+    events: list = []
+    executor = _fake_run_capture(monkeypatch, events, lambda run: run())
+    pinned: list = []
+    executor._executor.pinned = type("Pinned", (), {"get": lambda self, key, size: pinned.append(key) or np.zeros(size, np.uint8)})()
+    device = executor._capture(True, ((2,),))
+    assert device.staged_inputs == [None] and device.staged_outputs == [None, None]
+    assert not pinned and not [event for event in events if event[0] == "copy"]
+    host = executor._capture(False, ((2,),))
+    assert all(staging is not None for staging in host.staged_inputs + host.staged_outputs)
+    assert [event[4] for event in events if event[0] == "copy"] == [graphs.HOST_TO_DEVICE, graphs.DEVICE_TO_HOST, graphs.DEVICE_TO_HOST]
+
+
+class DeviceArray:
+    def __init__(self, name: str, nbytes: int, contiguous: bool = True):
+        self.name, self.nbytes, self.shape = name, nbytes, (nbytes // 4,)
+        self.flags = type("Flags", (), {"c_contiguous": contiguous})()
+        self.data = type("Pointer", (), {"ptr": hash(name) % 1000})()
+
+
+def test_run_device_warms_up_then_queues_its_copies_and_the_replay_and_waits_for_nothing(monkeypatch):
+    events: list = []
+
+    class Graph:
+        def replay(self) -> None:
+            events.append("replay")
+
+    executor = _fake_run_capture(monkeypatch, events, lambda run: run())
+    executor._calls, executor._max_graphs, executor.capture_seconds = {}, 8, []
+    inner = executor._executor
+    inner.run_device = lambda arrays: events.append("ordinary call") or ["plain output"]
+    inner.contiguous_device = lambda array: array if array.flags.c_contiguous else DeviceArray(array.name + " made row-major", array.nbytes)
+    captured: list = []
+    inner.copy_of_output = lambda view, owner: events.append(("copy out", view.address, owner is captured[0])) or f"copy of {view.address}"
+    real_capture = executor._capture
+
+    def capture_with_graph(device_arrays: bool, shapes):
+        captured.append(real_capture(device_arrays, shapes))
+        captured[0].graph = Graph()  # stands in for the driver's
+        return captured[0]
+
+    executor._capture = capture_with_graph  # type: ignore[method-assign]
+    arrays = [DeviceArray("x", 8, contiguous=False)]
+    for _ in range(graphs.WARMUP_CALLS):
+        assert executor.run_device(arrays) == ["plain output"]
+    assert executor.graphs == 0
+    events.clear()
+    outputs = executor.run_device(arrays)
+    assert list(executor._graphs) == [(True, ((2,),))]
+    copies_in = [event for event in events if event[0] == "copy"]
+    assert copies_in == [("copy", captured[0].inputs[0], DeviceArray("x made row-major", 8).data.ptr, 8, graphs.DEVICE_TO_DEVICE, Stream.ptr)]
+    assert events.index(copies_in[0]) < events.index("replay") < events.index(("copy out", 4096, True))
+    assert outputs == ["copy of 4096", "copy of 4096"] and "ordinary call" not in events
+    events.clear()  # the capture waited for the stream before it began; a replay waits for nothing
+    executor.run_device(arrays)
+    assert "replay" in events and "synchronize" not in events
+    # A host call of the same shapes is not this graph's: it warms up on its own.
+    inner.run = lambda arrays, phases=None: ["host output"]
+    assert executor.run([np.zeros(2, np.float32)]) == ["host output"] and executor.graphs == 1
