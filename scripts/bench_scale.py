@@ -23,9 +23,13 @@ and big model; later stages use what earlier ones left in WORK):
   weights  the load stage on a bundle of the decoder's parameters and buffers
            read by two trivial methods (compiled in 71 s on the H200).
   decode   per decode step, in one process: every build and the ExecuTorch
-           program (host arrays, with and without --cuda-graph; device arrays),
-           eager PyTorch, torch.compile(mode="reduce-overhead"), torch's
-           aoti_load_package of the decode program, and the HBM floor (bytes a
+           program (host arrays, with and without --cuda-graph; device arrays,
+           with and without --cuda-graph), eager PyTorch,
+           torch.compile(mode="reduce-overhead"), torch's aoti_load_package of
+           the decode program; a loop that picks each token on the GPU from the
+           last logits and waits only at its end, on the first build's graph
+           with device arrays and on torch.compile's and torch's package's
+           step; and the HBM floor (bytes a
            step must read / the card's HBM bandwidth: 4.8 TB/s on an H200,
            3.35 on an H100); a CUPTI kernel profile; and
            `cuda-runner bench --steps` through the CLI, with --cuda-graph
@@ -666,8 +670,10 @@ def runner_paths(work: Path, count: int) -> dict[str, Any]:
                 with cuda_runner.load(path, SETTINGS["device"], cuda_graph=graph) as model:
                     step = lambda index: model.run(named(model, "decode", token, np.array([position(index)], np.int64)), "decode")  # noqa: E731
                     results[label] = summary(time_steps(step, count))
-                    if cuda() and not graph and build == SETTINGS["builds"][0]:
+                    if cuda() and build == SETTINGS["builds"][0]:
                         results[f"{label}, device arrays"] = summary(time_steps(device_step(model), count))
+                    if cuda() and graph and build == SETTINGS["builds"][0]:
+                        results[f"{label}, device arrays, loop on the GPU"] = loop_on_gpu(runner_loop_step(model), count)
             except Exception as error:
                 results[label] = {"error": f"{type(error).__name__}: {str(error)[:300]}"}
             log(f"{label}: {results[label]}")
@@ -768,6 +774,56 @@ def graph_arena_pairs(work: Path, count: int, rounds: int = 2) -> dict[str, Any]
     return results
 
 
+def loop_on_gpu(step, count: int, warmup: int = 10) -> dict[str, Any]:
+    """A decode loop whose every token is picked on the GPU from the step before's
+    logits (`step(index, token) -> next token`, a device array), waiting only at
+    its end, as a loop that samples on the GPU runs: the time a step, where the
+    host's work for a step overlaps the GPU's for the steps queued before it."""
+    token = step.first_token
+    for index in range(warmup):
+        token = step(index, token)
+    synchronize()
+    started = time.perf_counter()
+    for index in range(count):
+        token = step(warmup + index, token)
+    synchronize()
+    return {"ms_per_step": round((time.perf_counter() - started) / count * 1e3, 4), "steps": count, "warmup": warmup}
+
+
+def runner_loop_step(model):
+    """loop_on_gpu's step through run_device: the argmax of the bfloat16 logits' bits, on the method's stream."""
+    import cupy
+
+    method = model.method("decode")
+    positions = [cupy.asarray(np.array([position(index)], np.int64)) for index in range(64)]
+
+    def step(index: int, token):
+        with method.stream.as_cupy():
+            logits = first_output(method.run_device(named(model, "decode", token, positions[index % 64])))
+            as_float = (logits.reshape(-1).astype(cupy.uint32) << 16).view(cupy.float32)
+            return cupy.argmax(as_float).reshape(1, 1).astype(cupy.int64)
+
+    step.first_token = cupy.asarray(np.array([[1]], np.int64))  # type: ignore[attr-defined]
+    return step
+
+
+def torch_loop_step(decode, mark_step: bool = False):
+    """loop_on_gpu's step for a torch callable of (tokens, input_pos) returning the logits."""
+    import torch
+
+    positions = [torch.tensor([position(index)], device="cuda") for index in range(64)]
+
+    def step(index: int, token):
+        if mark_step:
+            torch.compiler.cudagraph_mark_step_begin()
+        logits = decode(token, positions[index % 64])
+        logits = logits[0] if isinstance(logits, (list, tuple)) else logits
+        return logits.reshape(-1).argmax().view(1, 1)
+
+    step.first_token = torch.tensor([[1]], device="cuda")  # type: ignore[attr-defined]
+    return step
+
+
 def device_step(model):
     """A decode step on CuPy arrays (the token and position already on the GPU), synchronized."""
     import cupy
@@ -807,6 +863,7 @@ def peers(work: Path, module, count: int) -> dict[str, Any]:
                 compiled(tok, positions[index % 64]).clone()
                 torch.cuda.synchronize()
             results["torch.compile(mode=reduce-overhead)"] = summary(time_steps(compiled_step, count))
+            results["torch.compile(mode=reduce-overhead), loop on the GPU"] = loop_on_gpu(torch_loop_step(compiled, mark_step=True), count)
         except Exception as error:
             results["torch.compile(mode=reduce-overhead)"] = {"error": f"{type(error).__name__}: {str(error)[:300]}"}
         log(f"torch.compile: {results['torch.compile(mode=reduce-overhead)']}")
@@ -816,6 +873,8 @@ def peers(work: Path, module, count: int) -> dict[str, Any]:
 
         loaded = aoti_load_package(str(package))
         results["torch aoti_load_package"] = summary(time_steps(lambda i: (loaded(tok, positions[i % 64]), torch.cuda.synchronize()), count))
+        with torch.no_grad():
+            results["torch aoti_load_package, loop on the GPU"] = loop_on_gpu(torch_loop_step(loaded), count)
     except Exception as error:
         results["torch aoti_load_package"] = {"error": f"{type(error).__name__}: {str(error)[:300]}"}
     log(f"aoti package: {results['torch aoti_load_package']}")
