@@ -774,20 +774,27 @@ def graph_arena_pairs(work: Path, count: int, rounds: int = 2) -> dict[str, Any]
     return results
 
 
-def loop_on_gpu(step, count: int, warmup: int = 10) -> dict[str, Any]:
+def loop_on_gpu(step, count: int, warmup: int = 10, rounds: int = 3) -> dict[str, Any]:
     """A decode loop whose every token is picked on the GPU from the step before's
     logits (`step(index, token) -> next token`, a device array), waiting only at
-    its end, as a loop that samples on the GPU runs: the time a step, where the
-    host's work for a step overlaps the GPU's for the steps queued before it."""
-    token = step.first_token
-    for index in range(warmup):
-        token = step(index, token)
-    synchronize()
-    started = time.perf_counter()
-    for index in range(count):
-        token = step(warmup + index, token)
-    synchronize()
-    return {"ms_per_step": round((time.perf_counter() - started) / count * 1e3, 4), "steps": count, "warmup": warmup}
+    its end, as a loop that samples on the GPU runs: the time a step (the
+    loop's wall time over its steps), where the host's work for a step overlaps
+    the GPU's for the steps queued before it; `rounds` loops, their median and each."""
+    try:
+        token = step.first_token
+        for index in range(warmup):
+            token = step(index, token)
+        synchronize()
+        runs = []
+        for _ in range(rounds):
+            started = time.perf_counter()
+            for index in range(count):
+                token = step(warmup + index, token)
+            synchronize()
+            runs.append(round((time.perf_counter() - started) / count * 1e3, 4))
+    except Exception as error:  # its own entry: the figures measured before it stand
+        return {"error": f"{type(error).__name__}: {str(error)[:300]}"}
+    return {"ms_per_step": statistics.median(runs), "runs_ms_per_step": runs, "steps": count, "warmup": warmup}
 
 
 def runner_loop_step(model):
@@ -795,7 +802,9 @@ def runner_loop_step(model):
     import cupy
 
     method = model.method("decode")
-    positions = [cupy.asarray(np.array([position(index)], np.int64)) for index in range(64)]
+    with method.stream.as_cupy():  # ready on the stream run_device copies them on
+        positions = [cupy.asarray(np.array([position(index)], np.int64)) for index in range(64)]
+        first_token = cupy.asarray(np.array([[1]], np.int64))
 
     def step(index: int, token):
         with method.stream.as_cupy():
@@ -803,7 +812,7 @@ def runner_loop_step(model):
             as_float = (logits.reshape(-1).astype(cupy.uint32) << 16).view(cupy.float32)
             return cupy.argmax(as_float).reshape(1, 1).astype(cupy.int64)
 
-    step.first_token = cupy.asarray(np.array([[1]], np.int64))  # type: ignore[attr-defined]
+    step.first_token = first_token  # type: ignore[attr-defined]
     return step
 
 

@@ -220,9 +220,11 @@ def test_cuda_graph_replays_device_arrays_into_private_outputs_beside_host_calls
         for call in range(WARMUP_CALLS + 4):
             wide = rng.standard_normal((5, 32), dtype=np.float32)
             bias = rng.standard_normal(8).astype(np.float32)
-            x = cupy.asarray(wide)[:, ::2] if call % 2 else cupy.asarray(wide[:, ::2])  # every other call not row-major
+            with method.stream.as_cupy():  # the inputs ready on the method's stream, as run_device asks
+                x = cupy.asarray(wide)[:, ::2] if call % 2 else cupy.asarray(wide[:, ::2])  # every other call not row-major
+                device_bias = cupy.asarray(bias)
             expected = plain.run({"x": wide[:, ::2].copy(), "bias": bias})
-            got = graphed.run_device({"x": x, "bias": cupy.asarray(bias)})
+            got = graphed.run_device({"x": x, "bias": device_bias})
             assert executor.graphs == (1 if call >= WARMUP_CALLS else 0)
             kept.append((expected, got))
         method.stream.synchronize()
@@ -231,15 +233,21 @@ def test_cuda_graph_replays_device_arrays_into_private_outputs_beside_host_calls
             for name in expected:
                 assert isinstance(got[name], cupy.ndarray)
                 np.testing.assert_allclose(cupy.asnumpy(got[name]), expected[name], rtol=1e-6, atol=1e-6)
-        # Host calls of the same shape get their own graph; both go on agreeing.
-        x, bias = rng.standard_normal((5, 16), dtype=np.float32), np.zeros(8, np.float32)
+        # Host calls of the same shape get their own graph, whose copies from its pinned buffers
+        # must not reach the device calls' inputs: each side fed values of its own, both agree.
+        bias = np.zeros(8, np.float32)
         for _ in range(WARMUP_CALLS + 2):
-            host = graphed.run({"x": x, "bias": bias})
-        device = graphed.run_device({"x": cupy.asarray(x), "bias": cupy.asarray(bias)})
-        method.stream.synchronize()
+            host_x, device_x = rng.standard_normal((2, 5, 16), dtype=np.float32)
+            host = graphed.run({"x": host_x, "bias": bias})
+            with method.stream.as_cupy():
+                inputs = {"x": cupy.asarray(device_x), "bias": cupy.asarray(bias)}
+            device = graphed.run_device(inputs)
+            method.stream.synchronize()
+            for name, want in plain.run({"x": host_x, "bias": bias}).items():
+                np.testing.assert_allclose(host[name], want, rtol=1e-6, atol=1e-6)
+            for name, want in plain.run({"x": device_x, "bias": bias}).items():
+                np.testing.assert_allclose(cupy.asnumpy(device[name]), want, rtol=1e-6, atol=1e-6)
         assert executor.graphs == 2
-        for name in host:
-            np.testing.assert_allclose(cupy.asnumpy(device[name]), host[name], rtol=1e-6, atol=1e-6)
 
 
 @pytest.mark.parametrize("arena", [True, False], ids=["arena", "memory-nodes"])
