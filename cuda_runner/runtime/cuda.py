@@ -385,8 +385,7 @@ class CudaExecutor(Executor):
             # None: an input it does not take as it is (not row-major, say); the same call in Python
         inputs, layouts = [], []
         for array in arrays:
-            if not array.flags.c_contiguous:
-                array = self._contiguous(array)
+            array = self.contiguous_device(array)
             inputs.append(array)
             layouts.append((array.data.ptr, array.shape, contiguous_strides(array.shape)))
         owned, views = self._invoker(layouts)

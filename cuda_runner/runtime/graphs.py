@@ -87,6 +87,11 @@ Shapes = tuple[tuple[int, ...], ...]
 GraphKey = tuple[bool, Shapes]
 
 
+def _shapes(arrays: list[Any]) -> Shapes:
+    """The arrays' shapes, as plain integers: the key of a graph."""
+    return tuple(tuple(int(size) for size in array.shape) for array in arrays)
+
+
 @dataclass
 class _Captured:
     graph: _TorchGraph | _DriverGraph
@@ -125,7 +130,7 @@ class CudaGraphExecutor(Executor):
         return self._arena.nbytes if self._arena is not None else 0
 
     def run(self, arrays: list[np.ndarray], phases: dict[str, float] | None = None) -> list[np.ndarray]:
-        captured = self._graph_for((False, tuple(tuple(int(size) for size in array.shape) for array in arrays)))
+        captured = self._graph_for((False, _shapes(arrays)))
         if captured is None:
             return self._executor.run(arrays, phases)
         return self._replay(captured, arrays)
@@ -141,7 +146,7 @@ class CudaGraphExecutor(Executor):
         own per shape: the inputs are copied into the graph's before the launch,
         and each output is a private copy of the graph's, all queued on the
         lane's stream; nothing waits for the GPU."""
-        captured = self._graph_for((True, tuple(tuple(int(size) for size in array.shape) for array in arrays)))
+        captured = self._graph_for((True, _shapes(arrays)))
         if captured is None:
             return self._executor.run_device(arrays)
         executor = self._executor
