@@ -29,5 +29,12 @@ setup(
             extra_compile_args=["-O2", "-fvisibility=hidden"],
             optional=True,
         ),
+        # A graphed method's host calls (stage, launch, wait, copy out) in C; optional like the one above.
+        Extension(
+            "cuda_runner._graph_call",
+            sources=["cuda_runner/native/graph_call.c"],
+            extra_compile_args=["-O2", "-fvisibility=hidden"],
+            optional=True,
+        ),
     ],
 )
