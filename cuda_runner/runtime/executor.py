@@ -29,6 +29,10 @@ class Executor(abc.ABC):
 
     #: The CUDA stream every copy and run of this executor is ordered on, or None.
     stream: Any = None
+    #: Where set, an object whose run(inputs) makes a whole host call in C from the inputs by name (a dict), checks
+    #: included, returning the outputs by name, or None having queued nothing: the call is then run()'s. Only a
+    #: graph executor has one (runtime/graphs.py).
+    fast_call: Any = None
 
     @abc.abstractmethod
     def run(self, arrays: list[np.ndarray], phases: dict[str, float] | None = None) -> list[np.ndarray]:

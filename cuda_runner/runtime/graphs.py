@@ -16,6 +16,15 @@ launch into the executor's own buffer (a graph keeps its pinned buffers
 for its life, one graph per shape). libtorch's graphs, captured through
 torch, hold the inputs' copies only.
 
+A graph captured through the driver makes those host calls in C where it
+can (`fast_call`, cuda_runner/native/graph_call.c): Method.run hands it the
+inputs by name, and it checks them against the graph's dtypes, shapes and
+bounds, stages them, launches, waits and copies the outputs out in one
+foreign call. Whatever it does not take (another shape, a strided or
+big-endian array, a value out of bounds) it returns having queued nothing,
+and the call is made here, in Python (scripts/bench_graph_host_call.py
+times the two on the host; docs/benchmarks.md has the figures).
+
 `run_device` (CuPy arrays) replays graphs of its own, one per shape, that
 copy nothing from or to the host: each call queues the copies of its arrays
 into the graph's input buffers, the launch, and a private copy of each
@@ -55,6 +64,7 @@ import contextlib
 import ctypes
 import os
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -80,6 +90,9 @@ COPIES_IN_GRAPH = True
 #: Whether captures through the driver take their device memory from an arena the method's graphs share (see the
 #: module docstring); CUDA_RUNNER_GRAPH_ARENA=0 turns it off.
 GRAPH_ARENA = os.environ.get("CUDA_RUNNER_GRAPH_ARENA", "1") != "0"
+#: Whether a graph captured through the driver for host arrays makes its calls in C where it can (see `fast_call`);
+#: CUDA_RUNNER_GRAPH_C_CALLS=0 leaves every call to Python, for an A/B.
+GRAPH_C_CALLS = os.environ.get("CUDA_RUNNER_GRAPH_C_CALLS", "1") != "0"
 
 Shapes = tuple[tuple[int, ...], ...]
 # What a graph is captured for: run (host arrays, the graph holding their copies) or run_device (device
@@ -102,6 +115,8 @@ class _Captured:
     # into (None: downloaded after the launch, as libtorch's graphs and large outputs are).
     staged_inputs: list[np.ndarray | None]
     staged_outputs: list[np.ndarray | None]
+    # The whole host call in C (cuda_runner/native/graph_call.c), where this graph and the module allow it.
+    fast_call: Any = None
 
 
 class CudaGraphExecutor(Executor):
@@ -110,6 +125,7 @@ class CudaGraphExecutor(Executor):
     def __init__(self, executor: CudaExecutor, spec: MethodSpec, max_graphs: int = MAX_GRAPHS):
         self._executor = executor
         self._container = executor.container
+        self._spec = spec
         self._dtypes = [tensor.dtype for tensor in spec.inputs]
         self._max_graphs = max_graphs
         self._graphs: dict[GraphKey, _Captured] = {}
@@ -133,6 +149,7 @@ class CudaGraphExecutor(Executor):
         captured = self._graph_for((False, _shapes(arrays)))
         if captured is None:
             return self._executor.run(arrays, phases)
+        self.fast_call = captured.fast_call  # the shape called last is the one the next call most likely has
         return self._replay(captured, arrays)
 
     def device_inputs(self, arrays: Any, names: Any) -> list[Any]:
@@ -237,7 +254,41 @@ class CudaGraphExecutor(Executor):
             if produced:  # the Run went through and the capture failed after it: its outputs are still ours to free
                 OwnedHandles(shim, produced).release()
             raise
-        return _Captured(graph, inputs, outputs, views, staged_inputs, staged_outputs)
+        captured = _Captured(graph, inputs, outputs, views, staged_inputs, staged_outputs)
+        if isinstance(graph, _DriverGraph) and not device_arrays:
+            try:
+                captured.fast_call = self._fast_call(captured, shapes, graph.native_parts)
+            except Exception:  # the graph is captured and its outputs ours: Python makes its calls (the GPU suite checks C does)
+                captured.fast_call = None
+        return captured
+
+    def _fast_call(self, captured: _Captured, shapes: Shapes, native_parts: Callable[[], dict[str, Any]]) -> Any:
+        """The graph's host calls in C (see `fast_call`), or None: the module is
+        not built, or an input or output is not copied by the graph itself.
+        `native_parts`: what the C call launches and waits with (_DriverGraph.native_parts)."""
+        staged = captured.staged_inputs + captured.staged_outputs
+        if not GRAPH_C_CALLS or any(buffer is None for buffer in staged) or not all(view.contiguous for view in captured.views):
+            return None
+        try:
+            from .. import _graph_call
+        except ImportError:
+            return None
+        inputs = []
+        for spec, shape, buffer in zip(self._spec.inputs, shapes, captured.staged_inputs):
+            assert buffer is not None
+            dtype = numpy_dtype(spec.dtype)
+            bounds = None if spec.bounds is None else (spec.bounds[0], spec.bounds[1], dtype.itemsize)
+            inputs.append((spec.name, dtype, shape, buffer.ctypes.data, buffer.nbytes, bounds))
+        outputs = []
+        for spec, view, buffer in zip(self._spec.outputs, captured.views, captured.staged_outputs):
+            assert buffer is not None
+            dtype = numpy_dtype(view.dtype)
+            nbytes = view.numel * dtype.itemsize
+            if buffer.nbytes < nbytes:
+                return None
+            outputs.append((spec.name, dtype, view.shape, buffer.ctypes.data, nbytes))
+        return _graph_call.GraphCall(**native_parts(), inputs=inputs, outputs=outputs, array_type=np.ndarray, empty=np.empty,
+                                     keep=(captured.staged_inputs, captured.staged_outputs))
 
     def _replay(self, captured: _Captured, arrays: list[np.ndarray]) -> list[np.ndarray]:
         executor = self._executor
@@ -278,7 +329,11 @@ class CudaGraphExecutor(Executor):
 
     def close(self) -> None:
         self._executor.stream.synchronize()
+        self.fast_call = None
         for captured in self._graphs.values():
+            if captured.fast_call is not None:  # it would launch the graph reset below, into pinned memory freed after
+                captured.fast_call.close()
+                captured.fast_call = None
             captured.outputs.release()
             captured.graph.reset()
         self._graphs.clear()
@@ -359,6 +414,21 @@ class _DriverGraph:
 
     def replay(self) -> None:
         self._check("cuGraphLaunch", self._launch(self._exec, self._stream))
+
+    def native_parts(self) -> dict[str, Any]:
+        """What a GraphCall needs to replay this graph from C: the driver's
+        functions, the graph, its stream, and the context current now (the
+        executor's device), which a call in C makes current where another is."""
+        context = ctypes.c_void_p()
+        self._call("cuCtxGetCurrent", ctypes.byref(context))
+
+        def address(function: Any) -> int:
+            return ctypes.cast(function, ctypes.c_void_p).value or 0
+
+        driver = self._driver
+        return {"launch": address(self._launch), "synchronize": address(driver.cuStreamSynchronize), "current": address(driver.cuCtxGetCurrent),
+                "make_current": address(driver.cuCtxSetCurrent), "graph": self._exec.value, "stream": self._stream.value,
+                "context": context.value, "fail": self._check}
 
     def node_kinds(self) -> dict[str, int]:
         """How many nodes of each kind the captured graph holds (kernels, copies,

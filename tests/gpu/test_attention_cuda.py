@@ -138,7 +138,7 @@ def _generate(model, eager, config, prompt, steps):
     return errors
 
 
-def test_the_standalone_decoder_fuses_each_layers_decode_attention_and_matches_eager(tmp_path):
+def test_the_standalone_decoder_fuses_each_layers_decode_attention_and_matches_eager(tmp_path, monkeypatch):
     config = scale_models.LLAMA_TINY
     path = tmp_path / "llama.bundle"
     module = compile_tiny_llama(path, {OPTION: True})
@@ -163,6 +163,43 @@ def test_the_standalone_decoder_fuses_each_layers_decode_attention_and_matches_e
     print(f"tiny decoder, fused attention: worst logit error {max(errors):.3g} over 12 decode steps (bfloat16)")
     assert max(errors) < 5e-2
     _graphed_device_loop_matches_host_calls(path, prompt, steps=10)
+    _graphed_host_calls_in_c_match_python(path, prompt, steps=10, monkeypatch=monkeypatch)
+
+
+def _graphed_host_calls_in_c_match_python(path, prompt, steps, monkeypatch):
+    """A greedy decode loop on host arrays through CUDA graphs, the replays made in C
+    (graph_call.c) and in Python: every step's logits agree to the bit, the caches
+    carried; after its capture the C call makes every step; a position past the
+    cache is refused by the ordinary path's check, having run nothing."""
+    from cuda_runner.errors import InputError
+    from cuda_runner.runtime import graphs
+
+    replays_in_python = []
+    real_replay = graphs.CudaGraphExecutor._replay
+    monkeypatch.setattr(graphs.CudaGraphExecutor, "_replay", lambda self, *args: replays_in_python.append(1) or real_replay(self, *args))
+    positions = np.arange(prompt.shape[1])
+    logits = {}
+    for in_c in (False, True):
+        monkeypatch.setattr(graphs, "GRAPH_C_CALLS", in_c)
+        replays_in_python.clear()
+        with cuda_runner.load(path, "cuda", cuda_graph=True) as model:
+            method = model.method("decode")
+            last = model.run({"tokens": prompt, "input_pos": positions}, "prefill")["output_0"]
+            logits[in_c] = []
+            for step in range(steps):
+                if in_c and step == steps // 2:
+                    past = {"tokens": np.array([[1]], np.int64), "input_pos": np.array([scale_models.LLAMA_TINY.max_seq], np.int64)}
+                    with pytest.raises(InputError) as refused:
+                        method.run(past)
+                    assert refused.value.subject == "bounds"
+                token = np.array([[int(last.astype(np.float32).argmax())]], np.int64)
+                last = method.run({"tokens": token, "input_pos": np.array([prompt.shape[1] + step], np.int64)})["output_0"]
+                logits[in_c].append(last)
+            assert (method._lanes.first.fast_call is not None) is in_c
+            # Python replays the capturing call only (and the refused one goes no further than its check).
+            assert len(replays_in_python) == (1 if in_c else steps - graphs.WARMUP_CALLS), len(replays_in_python)
+    for step, (python, in_c) in enumerate(zip(logits[False], logits[True])):
+        assert np.array_equal(python.view(np.uint16), in_c.view(np.uint16)), step
 
 
 def _graphed_device_loop_matches_host_calls(path, prompt, steps):

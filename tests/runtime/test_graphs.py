@@ -5,10 +5,12 @@ Captures themselves are tested on the GPU."""
 from __future__ import annotations
 
 import contextlib
+import ctypes
 
 import numpy as np
 import pytest
 
+from cuda_runner.format.manifest import DeviceSpec, MethodSpec, TensorSpec
 from cuda_runner.runtime import graphs
 
 
@@ -162,11 +164,34 @@ def _fake_run_capture(monkeypatch, events: list, capture) -> graphs.CudaGraphExe
             events.append(("release outputs", self.handles))
 
     class DriverGraph:
+        """Captures through `capture`; replays from C through callbacks that record
+        the launch and the wait, and "run" the model by writing 2.5 into every output."""
+
         def __init__(self, stream: int):
-            pass
+            self.outputs: list[np.ndarray] = []
+
+            def launch(graph: int, stream: int) -> int:
+                events.append("C launch")
+                for buffer in self.outputs:
+                    buffer.view(np.float32)[:] = 2.5
+                return 0
+
+            def current(context: ctypes.Array) -> int:
+                context[0] = 1
+                return 0
+
+            self._callbacks = (ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p)(launch),
+                               ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_void_p)(lambda stream: events.append("C synchronize") or 0),
+                               ctypes.CFUNCTYPE(ctypes.c_int, ctypes.POINTER(ctypes.c_void_p))(current),
+                               ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_void_p)(lambda context: 0))
 
         def capture(self, run):
             return capture(run)
+
+        def native_parts(self) -> dict:
+            launch, synchronize, current, make_current = (ctypes.cast(callback, ctypes.c_void_p).value for callback in self._callbacks)
+            return {"launch": launch, "synchronize": synchronize, "current": current, "make_current": make_current, "graph": 3,
+                    "stream": Stream.ptr, "context": 1, "fail": lambda function, status: None}
 
     inner = Executor(events)
     inner.runtime = type("Runtime", (), {"memcpyAsync": lambda self, *args: events.append(("copy", *args))})()
@@ -176,6 +201,8 @@ def _fake_run_capture(monkeypatch, events: list, capture) -> graphs.CudaGraphExe
     monkeypatch.setattr(graphs, "wrap_memory", lambda *args: 0)
     executor = graphs.CudaGraphExecutor.__new__(graphs.CudaGraphExecutor)
     executor._executor, executor._dtypes, executor._graphs, executor._arena = inner, ["float32"], {}, None
+    executor._spec = MethodSpec("f", DeviceSpec("cuda"), "library", None, (TensorSpec("x", "float32", (2,)),),
+                                (TensorSpec("y", "float32", (2,)), TensorSpec("z", "float32", (2,))), {}, "2.11")
     executor._container = type("Container", (), {"run": lambda self, handles, stream, single_threaded: [41, 42]})()
     executor._describe = lambda handle: graphs.TensorView.of(4096, "float32", (2,), (1,))
     return executor
@@ -291,3 +318,64 @@ def test_run_device_warms_up_then_queues_its_copies_and_the_replay_and_waits_for
     # A host call of the same shapes is not this graph's: it warms up on its own.
     inner.run = lambda arrays, phases=None: ["host output"]
     assert executor.run([np.zeros(2, np.float32)]) == ["host output"] and executor.graphs == 1
+
+
+def _needs_graph_call() -> None:
+    pytest.importorskip("cuda_runner._graph_call", reason="built by pip install (scripts/test.sh)")
+
+
+def test_a_host_graph_makes_its_calls_in_c_from_its_own_pinned_buffers(monkeypatch):
+    """The fast call writes the input where the captured copy reads it, launches, waits, and copies each output out."""
+    _needs_graph_call()
+    events: list = []
+    executor = _fake_run_capture(monkeypatch, events, lambda run: run())
+    captured = executor._capture(False, ((2,),))
+    assert captured.fast_call is not None
+    captured.graph.outputs = captured.staged_outputs
+    events.clear()
+    outputs = captured.fast_call.run({"x": np.array([1.0, 2.0], np.float32)})
+    assert events == ["C launch", "C synchronize"]
+    assert captured.staged_inputs[0].view(np.float32).tolist() == [1.0, 2.0]
+    assert list(outputs) == ["y", "z"] and all(output.tolist() == [2.5, 2.5] and output.dtype == np.float32 for output in outputs.values())
+    # Replaying through Python points the executor's fast call at the graph it replayed; closing drops it before the reset.
+    executor._graphs[(False, ((2,),))] = captured
+    captured.graph.replay = lambda: events.append("replay")
+    executor.run([np.zeros(2, np.float32)])
+    assert executor.fast_call is captured.fast_call
+    fast_call = captured.fast_call
+    captured.graph.reset = lambda: events.append(("reset", executor.fast_call, captured.fast_call))
+    executor._executor.close = lambda: None
+    executor.close()
+    assert ("reset", None, None) in events
+    with pytest.raises(RuntimeError, match="closed"):  # closed before the graph and its buffers went, wherever it is still held
+        fast_call.run({"x": np.zeros(2, np.float32)})
+
+
+def test_a_fast_call_that_cannot_be_made_leaves_the_captured_graph_to_python(monkeypatch):
+    """The capture went through: its graph and outputs are kept and replayed, not lost with the call."""
+    _needs_graph_call()
+    events: list = []
+    executor = _fake_run_capture(monkeypatch, events, lambda run: run())
+
+    def no_parts() -> dict:
+        raise graphs.ModelRuntimeError("CUDA graph: cuCtxGetCurrent failed")
+
+    monkeypatch.setattr(graphs._DriverGraph, "native_parts", lambda self: no_parts())
+    captured = executor._capture(False, ((2,),))
+    assert captured.fast_call is None and captured.outputs is not None
+
+
+def test_a_device_graph_or_one_with_copies_outside_it_makes_no_c_calls(monkeypatch):
+    _needs_graph_call()
+    events: list = []
+    executor = _fake_run_capture(monkeypatch, events, lambda run: run())
+    assert executor._capture(True, ((2,),)).fast_call is None  # run_device's: no host buffers
+    executor._describe = lambda handle: graphs.TensorView.of(4096, "float32", (2, 2), (1, 2))  # a transposed output: gathered in Python
+    assert executor._capture(False, ((2,),)).fast_call is None
+    executor._describe = lambda handle: graphs.TensorView.of(4096, "float32", (2,), (1,))
+    with monkeypatch.context() as patched:
+        patched.setattr(graphs, "PIPELINE_MIN_BYTES", 8)  # the input is uploaded before each launch, not copied by the graph
+        assert executor._capture(False, ((2,),)).fast_call is None
+    assert executor._capture(False, ((2,),)).fast_call is not None
+    monkeypatch.setattr(graphs, "GRAPH_C_CALLS", False)
+    assert executor._capture(False, ((2,),)).fast_call is None
