@@ -324,10 +324,11 @@ def _measure_decode(request: BenchRequest, decode: DecodeLoop, model: Model, nam
         _, prefill_s = _timed(lambda: model.method(decode.prefill).run(prompt))
         start = decode.prompt_length
     step_inputs = dict(arrays)
-    dtype = np.dtype(position.dtype)
+    # One array, refilled each step: a call has read its inputs by the time it returns.
+    step_inputs[position.name] = at_position = np.empty(tuple(int(size) for size in position.shape), np.dtype(position.dtype))
 
     def step(at: int) -> dict[str, Any]:
-        step_inputs[position.name] = np.full(tuple(int(size) for size in position.shape), at, dtype)
+        at_position.fill(at)
         return method.run(step_inputs)
 
     at = start
