@@ -158,6 +158,14 @@ class CudaGraphExecutor(Executor):
     def copy_device(self, array: Any) -> Any:
         return self._executor.copy_device(array)
 
+    def pinned_input(self, index: int, shape: tuple[int, ...], dtype: str) -> np.ndarray:
+        # The lane's own pinned slot: a replay copies the array's bytes from it into the graph's staging.
+        return self._executor.pinned_input(index, shape, dtype)
+
+    def take_over(self, old: Executor) -> None:
+        """reset_state's new lane keeps what the old one handed out through pinned_input."""
+        self._executor.take_over(old._executor if isinstance(old, CudaGraphExecutor) else old)
+
     def run_device(self, arrays: list[Any]) -> list[Any]:
         """CuPy in, CuPy out, as CudaExecutor.run_device, through a graph of its
         own per shape: the inputs are copied into the graph's before the launch,

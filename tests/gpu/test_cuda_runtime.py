@@ -308,6 +308,22 @@ def test_pinned_input_skips_the_staging_copy_and_gives_the_same_result(cuda_dict
         np.testing.assert_array_equal(got[name], expected[name])
 
 
+def test_a_graphed_methods_pinned_input_is_replayed_like_any_array(cuda_dict_mlp):
+    """It was refused as if the method were on no GPU. (The lanes that reset_state makes keep it: tests/runtime/test_graphs.py.)"""
+    from cuda_runner.runtime.graphs import WARMUP_CALLS
+
+    rng = np.random.default_rng(14)
+    bias = np.ones(8, np.float32)
+    with cuda_runner.load(cuda_dict_mlp.path) as plain, cuda_runner.load(cuda_dict_mlp.path, cuda_graph=True) as graphed:
+        method = graphed.method()
+        pinned_x = method.pinned_input("x", (6, 16))
+        for _ in range(WARMUP_CALLS + 3):
+            pinned_x[...] = rng.standard_normal((6, 16), dtype=np.float32)
+            expected, got = plain.run({"x": pinned_x.copy(), "bias": bias}), graphed.run({"x": pinned_x, "bias": bias})
+            for name in expected:
+                np.testing.assert_array_equal(got[name], expected[name])
+
+
 def test_self_test_passes_for_a_cuda_bundle(cuda_dict_mlp):
     result = run_cli("run", str(cuda_dict_mlp.path), "--self-test", "--json")
     assert result.returncode == 0, result.stderr

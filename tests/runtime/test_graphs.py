@@ -379,3 +379,22 @@ def test_a_device_graph_or_one_with_copies_outside_it_makes_no_c_calls(monkeypat
     assert executor._capture(False, ((2,),)).fast_call is not None
     monkeypatch.setattr(graphs, "GRAPH_C_CALLS", False)
     assert executor._capture(False, ((2,),)).fast_call is None
+
+
+def test_a_graphed_lane_hands_out_its_cuda_lanes_pinned_inputs_and_keeps_them_through_reset_state():
+    """Method.pinned_input on a graphed method was refused as if the method were on no GPU."""
+    calls: list = []
+
+    class Lane:
+        def pinned_input(self, index, shape, dtype):
+            calls.append(("pinned_input", index, shape, dtype))
+            return np.zeros(shape, np.float32)
+
+        def take_over(self, old):
+            calls.append(("take_over", old))
+
+    new, old = (graphs.CudaGraphExecutor.__new__(graphs.CudaGraphExecutor) for _ in range(2))
+    new._executor, old._executor = Lane(), "the old CUDA lane"
+    assert new.pinned_input(1, (2, 3), "float32").shape == (2, 3)
+    new.take_over(old)
+    assert calls == [("pinned_input", 1, (2, 3), "float32"), ("take_over", "the old CUDA lane")]
