@@ -37,7 +37,7 @@ from .signing import SignatureMismatch, SignedFile, TrustedKey, read_signature, 
 
 MAGIC = b"\x89CRB\r\n\x1a\n"
 FORMAT_MAJOR = 1
-FORMAT_MINOR = 5
+FORMAT_MINOR = 6
 HEADER = struct.Struct("<8sHHIQQQII16s")
 HEADER_SIZE = 64
 CHECKSUMMED_HEADER_BYTES = 48

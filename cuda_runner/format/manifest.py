@@ -63,10 +63,11 @@ WIRING = "wiring"  # a method's values mapped to its library's by position (form
 CONSTANT_OUTPUTS = "constant-outputs"  # a wiring output that is a scalar stored in the file (format 1.4)
 CALL_HELPER = "call-helper"  # a native helper that makes each call one foreign call (format 1.2; optional)
 INPUT_BOUNDS = "input-bounds"  # an integer input's accepted values (format 1.5; optional)
+INPUT_SPAN_BOUNDS = "input-span-bounds"  # the span an integer input counts over (format 1.6; optional)
 
 # Features a reader must understand to use a bundle that lists them as
 # required. A bundle that requires anything else is refused.
-KNOWN_FEATURES = frozenset({"samples", CONSTANT_TABLE, CALL_HELPER, WIRING, CONSTANT_OUTPUTS, INPUT_BOUNDS})
+KNOWN_FEATURES = frozenset({"samples", CONSTANT_TABLE, CALL_HELPER, WIRING, CONSTANT_OUTPUTS, INPUT_BOUNDS, INPUT_SPAN_BOUNDS})
 
 
 @dataclass(frozen=True)
@@ -101,6 +102,9 @@ class TensorSpec:
     # Integer inputs: the lowest and highest value the method accepts (a position in a KV cache,
     # token ids in an embedding); the runtime refuses others before the library runs. None: any.
     bounds: tuple[int, int] | None = None
+    # Integer inputs counted from (a prompt's positions, where the method writes its cache at first + 0..n-1):
+    # the lowest first element and the highest first + n - 1, n its element count. None: any.
+    span_bounds: tuple[int, int] | None = None
 
     @property
     def rank(self) -> int:
@@ -283,6 +287,8 @@ def _tensor_to_json(spec: TensorSpec) -> dict[str, Any]:
     data: dict[str, Any] = {"name": spec.name, "dtype": spec.dtype, "shape": list(spec.shape)}
     if spec.bounds is not None:
         data["bounds"] = {"min": spec.bounds[0], "max": spec.bounds[1]}
+    if spec.span_bounds is not None:
+        data["span_bounds"] = {"min": spec.span_bounds[0], "max": spec.span_bounds[1]}
     return data
 
 
@@ -552,7 +558,7 @@ def _signature(data: Any, where: str, dims: Mapping[str, DimSpec]) -> tuple[Tens
     names = [spec.name for spec in specs]
     if len(set(names)) != len(names):
         raise BundleError(f"{where} has duplicate names")
-    if not where.endswith(".inputs") and any(spec.bounds is not None for spec in specs):
+    if not where.endswith(".inputs") and any(spec.bounds is not None or spec.span_bounds is not None for spec in specs):
         raise BundleError(f"{where} gives bounds for an output; only inputs have them")
     return specs
 
@@ -574,7 +580,9 @@ def _tensor(data: Any, where: str) -> TensorSpec:
     if problem is not None:
         raise BundleError(f"manifest field {where + '.shape'!r} {shape_text(shape)}: {problem}")
     bounds = _bounds(obj.get("bounds", _ABSENT), f"{where}.bounds", dtype)
-    return TensorSpec(name=_checked_name(obj.get("name"), f"{where}.name"), dtype=dtype, shape=tuple(shape), bounds=bounds)
+    span_bounds = _bounds(obj.get("span_bounds", _ABSENT), f"{where}.span_bounds", dtype)
+    return TensorSpec(name=_checked_name(obj.get("name"), f"{where}.name"), dtype=dtype, shape=tuple(shape), bounds=bounds,
+                      span_bounds=span_bounds)
 
 
 def _bounds(data: Any, where: str, dtype: str) -> tuple[int, int] | None:

@@ -167,6 +167,10 @@ def test_malformed_manifest_json(tmp_path, raw, message):
         (lambda m: m["methods"]["m"]["inputs"][0].update(dtype="int64", bounds={"min": 0, "max": 3, "step": 1}), "exactly 'min' and 'max'"),
         (lambda m: m["methods"]["m"]["outputs"][0].update(dtype="int64", bounds={"min": 0, "max": 3}), "bounds for an output"),
         (lambda m: m["methods"]["m"]["inputs"][0].update(dtype="int8", bounds={"min": 0, "max": 3}), "only int32 and int64"),
+        (lambda m: m["methods"]["m"]["inputs"][0].update(span_bounds={"min": 0, "max": 3}), "only int32 and int64 tensors have bounds"),
+        (lambda m: m["methods"]["m"]["inputs"][0].update(dtype="int64", span_bounds={"min": 4, "max": 3}), "is empty"),
+        (lambda m: m["methods"]["m"]["inputs"][0].update(dtype="int64", span_bounds={"min": 0}), "exactly 'min' and 'max'"),
+        (lambda m: m["methods"]["m"]["outputs"][0].update(dtype="int64", span_bounds={"min": 0, "max": 3}), "bounds for an output"),
     ],
 )
 def test_hostile_manifest_fields(tmp_path, mutate, message):
@@ -280,8 +284,8 @@ _names = st.text(alphabet=st.characters(blacklist_categories=("Cc", "Cs"), black
 _dtypes = st.sampled_from(["float32", "bfloat16", "int64", "bool", "uint8"])
 _shapes = st.lists(st.one_of(st.integers(0, 1 << 40), st.just("d")), max_size=4)
 _bounds = st.one_of(st.none(), st.tuples(st.integers(-(1 << 63), (1 << 63) - 1), st.integers(-(1 << 63), (1 << 63) - 1)).map(sorted).map(tuple))
-_tensors = st.builds(lambda name, dtype, shape, bounds: TensorSpec(name, dtype, tuple(shape), bounds if dtype == "int64" else None),
-                     _names, _dtypes, _shapes, _bounds).filter(
+_tensors = st.builds(lambda name, dtype, shape, bounds, span: TensorSpec(name, dtype, tuple(shape), *((bounds, span) if dtype == "int64" else (None, None))),
+                     _names, _dtypes, _shapes, _bounds, _bounds).filter(
     lambda spec: span_problem([entry for entry in spec.shape if isinstance(entry, int)], itemsize(spec.dtype)) is None)  # a shape some array can have
 
 
@@ -290,7 +294,7 @@ def _manifests(draw):
     segments = draw(st.dictionaries(_names, st.binary(max_size=300), min_size=1, max_size=5))
     names = list(segments)
     inputs = tuple({spec.name: spec for spec in draw(st.lists(_tensors, max_size=4))}.values())
-    outputs = tuple({spec.name: dataclasses.replace(spec, bounds=None) for spec in draw(st.lists(_tensors, max_size=4))}.values())
+    outputs = tuple({spec.name: dataclasses.replace(spec, bounds=None, span_bounds=None) for spec in draw(st.lists(_tensors, max_size=4))}.values())
     method_spec = MethodSpec(
         name="m", device=DeviceSpec("cuda", compute_capability="9.0"), library_segment=names[0],
         weights_segment=draw(st.sampled_from([None, *names])), inputs=inputs, outputs=outputs,

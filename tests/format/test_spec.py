@@ -88,6 +88,8 @@ def test_real_manifests_validate_against_the_schema(dict_mlp_bundle, embedder_bu
         lambda m: m["methods"]["m"].update(sample_inputs_segment="m_w"),
         lambda m: m["methods"]["m"]["inputs"][0].update(dtype="int64", bounds={"min": 0}),
         lambda m: m["methods"]["m"]["inputs"][0].update(dtype="int64", bounds={"min": 0, "max": 1.5}),
+        lambda m: m["methods"]["m"]["inputs"][0].update(dtype="int64", span_bounds={"min": 0}),
+        lambda m: m["methods"]["m"]["inputs"][0].update(dtype="int64", span_bounds={"min": 0, "max": 3, "step": 1}),
     ],
 )
 def test_schema_rejects_what_the_reader_rejects(tmp_path, mutate):
