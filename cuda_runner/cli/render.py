@@ -253,10 +253,17 @@ def _source_text(spec: MethodSpec, source: OutputSource) -> str:
 def _tensor_table(tensors: tuple[TensorSpec, ...]) -> list[str]:
     """A signature's rows; a column of accepted values where a tensor has bounds (a position in a KV cache)."""
     rows = [[clean(t.name), t.dtype, clean(shape_text(t.shape))] for t in tensors]
-    if not any(t.bounds is not None for t in tensors):
+    if not any(t.bounds is not None or t.span_bounds is not None for t in tensors):
         return table(["name", "dtype", "shape"], rows, "    ")
-    values = ["" if t.bounds is None else f"{t.bounds[0]} to {t.bounds[1]}" for t in tensors]
+    values = ["; ".join(_values_text(t)) for t in tensors]
     return table(["name", "dtype", "shape", "values"], [[*row, value] for row, value in zip(rows, values)], "    ")
+
+
+def _values_text(spec: TensorSpec) -> list[str]:
+    texts = [] if spec.bounds is None else [f"{spec.bounds[0]} to {spec.bounds[1]}"]
+    if spec.span_bounds is not None:  # a prompt's positions: the first and the count are what the method writes at
+        texts.append(f"counts from its first, within {spec.span_bounds[0]} to {spec.span_bounds[1]}")
+    return texts
 
 
 def _method_lines(name: str, report: MethodReport, shared: dict[str, list[str]] | None = None) -> list[str]:

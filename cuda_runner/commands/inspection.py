@@ -39,6 +39,8 @@ def tensor_json(spec: TensorSpec) -> dict[str, Any]:
     data: dict[str, Any] = {"name": spec.name, "dtype": spec.dtype, "shape": list(spec.shape)}
     if spec.bounds is not None:
         data["bounds"] = {"min": spec.bounds[0], "max": spec.bounds[1]}
+    if spec.span_bounds is not None:
+        data["span_bounds"] = {"min": spec.span_bounds[0], "max": spec.span_bounds[1]}
     return data
 
 

@@ -58,21 +58,35 @@ def validate_inputs(method: MethodSpec, given: Mapping[str, tuple[str, tuple[int
     return values
 
 
-def bounded_inputs(method: MethodSpec) -> list[tuple[int, str, tuple[int, int]]]:
-    """(position, name, bounds) of each input with bounds (TensorSpec.bounds), for check_bounds."""
-    return [(position, spec.name, spec.bounds) for position, spec in enumerate(method.inputs) if spec.bounds is not None]
+#: What check_bounds checks of one input: (position, name, (low, high), span). Not a span: every element within
+#: low..high. A span: the first element from low, and the first plus the element count less one up to high.
+Bounded = tuple[int, str, tuple[int, int], bool]
 
 
-def check_bounds(method: str, arrays: Sequence[Any], bounded: list[tuple[int, str, tuple[int, int]]]) -> None:
+def bounded_inputs(method: MethodSpec) -> list[Bounded]:
+    """What check_bounds checks, for each input with bounds or span bounds (TensorSpec)."""
+    bounded: list[Bounded] = []
+    for position, spec in enumerate(method.inputs):
+        if spec.bounds is not None:
+            bounded.append((position, spec.name, spec.bounds, False))
+        if spec.span_bounds is not None:
+            bounded.append((position, spec.name, spec.span_bounds, True))
+    return bounded
+
+
+def check_bounds(method: str, arrays: Sequence[Any], bounded: list[Bounded]) -> None:
     """Refuse a value outside the bounds the bundle records for its input
     (`arrays` in the signature's order, of the dtypes and shapes validated).
     The library would not refuse it: a compiled index past its dimension (a
     position past the KV cache, a token id past the vocabulary) stops the
     process (Inductor's device-side assert) or writes nothing (cuda-runner's
     fused attention), where eager PyTorch raises."""
-    for position, name, (low, high) in bounded:
+    for position, name, (low, high), span in bounded:
         array = arrays[position]
         if array.size == 0:
+            continue
+        if span:
+            _check_span(method, name, array, low, high)
             continue
         if array.size == 1:  # a decode step's position: no reductions on the hot path
             smallest = largest = int(array.reshape(-1)[0])
@@ -82,6 +96,14 @@ def check_bounds(method: str, arrays: Sequence[Any], bounded: list[tuple[int, st
             held = smallest if smallest < low else largest
             raise InputError(f"input {name!r} holds {held}; method {method!r} accepts {low} to {high} (an index into the model's tensors)",
                              subject="bounds")
+
+
+def _check_span(method: str, name: str, array: Any, low: int, high: int) -> None:
+    """The positions first .. first + n - 1 an input counts over (its first element, its n elements) within low..high."""
+    first, count = int(array.reshape(-1)[0]), int(array.size)
+    if first < low or first + count - 1 > high:
+        raise InputError(f"input {name!r} counts {count} position(s) from {first}, to {first + count - 1}; method {method!r} accepts "
+                         f"positions {low} to {high} (the cache it writes them to)", subject="bounds")
 
 
 def _check_names(method: MethodSpec, given: Mapping[str, object]) -> None:

@@ -14,7 +14,8 @@
  * It is an optional accelerator, and it takes only calls it can take whole:
  * a dict holding exactly the graph's inputs, each exactly the array type with
  * the dtype object and shape the graph was captured for, row-major, and every
- * value of a bounded input (a position in a KV cache) inside its bounds.
+ * value of a bounded input (a position in a KV cache) inside its bounds, the
+ * span of positions a counted input starts (a prompt's) inside its span.
  * Anything else returns None before anything is queued, and the caller makes
  * the call the ordinary way, which refuses bad input with its own message.
  * Bounds are checked on the bytes already copied into the pinned buffers,
@@ -49,6 +50,8 @@ typedef struct {
     Py_ssize_t nbytes;
     int bounded;       /* 0, or the element size (4 or 8) of a signed integer input with bounds */
     int64_t low, high;
+    int spanned;       /* 0, or the element size of an input with span bounds: first >= span_low, first + count - 1 <= span_high */
+    int64_t span_low, span_high;
 } graph_input;
 
 typedef struct {
@@ -106,11 +109,25 @@ static void *address_of(PyObject *number) {
     return number == Py_None ? NULL : PyLong_AsVoidPtr(number);
 }
 
-/* (name, dtype, shape, staging address, nbytes, bounds) with bounds None or (low, high, element size). */
+/* None, or (low, high, element size) of a signed integer input: the size into *size, the range into *low and *high. */
+static int read_range(PyObject *range, Py_ssize_t nbytes, int *size, int64_t *low, int64_t *high) {
+    if (range == Py_None) return 0;
+    long long given_low, given_high;
+    if (!PyArg_ParseTuple(range, "LLi", &given_low, &given_high, size)) return -1;
+    if ((*size != 4 && *size != 8) || nbytes % *size != 0) {
+        PyErr_SetString(PyExc_ValueError, "bounds are for int32 or int64 inputs");
+        return -1;
+    }
+    *low = given_low;
+    *high = given_high;
+    return 0;
+}
+
+/* (name, dtype, shape, staging address, nbytes, bounds, span bounds), each bounds None or (low, high, element size). */
 static int read_input(PyObject *entry, graph_input *input) {
-    PyObject *name, *dtype, *shape, *staging, *bounds;
+    PyObject *name, *dtype, *shape, *staging, *bounds, *span;
     Py_ssize_t nbytes;
-    if (!PyArg_ParseTuple(entry, "UOO!OnO", &name, &dtype, &PyTuple_Type, &shape, &staging, &nbytes, &bounds)) return -1;
+    if (!PyArg_ParseTuple(entry, "UOO!OnOO", &name, &dtype, &PyTuple_Type, &shape, &staging, &nbytes, &bounds, &span)) return -1;
     input->staging = address_of(staging);
     if (PyErr_Occurred()) return -1;
     if (nbytes < 0 || (nbytes > 0 && input->staging == NULL)) {
@@ -118,18 +135,8 @@ static int read_input(PyObject *entry, graph_input *input) {
         return -1;
     }
     input->nbytes = nbytes;
-    if (bounds != Py_None) {
-        long long low, high;
-        int size;
-        if (!PyArg_ParseTuple(bounds, "LLi", &low, &high, &size)) return -1;
-        if ((size != 4 && size != 8) || nbytes % size != 0) {
-            PyErr_SetString(PyExc_ValueError, "bounds are for int32 or int64 inputs");
-            return -1;
-        }
-        input->bounded = size;
-        input->low = low;
-        input->high = high;
-    }
+    if (read_range(bounds, nbytes, &input->bounded, &input->low, &input->high) < 0) return -1;
+    if (read_range(span, nbytes, &input->spanned, &input->span_low, &input->span_high) < 0) return -1;
     input->name = Py_NewRef(name);
     input->dtype = Py_NewRef(dtype);
     input->shape = Py_NewRef(shape);
@@ -211,18 +218,31 @@ static int attribute_is(PyObject *array, PyObject *name, PyObject *expected, int
     return same;
 }
 
-static int within_bounds(const graph_input *input) {
-    Py_ssize_t count = input->nbytes / input->bounded;
-    for (Py_ssize_t index = 0; index < count; index++) {
+static int64_t element(const char *data, int size, Py_ssize_t index) {
+    if (size == 8) {
         int64_t value;
-        if (input->bounded == 8) {
-            memcpy(&value, input->staging + index * 8, 8);
-        } else {
-            int32_t narrow;
-            memcpy(&narrow, input->staging + index * 4, 4);
-            value = narrow;
+        memcpy(&value, data + index * 8, 8);
+        return value;
+    }
+    int32_t narrow;
+    memcpy(&narrow, data + index * 4, 4);
+    return narrow;
+}
+
+static int within_bounds(const graph_input *input) {
+    if (input->bounded) {
+        Py_ssize_t count = input->nbytes / input->bounded;
+        for (Py_ssize_t index = 0; index < count; index++) {
+            int64_t value = element(input->staging, input->bounded, index);
+            if (value < input->low || value > input->high) return 0;
         }
-        if (value < input->low || value > input->high) return 0;
+    }
+    if (input->spanned && input->nbytes > 0) {
+        /* The positions first .. first + count - 1, the last compared as first <= high - (count - 1), where nothing overflows
+         * but the subtraction for a high near int64's least, which no first can then meet. */
+        int64_t first = element(input->staging, input->spanned, 0), count = input->nbytes / input->spanned, latest_first;
+        if (__builtin_sub_overflow(input->span_high, count - 1, &latest_first)) return 0;
+        if (first < input->span_low || first > latest_first) return 0;
     }
     return 1;
 }
@@ -266,7 +286,7 @@ static int stage_inputs(GraphCall *self, PyObject *given) {
         if (taken != 1) return taken;
     }
     for (Py_ssize_t index = 0; index < self->input_count; index++)
-        if (self->inputs[index].bounded && !within_bounds(&self->inputs[index])) return 0;
+        if (!within_bounds(&self->inputs[index])) return 0;
     return 1;
 }
 

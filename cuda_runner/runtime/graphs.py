@@ -285,8 +285,8 @@ class CudaGraphExecutor(Executor):
         for spec, shape, buffer in zip(self._spec.inputs, shapes, captured.staged_inputs):
             assert buffer is not None
             dtype = numpy_dtype(spec.dtype)
-            bounds = None if spec.bounds is None else (spec.bounds[0], spec.bounds[1], dtype.itemsize)
-            inputs.append((spec.name, dtype, shape, buffer.ctypes.data, buffer.nbytes, bounds))
+            bounds, span = ((*given, dtype.itemsize) if given is not None else None for given in (spec.bounds, spec.span_bounds))
+            inputs.append((spec.name, dtype, shape, buffer.ctypes.data, buffer.nbytes, bounds, span))
         outputs = []
         for spec, view, buffer in zip(self._spec.outputs, captured.views, captured.staged_outputs):
             assert buffer is not None

@@ -478,7 +478,7 @@ class Method:
         if self._bounded:  # values, not dtypes and shapes: an array checked before may hold others now
             # Checked and passed on as copies (a few bytes): the caller's array may change after the check.
             ordered = list(ordered)
-            for position, _, _ in self._bounded:
+            for position, _, _, _ in self._bounded:
                 ordered[position] = np.array(ordered[position])
             check_bounds(self.spec.name, ordered, self._bounded)
         if self._copies_inputs:

@@ -216,6 +216,18 @@ def test_random_positions_stay_within_their_bounds_and_given_values_outside_are_
     assert refused.value.subject == "bounds"
 
 
+def test_random_prompt_positions_start_where_a_prompt_as_long_as_the_cache_still_fits():
+    """Drawn from [0, 2), a prompt of 16 positions in a cache of 16 was refused whenever its first was 1."""
+    import dataclasses
+
+    spanned = dataclasses.replace(METHOD, inputs=(TensorSpec("cache_position", "int64", (16,), span_bounds=(0, 15)),), dims={})
+    for seed in range(20):
+        assert random_inputs(spanned, seed=seed).arrays["cache_position"].tolist() == [0] * 16
+    with pytest.raises(InputError, match="counts 16 position") as refused:
+        random_inputs(spanned, ranges={"cache_position": (1, 2)})
+    assert refused.value.subject == "bounds"
+
+
 def test_shapes_outside_the_bounds_or_of_the_wrong_rank_are_refused():
     with pytest.raises(InputError, match="outside the compiled range"):
         random_inputs(METHOD, shapes={"x": (9, 4)})

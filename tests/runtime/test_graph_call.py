@@ -90,8 +90,8 @@ def _decode_call(*, bounds: tuple[int, int] | None = (0, 511)):
     driver = Driver(staged_out)
     driver.inputs = staged_in
     int64 = numpy_dtype("int64")
-    inputs = [("tokens", int64, (1, 1), staged_in[0].ctypes.data, 8, (0, 31999, 8)),
-              ("input_pos", int64, (1,), staged_in[1].ctypes.data, 8, None if bounds is None else (*bounds, 8))]
+    inputs = [("tokens", int64, (1, 1), staged_in[0].ctypes.data, 8, (0, 31999, 8), None),
+              ("input_pos", int64, (1,), staged_in[1].ctypes.data, 8, None if bounds is None else (*bounds, 8), None)]
     outputs = [("logits", numpy_dtype("bfloat16"), (1, _VOCAB), staged_out.ctypes.data, 2 * _VOCAB)]
     call = graph_call.GraphCall(**driver.parts(), inputs=inputs, outputs=outputs, array_type=np.ndarray,
                                 empty=np.empty, keep=(staged_in, staged_out, driver))
@@ -147,7 +147,7 @@ def test_a_strided_input_is_not_taken_but_a_row_major_view_is():
     pair = np.array([[3], [9]], np.int64)
     assert call.run({"tokens": np.array([[7]], np.int64), "input_pos": pair[:, 0][1:]}) is not None  # one element: row-major
     staged_in = [np.zeros(16, np.uint8)]
-    call2 = graph_call.GraphCall(**driver.parts(), inputs=[("x", np.dtype(np.int64), (2,), staged_in[0].ctypes.data, 16, None)],
+    call2 = graph_call.GraphCall(**driver.parts(), inputs=[("x", np.dtype(np.int64), (2,), staged_in[0].ctypes.data, 16, None, None)],
                                  outputs=[], array_type=np.ndarray, empty=np.empty, keep=staged_in)
     driver.events.clear()
     assert call2.run({"x": np.arange(4, dtype=np.int64)[::2]}) is None and driver.events == []
@@ -157,12 +157,30 @@ def test_a_strided_input_is_not_taken_but_a_row_major_view_is():
 def test_bounds_are_checked_on_every_element_of_int32_and_int64_inputs():
     staged = np.zeros(12, np.uint8)
     driver = Driver(np.zeros(0, np.uint8))
-    call = graph_call.GraphCall(**driver.parts(), inputs=[("x", np.dtype(np.int32), (3,), staged.ctypes.data, 12, (-2, 5, 4))],
+    call = graph_call.GraphCall(**driver.parts(), inputs=[("x", np.dtype(np.int32), (3,), staged.ctypes.data, 12, (-2, 5, 4), None)],
                                 outputs=[], array_type=np.ndarray, empty=np.empty, keep=staged)
     assert call.run({"x": np.array([-2, 0, 5], np.int32)}) == {}
     assert call.run({"x": np.array([-2, 6, 5], np.int32)}) is None
     assert call.run({"x": np.array([0, 0, -3], np.int32)}) is None
     assert driver.events == [("launch", _GRAPH, _STREAM), ("synchronize", _STREAM)]
+
+
+@pytest.mark.parametrize("dtype", [np.int32, np.int64])
+def test_span_bounds_are_checked_on_the_first_element_and_the_element_count(dtype):
+    """A prompt's positions, where the method writes its cache at first .. first + n - 1 of 0..31;
+    the other elements are not what it writes at, and are not checked."""
+    size = np.dtype(dtype).itemsize
+    staged = np.zeros(4 * size, np.uint8)
+    driver = Driver(np.zeros(0, np.uint8))
+    call = graph_call.GraphCall(**driver.parts(), inputs=[("cache_position", np.dtype(dtype), (4,), staged.ctypes.data, 4 * size, None, (0, 31, size))],
+                                outputs=[], array_type=np.ndarray, empty=np.empty, keep=staged)
+    for first, taken in ((0, True), (28, True), (29, False), (-1, False), (np.iinfo(dtype).max, False)):
+        given = np.array([first, -50, 99, 7], dtype)
+        assert (call.run({"cache_position": given}) is not None) is taken, first
+    assert len(driver.events) == 2 * 2  # launched and waited for the two spans inside
+    lowest = graph_call.GraphCall(**driver.parts(), inputs=[("p", np.dtype(np.int64), (2,), staged.ctypes.data, 16, None, (-2**63, -2**63, 8))],
+                                  outputs=[], array_type=np.ndarray, empty=np.empty, keep=staged)
+    assert lowest.run({"p": np.array([-2**63, 0], np.int64)}) is None  # no span of two fits: nothing overflows in finding that
 
 
 def test_another_context_current_is_replaced_by_the_graphs_as_the_callers_path_would():
@@ -222,7 +240,7 @@ def test_fail_that_returns_still_raises():
     driver.launch_status = 1
     staged = np.zeros(8, np.uint8)
     parts = {**driver.parts(), "fail": lambda function, status: None}
-    quiet = graph_call.GraphCall(**parts, inputs=[("x", np.dtype(np.int64), (1,), staged.ctypes.data, 8, None)],
+    quiet = graph_call.GraphCall(**parts, inputs=[("x", np.dtype(np.int64), (1,), staged.ctypes.data, 8, None, None)],
                                  outputs=[], array_type=np.ndarray, empty=np.empty, keep=staged)
     with pytest.raises(RuntimeError, match="cuGraphLaunch failed: CUDA error 1"):
         quiet.run({"x": np.zeros(1, np.int64)})
@@ -245,9 +263,10 @@ def test_a_second_call_while_one_runs_is_refused():
 
 
 @pytest.mark.parametrize("entry", [
-    pytest.param(("x", np.dtype(np.int64), (1,), 0, 8, None), id="no staging buffer"),
-    pytest.param(("x", np.dtype(np.int64), (1,), 64, 8, (0, 1, 2)), id="bounds of another size"),
-    pytest.param(("x", np.dtype(np.int64), [1], 64, 8, None), id="a shape that is not a tuple"),
+    pytest.param(("x", np.dtype(np.int64), (1,), 0, 8, None, None), id="no staging buffer"),
+    pytest.param(("x", np.dtype(np.int64), (1,), 64, 8, (0, 1, 2), None), id="bounds of another size"),
+    pytest.param(("x", np.dtype(np.int64), (1,), 64, 8, None, (0, 1, 3)), id="span bounds of no integer size"),
+    pytest.param(("x", np.dtype(np.int64), [1], 64, 8, None, None), id="a shape that is not a tuple"),
 ])
 def test_a_bad_description_is_refused_when_made(entry):
     driver = Driver(np.zeros(0, np.uint8))
