@@ -101,6 +101,31 @@ def writer():
 BUILDERS["writer"] = writer
 
 
+class PromptCache(torch.nn.Module):
+    """A prefill that writes a cache of 16 positions the way Hugging Face's static cache does: the
+    prompt's first position copied into a counter, the cache written at arange(n) + the counter (so
+    the prompt is bounded as a span: no element of the index is one of its own), the counter advanced."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.register_buffer("cache", torch.zeros(1, 16, 4))
+        self.register_buffer("counter", torch.zeros((), dtype=torch.int64))
+
+    def forward(self, x: torch.Tensor, cache_position: torch.Tensor) -> torch.Tensor:
+        self.counter.copy_(cache_position[0])
+        self.cache.index_copy_(1, torch.arange(cache_position.shape[0]) + self.counter, x)
+        self.counter.add_(cache_position.shape[0])
+        return self.cache.sum(dim=1)
+
+
+def prompt_cache():
+    count = Dim("count", min=1, max=16)
+    return PromptCache().eval(), (torch.ones(1, 4, 4), torch.arange(4)), {"x": {1: count}, "cache_position": {0: count}}
+
+
+BUILDERS["prompt_cache"] = prompt_cache
+
+
 class Views(torch.nn.Module):
     """Outputs that share memory: one tensor twice, and a view of an input."""
 

@@ -21,7 +21,7 @@ from typing import Any
 from ..errors import CompileError, CudaRunnerError, InputError
 from ..files import check_destination, require_regular
 from ..format import Manifest, MethodSpec, write_bundle
-from ..format.manifest import CALL_HELPER, INPUT_BOUNDS, MUTATED_BUFFERS_OPTION, MUTATED_INPUTS_OPTION, READ_ONLY_BUFFERS_OPTION, method_name_problem
+from ..format.manifest import CALL_HELPER, INPUT_BOUNDS, INPUT_SPAN_BOUNDS, MUTATED_BUFFERS_OPTION, MUTATED_INPUTS_OPTION, READ_ONLY_BUFFERS_OPTION, method_name_problem
 from ..version import __version__
 from . import attention, matvec, sharing
 from .aot import (
@@ -43,7 +43,7 @@ from .aot import (
 )
 from .check import NotChecked, disagreement
 from .graph_values import may_write
-from .input_bounds import input_bounds
+from .input_bounds import all_input_bounds
 from .signature import dim_names_from_dynamic_shapes, program_signature, with_bounds, with_positions
 from .written_constants import written_constants_as_buffers
 
@@ -305,6 +305,8 @@ def compile_sources(
     features = ["samples"] if any(spec.has_samples for spec in methods.values()) else []
     if any(tensor.bounds is not None for spec in methods.values() for tensor in spec.inputs):
         features.append(INPUT_BOUNDS)
+    if any(tensor.span_bounds is not None for spec in methods.values() for tensor in spec.inputs):
+        features.append(INPUT_SPAN_BOUNDS)
     if call_helper:
         methods, helper_note = with_call_helper(methods, segments, progress)
         if helper_note is None:
@@ -463,7 +465,7 @@ def _compile_method(
         from torch.export.passes import move_to_device_pass
 
         program = move_to_device_pass(program, device)
-    signature = with_bounds(program_signature(program, source.dim_names), input_bounds(program, written_by_methods))
+    signature = with_bounds(program_signature(program, source.dim_names), *all_input_bounds(program, written_by_methods))
     written = _written_state(program)
     args, kwargs = _example_inputs(program, device)
     progress(f"compiling method {method!r} for {device}")

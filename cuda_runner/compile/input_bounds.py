@@ -27,6 +27,14 @@ every position 0..S-1 and a few past either end (compile/step_position.py:
 Hugging Face's exports write at a counter the input is copied into); only
 0..S-1 is proven then. Inputs bounded by several ops take the narrowest
 range.
+
+Hugging Face's prefill writes its cache at arange(n) plus a counter it
+copies cache_position[0] into: no element of the index is an input's, so
+none of the above bounds it. Where an index_copy_'s index is arange(n) plus
+a start proven to be the input's first element, n the input's length
+(step_position.counted_from), the input gets a span instead
+(TensorSpec.span_bounds): its first element from 0 and its first + n - 1 to
+S-1, which is what eager's index_copy_ accepts of first .. first + n - 1.
 """
 
 from __future__ import annotations
@@ -35,7 +43,7 @@ from typing import Any, NamedTuple
 
 from .graph_memory import GraphMemory
 from .graph_values import static_shape
-from .step_position import step_position
+from .step_position import counted_from, step_position
 
 _INTEGER_DTYPES = frozenset({"torch.int64", "torch.int32"})
 # Ops whose result holds the values of their first argument element for element, and no others:
@@ -65,19 +73,38 @@ class _Indexed(NamedTuple):
     write: bool = False
 
 
+class InputBounds(NamedTuple):
+    """What an ExportedProgram's inputs may hold, by their name in its signature:
+    `values`, the lowest and highest value of every element (an index into a
+    dimension of static size); `spans`, for an input whose first element a
+    write's index counts up from (compile/step_position.py's counted_from),
+    the lowest first element and the highest last one it may count to, its
+    element count n making the span first .. first + n - 1."""
+
+    values: dict[str, tuple[int, int]]
+    spans: dict[str, tuple[int, int]]
+
+
 def input_bounds(program: Any, written_elsewhere: frozenset[str] = frozenset()) -> dict[str, tuple[int, int]]:
     """The inputs of an ExportedProgram that index dimensions of static size,
     by their name in its signature: (lowest, highest) value the graph accepts.
     `written_elsewhere`: module tensors other methods write (an index offset
     by one is not what it was at compile time)."""
+    return all_input_bounds(program, written_elsewhere).values
+
+
+def all_input_bounds(program: Any, written_elsewhere: frozenset[str] = frozenset()) -> InputBounds:
+    """input_bounds, and the spans of the inputs a write's index counts up from (InputBounds)."""
     try:
         module = program.module()  # module tensors as get_attr, which the position proof reads
     except Exception:  # a program torch cannot unlift is still compiled; its inputs are then unbounded
-        return {}
+        return InputBounds({}, {})
     names = _input_names(module, [name for name in program.graph_signature.user_inputs if isinstance(name, str)])
     memory = GraphMemory(module.graph)
     proven: dict[tuple[Any, int], tuple[Any, bool] | None] = {}
+    counted: dict[tuple[Any, int], Any] = {}
     bounds: dict[str, tuple[int, int]] = {}
+    spans: dict[str, tuple[int, int]] = {}
     for node in module.graph.nodes:
         for indexed in _indexed_dims(node):
             key = (indexed.index, indexed.length)
@@ -85,16 +112,29 @@ def input_bounds(program: Any, written_elsewhere: frozenset[str] = frozenset()) 
                 proven[key] = _input_at(indexed.index, indexed.length, memory, written_elsewhere if indexed.write else None)
             found = proven[key]
             if found is None:
+                if indexed.write and not indexed.negatives:  # an index_copy_'s: a negative start is refused, not counted from the end
+                    if key not in counted:
+                        counted[key] = counted_from(indexed.index, indexed.length, written_elsewhere)
+                    _narrow(spans, names.get(counted[key]) if _unwritten(counted[key], memory) else None, 0, indexed.length - 1)
                 continue
             source, same_values = found
-            name = names.get(source)
-            if name is None or memory.written(source):  # an input the method changes in place (tokens[:, 0] = bos) is not what it indexes with
-                continue
             # Negative values are the input's own only where the index holds its values, not where it was proven equal on 0..S-1.
             low = -indexed.length if indexed.negatives and same_values else 0
-            held_low, held_high = bounds.get(name, (low, indexed.length - 1))
-            bounds[name] = (max(held_low, low), min(held_high, indexed.length - 1))
-    return bounds
+            _narrow(bounds, names.get(source) if _unwritten(source, memory) else None, low, indexed.length - 1)
+    return InputBounds(bounds, spans)
+
+
+def _unwritten(source: Any, memory: GraphMemory) -> bool:
+    """An input the method changes in place (tokens[:, 0] = bos) is not what it indexes with."""
+    return source is not None and not memory.written(source)
+
+
+def _narrow(bounds: dict[str, tuple[int, int]], name: str | None, low: int, high: int) -> None:
+    """Inputs bounded by several ops take the narrowest range."""
+    if name is None:
+        return
+    held_low, held_high = bounds.get(name, (low, high))
+    bounds[name] = (max(held_low, low), min(held_high, high))
 
 
 def _input_names(module: Any, user_inputs: list[str]) -> dict[Any, str]:

@@ -45,9 +45,12 @@ def program_signature(program: Any, dim_names: Mapping[tuple[str, int], str] | N
     return Signature(tuple(inputs), tuple(outputs), symbols.dims(example_sizes))
 
 
-def with_bounds(signature: Signature, bounds: Mapping[str, tuple[int, int]]) -> Signature:
-    """The signature with the inputs in `bounds` (compile/input_bounds.py) limited to those values."""
-    inputs = tuple(dataclasses.replace(spec, bounds=bounds[spec.name]) if spec.name in bounds else spec for spec in signature.inputs)
+def with_bounds(signature: Signature, bounds: Mapping[str, tuple[int, int]], spans: Mapping[str, tuple[int, int]] | None = None) -> Signature:
+    """The signature with the inputs in `bounds` (compile/input_bounds.py) limited to those values,
+    and those in `spans` to those spans (TensorSpec.span_bounds)."""
+    spans = spans or {}
+    inputs = tuple(dataclasses.replace(spec, bounds=bounds.get(spec.name, spec.bounds), span_bounds=spans.get(spec.name, spec.span_bounds))
+                   for spec in signature.inputs)
     return dataclasses.replace(signature, inputs=inputs)
 
 

@@ -292,6 +292,44 @@ def test_native_errors_reach_the_user_as_one_line(embedder_bundle, tmp_path):
     assert len(lines) == 1 and lines[0].startswith("error: "), result.stderr
 
 
+def test_a_prompt_that_would_run_past_the_cache_is_refused_before_the_library_runs(compiled, tmp_path):
+    """A prefill that writes its cache at arange(n) plus a counter it copies the prompt's first position
+    into (Hugging Face's static cache) is bounded as a span: `inspect` shows it, and `run` refuses a
+    prompt counting past the cache with exit 2, where the library's own check stopped the call half way
+    (exit 4 on the CPU; on a GPU Inductor's device-side assert stops the process)."""
+    bundle = compiled("prompt_cache", "cpu").path
+    document = json.loads(run_cli("inspect", str(bundle), "--json").stdout)
+    (_, position) = document["methods"]["forward"]["inputs"]
+    assert position["name"] == "cache_position" and position["span_bounds"] == {"min": 0, "max": 15} and "bounds" not in position
+    assert "counts from its first, within 0 to 15" in run_cli("inspect", str(bundle)).stdout
+    for positions, code in (([14, 15, 16], 2), ([13, 14, 15], 0), ([0], 0), ([15], 0), ([16], 2)):
+        np.save(tmp_path / "positions.npy", np.array(positions, np.int64))
+        result = run_cli("run", str(bundle), "-i", f"x=1x{len(positions)}x4xf32=1", "-i", f"cache_position={tmp_path / 'positions.npy'}")
+        assert result.returncode == code, (positions, result.stderr)
+        if code:
+            last = positions[0] + len(positions) - 1
+            assert result.stderr.strip().splitlines() == [
+                f"error: input 'cache_position' counts {len(positions)} position(s) from {positions[0]}, to {last}; method 'forward' accepts "
+                "positions 0 to 15 (the cache it writes them to)"], result.stderr
+
+
+def test_a_refused_prompt_leaves_the_cache_as_it_was(compiled):
+    """Refused before the library runs: the next call sees the state the last one left."""
+    import cuda_runner
+    from cuda_runner.errors import InputError
+
+    bundle = compiled("prompt_cache", "cpu").path
+    ones = np.ones((1, 3, 4), np.float32)
+    with cuda_runner.load(bundle) as refused, cuda_runner.load(bundle) as plain:
+        for model in (refused, plain):
+            model.run({"x": ones, "cache_position": np.array([0, 1, 2])})
+        with pytest.raises(InputError, match="counts 3 position") as error:
+            refused.run({"x": 5 * ones, "cache_position": np.array([14, 15, 16])})
+        assert error.value.subject == "bounds"
+        after = {"x": 2 * ones, "cache_position": np.array([3, 4, 5])}
+        np.testing.assert_array_equal(refused.run(after)["output_0"], plain.run(after)["output_0"])
+
+
 def test_messages_say_what_to_do(dict_mlp_bundle, tmp_path):
     """From a newcomer: no inputs said only "missing 'x'", a truncated bundle what
     was wrong but not what to do, and a bundle of several methods "choose one (choose with --method)"."""

@@ -255,3 +255,121 @@ def test_an_index_holding_the_inputs_values_bounds_it_as_eager_does(how, expecte
 def test_an_index_that_may_not_hold_the_inputs_values_bounds_nothing(how):
     position = torch.tensor([3, 3]) if how == "a slice" else torch.tensor([3])
     assert input_bounds(torch.export.export(_AlongDim(how), (position,))) == {}
+
+
+class _Prompt(torch.nn.Module):
+    """A prefill that writes a cache of 16 positions at arange(n) + a counter it copies the prompt's
+    first position into, as Hugging Face's static cache does; `how` changes what the index counts from."""
+
+    def __init__(self, how: str = "counter"):
+        super().__init__()
+        self.how = how
+        self.register_buffer("cache", torch.zeros(1, 2, 16, 4))
+        self.register_buffer("counter", torch.zeros((), dtype=torch.int64))
+
+    def forward(self, x, cache_position):
+        count = cache_position.shape[0]
+        if self.how == "second":  # counts from the second element: what the first holds is not where it writes
+            self.counter.copy_(cache_position[-1] - count + 1)
+        else:
+            self.counter.copy_(cache_position[0])
+        index = torch.arange(count) + self.counter
+        if self.how == "ring":
+            index = index % 16
+        self.counter.add_(count)
+        self.cache.index_copy_(2, index, x)
+        return self.cache.sum(dim=2)
+
+
+def _prompt_bounds(module, dynamic: bool = True, written_elsewhere=frozenset()):
+    from cuda_runner.compile.input_bounds import all_input_bounds
+
+    count = torch.export.Dim("count", min=1, max=16)
+    shapes = {"x": {2: count}, "cache_position": {0: count}} if dynamic else None
+    program = torch.export.export(module, (torch.ones(1, 2, 4, 4), torch.arange(4)), dynamic_shapes=shapes)
+    return all_input_bounds(program, written_elsewhere)
+
+
+@pytest.mark.parametrize("dynamic", [True, False], ids=["prompt of any length", "prompt of 4"])
+def test_a_prompt_a_cache_write_counts_up_from_is_bounded_as_a_span(dynamic):
+    """No element of the index is one of the input's: it gets a span, first 0 and first + n - 1 up to 15, not values."""
+    bounds = _prompt_bounds(_Prompt(), dynamic)
+    assert bounds.spans == {"cache_position": (0, 15)} and "cache_position" not in bounds.values
+
+
+@pytest.mark.parametrize("how", ["second", "ring"])
+def test_a_prompt_counted_from_another_element_or_wrapping_at_the_end_is_not_bounded(how):
+    """Taken from its last element, the first says nothing of where it writes; wrapped, eager writes a
+    prompt past the cache at its start, which a span would refuse."""
+    assert _prompt_bounds(_Prompt(how)) == ({}, {})
+
+
+class _Counted(torch.nn.Module):
+    """A cache of `length` positions written at an index `how` makes of the prompt's positions."""
+
+    def __init__(self, how, length: int = 16):
+        super().__init__()
+        self.how = how
+        self.register_buffer("cache", torch.zeros(1, 2, length, 4))
+        self.register_buffer("counter", torch.zeros((), dtype=torch.int64))
+
+    def forward(self, x, cache_position):
+        self.cache.index_copy_(2, self.how(self, cache_position), x)
+        return self.cache.sum(dim=2)
+
+
+def _counter_of(module, value):
+    module.counter.copy_(value)
+    return module.counter
+
+
+@pytest.mark.parametrize("how", [
+    pytest.param(lambda m, cp: torch.arange(cp.shape[0]) + _counter_of(m, cp.max()), id="from its largest element"),
+    pytest.param(lambda m, cp: cp + 2 * torch.arange(cp.shape[0]), id="the prompt plus twice a count"),
+    pytest.param(lambda m, cp: torch.arange(cp.shape[0]) + cp[0] + (torch.arange(cp.shape[0]).sum() == 10).long() * 100,
+                 id="off at one length"),
+    pytest.param(lambda m, cp: torch.arange(cp.shape[0]) + (cp[0] + (cp[0] == 37).long() * 10**6), id="off at one start"),
+    pytest.param(lambda m, cp: torch.arange(2 * cp.shape[0])[: cp.shape[0]] * 2 + cp[0], id="counting by two"),
+    pytest.param(lambda m, cp: torch.arange(cp.shape[0]) + cp[:1] + cp[-1:] - cp[-1:], id="reading its last element too"),
+])
+def test_an_index_that_is_not_its_first_element_plus_a_count_is_not_bounded_as_a_span(how):
+    """Each accepts a prompt that a span would take and eager refuses (or the other way): a span is
+    recorded only for arange(n) + a start computed from the first element alone and equal to it."""
+    assert _prompt_bounds(_Counted(how, length=64)).spans == {}
+
+
+def test_a_prompt_whose_counter_another_method_offsets_is_not_bounded():
+    class Offset(_Prompt):
+        def __init__(self):
+            super().__init__()
+            self.register_buffer("offset", torch.zeros((), dtype=torch.int64))
+
+        def forward(self, x, cache_position):
+            index = torch.arange(cache_position.shape[0]) + (cache_position[0] + self.offset)
+            self.cache.index_copy_(2, index, x)
+            return self.cache.sum(dim=2)
+
+    assert _prompt_bounds(Offset()).spans == {"cache_position": (0, 15)}
+    assert _prompt_bounds(Offset(), written_elsewhere=frozenset({"offset"})) == ({}, {})
+
+
+def test_hugging_faces_exported_prefill_bounds_its_prompt_as_a_span():
+    """transformers' own static-cache Llama, exported for a prompt of any length, where transformers is
+    installed: each layer writes its cache at arange(n) plus a counter it copies cache_position[0] into."""
+    transformers = pytest.importorskip("transformers")
+    from transformers.integrations.executorch import TorchExportableModuleWithStaticCache
+
+    config = transformers.LlamaConfig(vocab_size=1000, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+                                      num_key_value_heads=2, intermediate_size=128, max_position_embeddings=64)
+    model = transformers.LlamaForCausalLM(config).eval()
+    model.generation_config.cache_implementation = "static"
+    model.generation_config.cache_config = {"batch_size": 1, "max_cache_len": 32}
+    wrapped = TorchExportableModuleWithStaticCache(model, batch_size=1, max_cache_len=32)
+    length = torch.export.Dim("length", min=1, max=32)
+    program = torch.export.export(wrapped, (), {"input_ids": torch.tensor([[1, 2, 3, 4]]), "cache_position": torch.arange(4)},
+                                  dynamic_shapes={"input_ids": {1: length}, "cache_position": {0: length}}, strict=False)
+    from cuda_runner.compile.input_bounds import all_input_bounds
+
+    bounds = all_input_bounds(program)
+    assert bounds.spans == {"cache_position": (0, 31)}
+    assert bounds.values == {"input_ids": (0, 999)}  # the embedding's rows
