@@ -74,11 +74,13 @@ def counted_from(index: Any, positions: int, written_elsewhere: frozenset[str] =
     equals it at every position 0..`positions`-1 and a few past either end
     (by evaluation, as step_position proves a decode step's index). The
     positions written are then first .. first + n - 1, which eager's
-    index_copy_ takes only within 0..`positions`-1. None where the index is
-    not so, or that cannot be shown."""
+    index_copy_ takes only within 0..`positions`-1 (a start that differs from
+    the first element only at a value not evaluated makes the span refuse
+    more than eager, never less). None where the index is not so, or that
+    cannot be shown."""
     if index.op != "call_function" or str(index.target) != "aten.add.Tensor" or len(index.args) != 2 or index.kwargs:
         return None
-    if dtype_name(index) not in _INTEGER_DTYPES:
+    if dtype_name(index) != "torch.int64":  # the only index dtype eager's index_copy_ takes
         return None
     ancestors = computed_alone(index)
     if ancestors is None or reads_written_elsewhere(ancestors, written_elsewhere):
@@ -99,8 +101,12 @@ def counted_from(index: Any, positions: int, written_elsewhere: frozenset[str] =
 
 
 def _arange_length(node: Any) -> Any | None:
-    """n, where `node` is arange(n) (from 0, by 1): the size export recorded (an int, or a symbol); else None."""
+    """n, where `node` is arange(n) (from 0, by 1) of int32 or int64, which
+    count to any n a cache has (an int8 or int16 one wraps): the size export
+    recorded (an int, or a symbol); else None."""
     if getattr(node, "op", None) != "call_function" or set(node.kwargs) - {"dtype", "layout", "device", "pin_memory"}:
+        return None
+    if dtype_name(node) not in _INTEGER_DTYPES:
         return None
     target, arguments = str(node.target), node.args
     if target == "aten.arange.start_step" and len(arguments) == 3 and arguments[2] == 1:

@@ -373,3 +373,12 @@ def test_hugging_faces_exported_prefill_bounds_its_prompt_as_a_span():
     bounds = all_input_bounds(program)
     assert bounds.spans == {"cache_position": (0, 31)}
     assert bounds.values == {"input_ids": (0, 999)}  # the embedding's rows
+
+
+@pytest.mark.parametrize("dtype", [torch.int8, torch.int16, torch.uint8])
+def test_a_count_in_a_narrow_dtype_is_not_bounded_as_a_span(dtype):
+    """arange(200, dtype=int8) wraps to -128 and on: the positions written are not first .. first + n - 1."""
+    how = lambda m, cp: torch.arange(cp.shape[0], dtype=dtype) + _counter_of(m, cp[0])  # noqa: E731
+    assert _prompt_bounds(_Counted(how, length=64)).spans == {}
+    int64 = lambda m, cp: torch.arange(cp.shape[0], dtype=torch.int64) + _counter_of(m, cp[0])  # noqa: E731
+    assert _prompt_bounds(_Counted(int64, length=64)).spans == {"cache_position": (0, 63)}
