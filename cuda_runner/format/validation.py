@@ -75,7 +75,8 @@ def bounded_inputs(method: MethodSpec) -> list[Bounded]:
 
 
 def check_bounds(method: str, arrays: Sequence[Any], bounded: list[Bounded]) -> None:
-    """Refuse a value outside the bounds the bundle records for its input
+    """Refuse a value outside the bounds the bundle records for its input, or
+    a prompt whose positions run outside its span bounds
     (`arrays` in the signature's order, of the dtypes and shapes validated).
     The library would not refuse it: a compiled index past its dimension (a
     position past the KV cache, a token id past the vocabulary) stops the

@@ -462,7 +462,7 @@ def _default_range(spec: TensorSpec) -> tuple[float, float]:
     if spec.dtype in FLOAT_DTYPES:
         return DEFAULT_FLOAT_RANGE
     if spec.span_bounds is not None:  # a prompt's positions, counted from the first: all at the lowest start fits any length that fits
-        lowest = max(spec.span_bounds[0], spec.bounds[0] if spec.bounds is not None else spec.span_bounds[0])
+        lowest = spec.span_bounds[0] if spec.bounds is None else max(spec.span_bounds[0], spec.bounds[0])
         return float(lowest), float(lowest + 1)
     if spec.bounds is None:
         return DEFAULT_INT_RANGE
