@@ -42,25 +42,24 @@ typedef int (*synchronize_function)(void *stream);            /* cuStreamSynchro
 typedef int (*current_function)(void **context);              /* cuCtxGetCurrent */
 typedef int (*make_current_function)(void *context);          /* cuCtxSetCurrent */
 
+/* An input or output: its name, dtype and shape, and the graph's pinned buffer for its bytes. */
 typedef struct {
     PyObject *name;
-    PyObject *dtype;   /* the exact dtype object taken */
+    PyObject *dtype;   /* the exact dtype object taken, or made */
     PyObject *shape;   /* a tuple of ints */
     char *staging;
     Py_ssize_t nbytes;
+} staged_tensor;
+
+typedef struct {
+    staged_tensor tensor;
     int bounded;       /* 0, or the element size (4 or 8) of a signed integer input with bounds */
     int64_t low, high;
     int spanned;       /* 0, or the element size of an input with span bounds: first >= span_low, first + count - 1 <= span_high */
     int64_t span_low, span_high;
 } graph_input;
 
-typedef struct {
-    PyObject *name;
-    PyObject *dtype;
-    PyObject *shape;
-    const char *staging;
-    Py_ssize_t nbytes;
-} graph_output;
+typedef staged_tensor graph_output;
 
 typedef struct {
     PyObject_HEAD
@@ -84,17 +83,15 @@ typedef struct {
 
 static PyObject *interned_dtype, *interned_shape;
 
+static void clear_tensor(staged_tensor *tensor) {
+    Py_XDECREF(tensor->name);
+    Py_XDECREF(tensor->dtype);
+    Py_XDECREF(tensor->shape);
+}
+
 static void graph_call_dealloc(GraphCall *self) {
-    for (Py_ssize_t index = 0; self->inputs != NULL && index < self->input_count; index++) {
-        Py_XDECREF(self->inputs[index].name);
-        Py_XDECREF(self->inputs[index].dtype);
-        Py_XDECREF(self->inputs[index].shape);
-    }
-    for (Py_ssize_t index = 0; self->outputs != NULL && index < self->output_count; index++) {
-        Py_XDECREF(self->outputs[index].name);
-        Py_XDECREF(self->outputs[index].dtype);
-        Py_XDECREF(self->outputs[index].shape);
-    }
+    for (Py_ssize_t index = 0; self->inputs != NULL && index < self->input_count; index++) clear_tensor(&self->inputs[index].tensor);
+    for (Py_ssize_t index = 0; self->outputs != NULL && index < self->output_count; index++) clear_tensor(&self->outputs[index]);
     PyMem_Free(self->inputs);
     PyMem_Free(self->outputs);
     Py_XDECREF(self->array_type);
@@ -123,24 +120,29 @@ static int read_range(PyObject *range, Py_ssize_t nbytes, int *size, int64_t *lo
     return 0;
 }
 
+/* A tensor's staging buffer checked, then its references taken (last: nothing after them can fail). */
+static int read_tensor(PyObject *name, PyObject *dtype, PyObject *shape, PyObject *staging, Py_ssize_t nbytes, staged_tensor *tensor) {
+    tensor->staging = address_of(staging);
+    if (PyErr_Occurred()) return -1;
+    if (nbytes < 0 || (nbytes > 0 && tensor->staging == NULL)) {
+        PyErr_Format(PyExc_ValueError, "%U: its staging buffer is missing", name);
+        return -1;
+    }
+    tensor->nbytes = nbytes;
+    tensor->name = Py_NewRef(name);
+    tensor->dtype = Py_NewRef(dtype);
+    tensor->shape = Py_NewRef(shape);
+    return 0;
+}
+
 /* (name, dtype, shape, staging address, nbytes, bounds, span bounds), each bounds None or (low, high, element size). */
 static int read_input(PyObject *entry, graph_input *input) {
     PyObject *name, *dtype, *shape, *staging, *bounds, *span;
     Py_ssize_t nbytes;
     if (!PyArg_ParseTuple(entry, "UOO!OnOO", &name, &dtype, &PyTuple_Type, &shape, &staging, &nbytes, &bounds, &span)) return -1;
-    input->staging = address_of(staging);
-    if (PyErr_Occurred()) return -1;
-    if (nbytes < 0 || (nbytes > 0 && input->staging == NULL)) {
-        PyErr_SetString(PyExc_ValueError, "an input's staging buffer is missing");
-        return -1;
-    }
-    input->nbytes = nbytes;
     if (read_range(bounds, nbytes, &input->bounded, &input->low, &input->high) < 0) return -1;
     if (read_range(span, nbytes, &input->spanned, &input->span_low, &input->span_high) < 0) return -1;
-    input->name = Py_NewRef(name);
-    input->dtype = Py_NewRef(dtype);
-    input->shape = Py_NewRef(shape);
-    return 0;
+    return read_tensor(name, dtype, shape, staging, nbytes, &input->tensor);
 }
 
 /* (name, dtype, shape, staging address, nbytes). */
@@ -148,17 +150,7 @@ static int read_output(PyObject *entry, graph_output *output) {
     PyObject *name, *dtype, *shape, *staging;
     Py_ssize_t nbytes;
     if (!PyArg_ParseTuple(entry, "UOO!On", &name, &dtype, &PyTuple_Type, &shape, &staging, &nbytes)) return -1;
-    output->staging = address_of(staging);
-    if (PyErr_Occurred()) return -1;
-    if (nbytes < 0 || (nbytes > 0 && output->staging == NULL)) {
-        PyErr_SetString(PyExc_ValueError, "an output's staging buffer is missing");
-        return -1;
-    }
-    output->nbytes = nbytes;
-    output->name = Py_NewRef(name);
-    output->dtype = Py_NewRef(dtype);
-    output->shape = Py_NewRef(shape);
-    return 0;
+    return read_tensor(name, dtype, shape, staging, nbytes, output);
 }
 
 static PyObject *graph_call_new(PyTypeObject *type, PyObject *args, PyObject *kwargs) {
@@ -231,16 +223,16 @@ static int64_t element(const char *data, int size, Py_ssize_t index) {
 
 static int within_bounds(const graph_input *input) {
     if (input->bounded) {
-        Py_ssize_t count = input->nbytes / input->bounded;
+        Py_ssize_t count = input->tensor.nbytes / input->bounded;
         for (Py_ssize_t index = 0; index < count; index++) {
-            int64_t value = element(input->staging, input->bounded, index);
+            int64_t value = element(input->tensor.staging, input->bounded, index);
             if (value < input->low || value > input->high) return 0;
         }
     }
-    if (input->spanned && input->nbytes > 0) {
+    if (input->spanned && input->tensor.nbytes > 0) {
         /* The positions first .. first + count - 1, the last compared as first <= high - (count - 1), where nothing overflows
          * but the subtraction for a high near int64's least, which no first can then meet. */
-        int64_t first = element(input->staging, input->spanned, 0), count = input->nbytes / input->spanned, latest_first;
+        int64_t first = element(input->tensor.staging, input->spanned, 0), count = input->tensor.nbytes / input->spanned, latest_first;
         if (__builtin_sub_overflow(input->span_high, count - 1, &latest_first)) return 0;
         if (first < input->span_low || first > latest_first) return 0;
     }
@@ -256,7 +248,7 @@ static int stage_inputs(GraphCall *self, PyObject *given) {
     while (PyDict_Next(given, &position, &key, &value))
         if (!PyUnicode_CheckExact(key)) return 0;
     for (Py_ssize_t index = 0; index < self->input_count; index++) {
-        graph_input *input = &self->inputs[index];
+        staged_tensor *input = &self->inputs[index].tensor;
         PyObject *array = PyDict_GetItemWithError(given, input->name);  /* borrowed: the attributes below run no code of the dict's */
         if (array == NULL) return PyErr_Occurred() ? -1 : 0;
         if (Py_TYPE(array) != self->array_type) return 0;
@@ -380,7 +372,7 @@ static PyObject *graph_call_close(GraphCall *self, PyObject *unused) {
     }
     self->closed = 1;
     self->graph = NULL;
-    for (Py_ssize_t index = 0; index < self->input_count; index++) self->inputs[index].staging = NULL;
+    for (Py_ssize_t index = 0; index < self->input_count; index++) self->inputs[index].tensor.staging = NULL;
     for (Py_ssize_t index = 0; index < self->output_count; index++) self->outputs[index].staging = NULL;
     Py_CLEAR(self->keep);
     Py_RETURN_NONE;
