@@ -31,8 +31,10 @@ class Executor(abc.ABC):
     stream: Any = None
     #: Where set, an object whose run(inputs) makes a whole host call in C from the inputs by name (a dict), checks
     #: included, returning the outputs by name, or None having queued nothing: the call is then run()'s. Only a
-    #: graph executor has one (runtime/graphs.py).
+    #: graph executor has one (runtime/graphs.py), and says so in `offers_fast_calls`: a method whose lanes offer
+    #: none does not borrow a lane to look.
     fast_call: Any = None
+    offers_fast_calls = False
 
     @abc.abstractmethod
     def run(self, arrays: list[np.ndarray], phases: dict[str, float] | None = None) -> list[np.ndarray]:

@@ -122,6 +122,8 @@ class _Captured:
 class CudaGraphExecutor(Executor):
     """Runs a CudaExecutor's container through CUDA graphs, one per input shape (see the module docstring)."""
 
+    offers_fast_calls = True
+
     def __init__(self, executor: CudaExecutor, spec: MethodSpec, max_graphs: int = MAX_GRAPHS):
         self._executor = executor
         self._container = executor.container

@@ -213,7 +213,7 @@ class Method:
         self._bounded = bounded_inputs(spec)
         self._copies_inputs = self._written_inputs is None or bool(self._written_inputs)
         # Whether an executor's fast_call may take a whole call: it passes the caller's arrays straight to the library.
-        self._calls_fast = self._wiring is None and not self._copies_inputs
+        self._calls_fast = lanes.first.offers_fast_calls and self._wiring is None and not self._copies_inputs
         # (dtype, shape) of each input, already validated; apart for device
         # arrays, where uint16 can stand for bfloat16.
         self._accepted_host: set[tuple[Any, ...]] = set()

@@ -47,6 +47,7 @@ class _Lane(Executor):
     """One lane whose run() records its calls; fast_call stands in for a graph's call in C."""
 
     stream = "the lane's stream"
+    offers_fast_calls = True
 
     def __init__(self, fast_answer: dict | None):
         self.calls: list[tuple] = []
