@@ -126,6 +126,22 @@ def prompt_cache():
 BUILDERS["prompt_cache"] = prompt_cache
 
 
+def hugging_face_static_llama(device: str = "cpu", dtype: torch.dtype | None = None) -> torch.nn.Module:
+    """transformers' own tiny Llama wrapped for export with its static cache of 32 positions
+    (TorchExportableModuleWithStaticCache), made on `device` (the cache is made where the model is).
+    Callers skip where transformers, or this module of it, is not installed."""
+    import transformers
+    from transformers.integrations.executorch import TorchExportableModuleWithStaticCache
+
+    config = transformers.LlamaConfig(vocab_size=1000, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+                                      num_key_value_heads=2, intermediate_size=128, max_position_embeddings=64)
+    model = transformers.LlamaForCausalLM(config)
+    model = (model.to(dtype) if dtype is not None else model).to(device).eval()
+    model.generation_config.cache_implementation = "static"
+    model.generation_config.cache_config = {"batch_size": 1, "max_cache_len": 32}
+    return TorchExportableModuleWithStaticCache(model, batch_size=1, max_cache_len=32)
+
+
 class Views(torch.nn.Module):
     """Outputs that share memory: one tensor twice, and a view of an input."""
 

@@ -898,14 +898,8 @@ def test_the_counting_step_and_hugging_faces_own_export_compute_what_they_did_un
         from cuda_runner.compile.attention import fuse_decode_attention
         cases = [(_CountingStep(), lambda step: ((torch.randn(1, 1, 32), torch.tensor([step])), {}), 16, (2, 2, 2, 4))]
         if importlib.util.find_spec("transformers"):
-            import transformers
-            from transformers.integrations.executorch import TorchExportableModuleWithStaticCache
-            config = transformers.LlamaConfig(vocab_size=1000, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
-                                              num_key_value_heads=2, intermediate_size=128, max_position_embeddings=64)
-            model = transformers.LlamaForCausalLM(config).eval()
-            model.generation_config.cache_implementation = "static"
-            model.generation_config.cache_config = {"batch_size": 1, "max_cache_len": 32}
-            wrapped = TorchExportableModuleWithStaticCache(model, batch_size=1, max_cache_len=32)
+            from models import hugging_face_static_llama
+            wrapped = hugging_face_static_llama()
             cases.append((wrapped, lambda step: ((), {"input_ids": torch.tensor([[step * 37 % 1000]]), "cache_position": torch.tensor([step])}),
                           12, (2, 2, 2, 4)))
         torch.manual_seed(0)

@@ -356,15 +356,10 @@ def test_a_prompt_whose_counter_another_method_offsets_is_not_bounded():
 def test_hugging_faces_exported_prefill_bounds_its_prompt_as_a_span():
     """transformers' own static-cache Llama, exported for a prompt of any length, where transformers is
     installed: each layer writes its cache at arange(n) plus a counter it copies cache_position[0] into."""
-    transformers = pytest.importorskip("transformers")
-    from transformers.integrations.executorch import TorchExportableModuleWithStaticCache
+    pytest.importorskip("transformers")
+    from models import hugging_face_static_llama
 
-    config = transformers.LlamaConfig(vocab_size=1000, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
-                                      num_key_value_heads=2, intermediate_size=128, max_position_embeddings=64)
-    model = transformers.LlamaForCausalLM(config).eval()
-    model.generation_config.cache_implementation = "static"
-    model.generation_config.cache_config = {"batch_size": 1, "max_cache_len": 32}
-    wrapped = TorchExportableModuleWithStaticCache(model, batch_size=1, max_cache_len=32)
+    wrapped = hugging_face_static_llama()
     length = torch.export.Dim("length", min=1, max=32)
     program = torch.export.export(wrapped, (), {"input_ids": torch.tensor([[1, 2, 3, 4]]), "cache_position": torch.arange(4)},
                                   dynamic_shapes={"input_ids": {1: length}, "cache_position": {0: length}}, strict=False)

@@ -14,7 +14,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from helpers import compile_with_option
-from models import compile_tiny_llama, scale_models
+from models import compile_tiny_llama, hugging_face_static_llama, scale_models
 
 import cuda_runner
 from cuda_runner.compile.attention import OPTION, TABLE_PREFIX, UPDATE_OPTION
@@ -298,18 +298,12 @@ def test_a_hugging_face_llama_exported_with_its_static_cache_is_fused_whole_and_
     """What transformers itself exports for ExecuTorch (TorchExportableModuleWithStaticCache): its
     layers write the cache at a counter they copy the position into; its mask and its RoPE (halves,
     cos and sin computed each step) are proven, and the kernel writes and rotates. bfloat16."""
-    transformers = pytest.importorskip("transformers")
+    pytest.importorskip("transformers")
+    torch.manual_seed(0)
     try:
-        from transformers.integrations.executorch import TorchExportableModuleWithStaticCache
+        wrapped = hugging_face_static_llama("cuda", torch.bfloat16)
     except ImportError as error:
         pytest.skip(f"this transformers exports no static-cache module: {error}")
-    torch.manual_seed(0)
-    config = transformers.LlamaConfig(vocab_size=1000, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                                      intermediate_size=128, max_position_embeddings=64)
-    model = transformers.LlamaForCausalLM(config).to(torch.bfloat16).cuda().eval()
-    model.generation_config.cache_implementation = "static"
-    model.generation_config.cache_config = {"batch_size": 1, "max_cache_len": 32}
-    wrapped = TorchExportableModuleWithStaticCache(model, batch_size=1, max_cache_len=32)
     example = {"input_ids": torch.tensor([[5]], device="cuda"), "cache_position": torch.tensor([0], device="cuda")}
     program = torch.export.export(copy.deepcopy(wrapped), (), example, strict=False)
     torch.export.save(program, tmp_path / "decode.pt2")

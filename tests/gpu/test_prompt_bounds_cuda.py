@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 import torch
 from helpers import run_cli
+from models import hugging_face_static_llama
 
 import cuda_runner
 
@@ -17,18 +18,12 @@ pytestmark = pytest.mark.gpu
 
 
 def test_hugging_faces_prefill_refuses_a_prompt_past_its_cache_and_runs_one_inside_it(tmp_path):
-    transformers = pytest.importorskip("transformers")
+    pytest.importorskip("transformers")
+    torch.manual_seed(0)
     try:
-        from transformers.integrations.executorch import TorchExportableModuleWithStaticCache
+        wrapped = hugging_face_static_llama("cuda")  # its static cache is made where the model is
     except ImportError as error:
         pytest.skip(f"this transformers exports no static-cache module: {error}")
-    config = transformers.LlamaConfig(vocab_size=1000, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
-                                      num_key_value_heads=2, intermediate_size=128, max_position_embeddings=64)
-    torch.manual_seed(0)
-    model = transformers.LlamaForCausalLM(config).cuda().eval()  # its static cache is made where the model is
-    model.generation_config.cache_implementation = "static"
-    model.generation_config.cache_config = {"batch_size": 1, "max_cache_len": 32}
-    wrapped = TorchExportableModuleWithStaticCache(model, batch_size=1, max_cache_len=32)
     length = torch.export.Dim("length", min=1, max=32)
     example = {"input_ids": torch.tensor([[1, 2, 3, 4]], device="cuda"), "cache_position": torch.arange(4, device="cuda")}
     program = torch.export.export(copy.deepcopy(wrapped), (), example, dynamic_shapes={"input_ids": {1: length}, "cache_position": {0: length}},
